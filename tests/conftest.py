@@ -1,0 +1,92 @@
+"""Shared helpers: build a random TurboQuant cache the way vLLM fills one, and compare."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tq_chunked.format import TQConfig, encode_reference, lloyd_max_centroids
+
+# CPU runs execute the Triton kernels in the interpreter; GPU runs on the device.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON_OK = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run with -m gpu on the device)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def random_rotation(d: int, gen: torch.Generator) -> torch.Tensor:
+    """A random orthonormal, non-symmetric matrix: catches a transposed rotation."""
+    return torch.linalg.qr(torch.randn(d, d, dtype=torch.float64, generator=gen))[0].float()
+
+
+@dataclass
+class Case:
+    query: torch.Tensor
+    key_chunk: torch.Tensor
+    val_chunk: torch.Tensor
+    kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    cached_len: int
+    kwargs: dict
+
+    @property
+    def args(self):
+        return (self.query, self.key_chunk, self.val_chunk, self.kv_cache, self.block_table, self.cached_len)
+
+
+def make_case(preset="turboquant_3bit_nc", dtype=torch.float16, head_dim=64, num_q_heads=4, num_kv_heads=2,
+              block_size=16, cached_len=300, q_len=129, layout="v020", seed=None, device=DEVICE,
+              rotation="random") -> Case:
+    """A cache holding cached_len + q_len random tokens (as vLLM's store leaves it), a
+    shuffled block table with spare blocks, and the chunk's raw K/V and query.
+
+    layout "v020": physical (num_blocks, block_size, Hk, slot); "v033": physical
+    (num_blocks, Hk, block_size, slot), passed as its transpose(1, 2) view.
+    """
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    cfg = TQConfig.from_preset(preset, head_dim)
+    total = cached_len + q_len
+    num_blocks = -(-total // block_size) + 3
+    if layout == "v020":
+        kv_cache = torch.randint(0, 256, (num_blocks, block_size, num_kv_heads, cfg.slot_bytes),
+                                 dtype=torch.uint8, generator=gen)
+    else:
+        kv_cache = torch.randint(0, 256, (num_blocks, num_kv_heads, block_size, cfg.slot_bytes),
+                                 dtype=torch.uint8, generator=gen).transpose(1, 2)
+    kv_cache = kv_cache.to(device)
+    centroids = lloyd_max_centroids(head_dim, cfg.centroid_bits).to(device)
+    rot = (random_rotation(head_dim, gen) if rotation == "random" else
+           __import__("tq_chunked").hadamard(head_dim)).to(device)
+    block_table = torch.randperm(num_blocks, generator=gen).int().to(device)[None, :]  # (1, max_blocks)
+    # Keys with per-channel offsets and outliers, values with a per-token spread.
+    key = (torch.randn(total, num_kv_heads, head_dim, generator=gen) * 1.5
+           + torch.randn(1, num_kv_heads, head_dim, generator=gen)).to(device)
+    value = (torch.randn(total, num_kv_heads, head_dim, generator=gen)
+             * torch.rand(total, num_kv_heads, 1, generator=gen) * 2).to(device)
+    pos = torch.arange(total, device=device)
+    slots = block_table[0].long()[pos // block_size] * block_size + pos % block_size
+    encode_reference(key, value, kv_cache, slots, cfg, centroids, rot)
+    query = (torch.randn(q_len, num_q_heads, head_dim, generator=gen) * 1.5).to(device, dtype)
+    kwargs = dict(preset=preset, centroids=centroids, rotation=rot, scale=head_dim**-0.5)
+    return Case(query, key[cached_len:].to(dtype), value[cached_len:].to(dtype), kv_cache, block_table,
+                cached_len, kwargs)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x = x.double()
+    assert torch.isfinite(x).all(), "non-finite output"
+    return ((x - ref).norm() / ref.norm()).item()
