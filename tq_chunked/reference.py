@@ -64,10 +64,13 @@ def oracle_continuation_prefill(query, key_chunk, val_chunk, kv_cache, block_tab
     k = torch.cat([k, key_chunk.transpose(0, 1).double()], 1)
     v = torch.cat([v, val_chunk.transpose(0, 1).double()], 1)
     hk, lk = k.shape[0], k.shape[1]
-    q = rearrange(query.double(), "l (hk g) d -> hk (g l) d", hk=hk)
-    s = rearrange(q @ k.transpose(1, 2), "hk (g l) n -> (hk g) l n", l=lq) * scale
-    i = torch.arange(lq, device=q.device)[:, None]
-    j = torch.arange(lk, device=q.device)[None, :]
-    s = s.masked_fill(j > i + cached_len, float("-inf"))
-    p = rearrange(torch.softmax(s, -1), "(hk g) l n -> hk (g l) n", hk=hk)
-    return rearrange(p @ v, "hk (g l) d -> l (hk g) d", l=lq)
+    g = hq // hk
+    i = torch.arange(lq, device=k.device)[:, None]
+    j = torch.arange(lk, device=k.device)[None, :]
+    hidden = j > i + cached_len  # (Lq, Lk) causal mask of the chunk
+    out = torch.empty(lq, hq, d, dtype=torch.float64, device=k.device)
+    for h in range(hk):  # one kv head at a time: bounded memory at long context
+        q = rearrange(query[:, h * g:(h + 1) * g].double(), "l g d -> g l d")
+        s = (q @ k[h].T * scale).masked_fill(hidden, float("-inf"))  # (G, Lq, Lk)
+        out[:, h * g:(h + 1) * g] = rearrange(torch.softmax(s, -1) @ v[h], "g l d -> l g d")
+    return out

@@ -1,0 +1,104 @@
+"""GPU suite (``pytest -m gpu``): long contexts, flat memory, and real vLLM kernels.
+
+Runs on the H200 device; CI (no GPU) skips it. The vLLM tests need vLLM importable
+(on the device: ``source .gpu-carry/setup.sh``, see benchmarks/run_on_device.sh).
+"""
+
+import pytest
+import torch
+
+from tq_chunked import PRESETS, continuation_prefill, workspace_bytes
+from tq_chunked.attention import BACKENDS, backend_available
+from tq_chunked.demo import build_case
+from tq_chunked.format import TQConfig, encode_reference
+from tq_chunked.reference import full_buffer_continuation_prefill, oracle_continuation_prefill
+from tq_chunked.vllm_harness import build_vllm_tq, vllm_available, vllm_continuation_prefill, vllm_store
+
+from conftest import rel_err
+
+pytestmark = pytest.mark.gpu
+needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not importable")
+
+
+def _backends():
+    dev = torch.device("cuda")
+    return [b for b in BACKENDS if b != "torch" and backend_available(b, dev, torch.float16, 128)]
+
+
+@pytest.mark.parametrize("cached_len", [8192, 32768, 131072])
+@pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
+def test_long_context_matches_full_buffer(preset, cached_len):
+    args, kwargs = build_case(preset, cached_len, 512, 32, 8, 128, 16, torch.float16, "cuda", seed=cached_len)
+    oracle = oracle_continuation_prefill(*args, **kwargs)
+    e_full = rel_err(full_buffer_continuation_prefill(*args, **kwargs), oracle)
+    for backend in _backends():
+        out = continuation_prefill(*args, **kwargs, backend=backend)
+        e = rel_err(out, oracle)
+        print(f"{preset} cached {cached_len} {backend}: chunked {e:.3e}, full {e_full:.3e}")
+        assert e <= 1.1 * e_full + 1e-4, (backend, e, e_full)
+
+
+def test_peak_memory_is_flat_from_8k_to_128k():
+    peaks = {}
+    for cached_len in (8192, 131072):
+        args, kwargs = build_case("turboquant_3bit_nc", cached_len, 2048, 32, 8, 128, 16, torch.float16, "cuda")
+        continuation_prefill(*args, **kwargs)  # warm-up
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = continuation_prefill(*args, **kwargs)
+        torch.cuda.synchronize()
+        peaks[cached_len] = torch.cuda.max_memory_allocated() - base
+        del out, args
+    print({k: f"{v / 2**20:.1f} MiB" for k, v in peaks.items()},
+          f"workspace {workspace_bytes(2048, 32, 8, 128, 8192, torch.float16) / 2**20:.1f} MiB")
+    assert peaks[131072] - peaks[8192] < 8 * 2**20
+
+
+def _vllm_cache(tq, preset, total, layout, block_size=16, hk=8, d=128, seed=0):
+    gen = torch.Generator("cuda").manual_seed(seed)
+    cfg = TQConfig.from_preset(preset, d)
+    nb = -(-total // block_size) + 2
+    if layout == "v020":
+        cache = torch.zeros(nb, block_size, hk, cfg.slot_bytes, dtype=torch.uint8, device="cuda")
+    else:
+        cache = torch.zeros(nb, hk, block_size, cfg.slot_bytes, dtype=torch.uint8, device="cuda").transpose(1, 2)
+    bt = torch.randperm(nb, generator=gen, device="cuda").int()[None]
+    pos = torch.arange(total, device="cuda")
+    slots = bt[0].long()[pos // block_size] * block_size + pos % block_size
+    key = torch.randn(total, hk, d, generator=gen, device="cuda", dtype=torch.float16) * 1.5
+    val = torch.randn(total, hk, d, generator=gen, device="cuda", dtype=torch.float16)
+    vllm_store(tq, key, val, cache, slots)
+    return cache, bt, slots, key, val
+
+
+@needs_vllm
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_encoder_is_byte_exact_with_vllm_store(preset):
+    tq = build_vllm_tq(preset, 32, 8, 128)
+    cache, bt, slots, key, val = _vllm_cache(tq, preset, 8192, "v020")
+    ours = torch.zeros_like(cache)
+    encode_reference(key, val, ours, slots, TQConfig.from_preset(preset, 128), tq.centroids, tq.rotation)
+    differ = (ours != cache).any(-1)  # (blocks, positions, heads): slots that differ
+    print(f"{preset}: {differ.sum().item()} of {differ[:8192 // 16].numel()} slots differ")
+    assert torch.equal(ours, cache)
+
+
+@needs_vllm
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("layout", ["v020", "v033"])
+def test_answer_agrees_with_vllm_continuation_prefill(preset, layout):
+    tq = build_vllm_tq(preset, 32, 8, 128)
+    cached, q_len = 8192, 1024
+    cache, bt, _, key, val = _vllm_cache(tq, preset, cached + q_len, layout, seed=1)
+    q = torch.randn(q_len, 32, 128, device="cuda", dtype=torch.float16) * 1.5
+    args = (q, key[cached:], val[cached:], cache, bt, cached)
+    kwargs = dict(preset=preset, centroids=tq.centroids, rotation=tq.rotation, scale=128**-0.5)
+    theirs = vllm_continuation_prefill(tq, *args)
+    oracle = oracle_continuation_prefill(*args, **kwargs)
+    e_vllm = rel_err(theirs, oracle)
+    for backend in _backends():
+        ours = continuation_prefill(*args, **kwargs, backend=backend)
+        e = rel_err(ours, oracle)
+        print(f"{preset} {layout} {backend}: chunked {e:.3e}, vLLM {e_vllm:.3e}, apart {rel_err(ours, theirs.double()):.3e}")
+        assert e <= 1.1 * e_vllm + 1e-4, (backend, e, e_vllm)

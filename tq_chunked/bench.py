@@ -1,0 +1,320 @@
+"""Throughput and memory of continuation prefill, side by side with vLLM, in one run.
+
+    tq-chunked bench [--quick] [--cpu] [--out benchmarks/results]
+    python -m tq_chunked.bench ...
+
+Methods (each where available): ``vllm-<installed version>`` (vLLM's own
+``_continuation_prefill`` with its FlashAttention), ``vllm-latest`` (the latest
+release's method through .gpu-carry/latest), ``full`` (this project's full-buffer
+path), and ``chunked-<backend>`` per attention back end (``-w<W>`` for other windows).
+Per case: median time (CUDA events, L2 flushed between runs), effective TFLOP/s
+(4·q_len·Hq·D·(cached_len + q_len/2)), its share of the bf16 matmul ceiling measured in
+the same run, peak extra memory, workspace bytes, and the time ratio to the strongest
+vLLM baseline. Writes JSON, a Markdown table and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from . import continuation_prefill, workspace_bytes
+from .attention import backend_available
+from .demo import build_case
+from .format import TQConfig
+from .reference import full_buffer_continuation_prefill
+from .workspace import default_window
+
+SHAPES = {  # per-GPU-shard head shapes of real models: (Hq, Hk, D)
+    "llama3-8b": (32, 8, 128),
+    "70b-tp1": (64, 8, 128),
+    "70b-tp8": (8, 1, 128),
+    "d256": (16, 4, 256),
+}
+K = 1024
+
+
+@dataclass
+class Row:
+    method: str
+    preset: str
+    shape: str
+    q_len: int
+    cached_len: int
+    time_ms: float | None = None
+    tflops: float | None = None
+    ceiling_share: float | None = None
+    peak_mib: float | None = None
+    workspace_mib: float | None = None
+    ratio_to_vllm: float | None = None
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def attention_flop(q_len, hq, d, cached_len):
+    return 4 * q_len * hq * d * (cached_len + q_len / 2)
+
+
+def time_ms(fn, device) -> float:
+    if device.type == "cuda":
+        import triton.testing
+        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[1] * 1e3
+
+
+def peak_extra_mib(fn, device, before=None) -> float | None:
+    """Peak allocated bytes above the starting point during one call, in MiB."""
+    if device.type != "cuda":
+        return None
+    if before:
+        before()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**20
+
+
+def matmul_ceiling_tflops(device) -> float | None:
+    if device.type != "cuda":
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    return 2 * 8192**3 / (time_ms(lambda: a @ b, device) * 1e-3) / 1e12
+
+
+class CaseData:
+    """One cache of max(cached_lens) + q_len tokens; smaller cached_lens read its prefix."""
+
+    def __init__(self, preset, shape, q_len, max_cached, device, use_vllm):
+        hq, hk, d = SHAPES[shape]
+        self.preset, self.shape, self.q_len, self.device = preset, shape, q_len, device
+        self.tq = None
+        if use_vllm:
+            from .vllm_harness import build_vllm_tq, vllm_store
+            self.tq = build_vllm_tq(preset, hq, hk, d)
+            (q, kc, vc, cache, bt, _), kwargs = build_case(preset, 0, q_len, hq, hk, d, 16, torch.float16, device)
+            total = max_cached + q_len
+            cfg = TQConfig.from_preset(preset, d)
+            nb = -(-total // 16)
+            cache = torch.empty(nb, 16, hk, cfg.slot_bytes, dtype=torch.uint8, device=device)
+            bt = torch.randperm(nb, device=device).int()[None]
+            for s in range(0, total, 16384):  # vLLM's own store kernel writes the cache
+                pos = torch.arange(s, min(total, s + 16384), device=device)
+                slots = bt[0].long()[pos // 16] * 16 + pos % 16
+                vllm_store(self.tq, torch.randn(len(pos), hk, d, device=device, dtype=torch.float16),
+                           torch.randn(len(pos), hk, d, device=device, dtype=torch.float16), cache, slots)
+            self.cache, self.bt, self.q, self.kc, self.vc = cache, bt, q, kc, vc
+            self.kwargs = dict(preset=preset, centroids=self.tq.centroids, rotation=self.tq.rotation, scale=d**-0.5)
+        else:
+            (self.q, self.kc, self.vc, self.cache, self.bt, _), self.kwargs = build_case(
+                preset, max_cached, q_len, hq, hk, d, 16, torch.float16, device)
+
+    def args(self, cached_len):
+        return (self.q, self.kc, self.vc, self.cache, self.bt, cached_len)
+
+
+def methods_for(device, windows, use_vllm, latest):
+    """name -> (callable(case, cached_len), memory reset hook or None, window or None)."""
+    ms = {}
+    if use_vllm:
+        import vllm
+        from .vllm_harness import latest_continuation_prefill, vllm_continuation_prefill
+
+        def drop_layer_buffers(case):
+            for a in ("_tq_k_dequant_buf", "_tq_v_dequant_buf"):
+                if hasattr(case.tq.layer, a):
+                    delattr(case.tq.layer, a)
+        ms[f"vllm-{vllm.__version__}"] = (lambda c, n: vllm_continuation_prefill(c.tq, *c.args(n)),
+                                          drop_layer_buffers, None)
+        if latest:
+            ms["vllm-latest"] = (lambda c, n: latest_continuation_prefill(c.tq, *c.args(n)), _fresh_latest, None)
+    ms["full"] = (lambda c, n: full_buffer_continuation_prefill(*c.args(n), **c.kwargs), None, None)
+    backends = [b for b in ("flash", "cudnn", "triton", "torch")
+                if backend_available(b, device, torch.float16, 128) and (b != "torch" or device.type == "cpu")]
+    for b in backends:
+        ms[f"chunked-{b}"] = (lambda c, n, b=b: continuation_prefill(*c.args(n), **c.kwargs, backend=b), None, None)
+        for w in windows:
+            ms[f"chunked-{b}-w{w}"] = (lambda c, n, b=b, w=w: continuation_prefill(*c.args(n), **c.kwargs,
+                                                                                  backend=b, window=w), None, w)
+    return ms
+
+
+def _fresh_latest(case):
+    """An empty WorkspaceManager, so the latest method's buffer counts in its peak."""
+    import vllm_latest
+    from vllm.v1.worker import workspace
+    workspace.reset_workspace_manager()
+    vllm_latest.prepare(case.tq.impl, case.tq.layer, case.device)
+
+
+def run(args) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    from .vllm_harness import latest_available, vllm_available
+    use_vllm = device.type == "cuda" and vllm_available() and not args.no_vllm
+    latest = use_vllm and latest_available()
+    ceiling = matmul_ceiling_tflops(device)
+    methods = methods_for(device, args.windows, use_vllm, latest)
+    if args.methods:
+        methods = {k: v for k, v in methods.items() if any(k.startswith(p) for p in args.methods)}
+    # (preset, shape, q_len) groups; time for time_lens, memory only for mem_lens.
+    groups = [(p, s, q) for p in args.presets for s in args.shapes for q in args.q_lens]
+    jobs = [(g, n, "time") for g in groups for n in args.cached_lens]
+    jobs += [(g, n, "memory") for g in groups[:1] for n in args.memory_lens]
+    rows, case, case_key = [], None, None
+    baseline = "vllm-latest" if latest else next((m for m in methods if m.startswith("vllm-")), "full")
+    for (preset, shape, q_len), cached_len, kind in tqdm(jobs, desc="bench", unit="case"):
+        max_len = max(args.cached_lens + (args.memory_lens if (preset, shape, q_len) == groups[0] else []))
+        if case_key != (preset, shape, q_len):
+            case, case_key = None, (preset, shape, q_len)
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+            case = CaseData(preset, shape, q_len, max_len, device, use_vllm)
+        hq, hk, d = SHAPES[shape]
+        flop = attention_flop(q_len, hq, d, cached_len)
+        group_rows = []
+        for name, (fn, reset, window) in methods.items():
+            if kind == "memory" and not (name.startswith("chunked") or name.startswith("vllm")):
+                continue
+            w = window or min(default_window(hk, d, 16), -(-cached_len // 16) * 16)
+            row = Row(name, preset, shape, q_len, cached_len)
+            if name.startswith("chunked"):
+                row.workspace_mib = workspace_bytes(q_len, hq, hk, d, w, torch.float16) / 2**20
+            try:
+                call = lambda: fn(case, cached_len)
+                if kind == "time":
+                    row.time_ms = time_ms(call, device)
+                    row.tflops = flop / (row.time_ms * 1e-3) / 1e12
+                    row.ceiling_share = row.tflops / ceiling if ceiling else None
+                row.peak_mib = peak_extra_mib(call, device, (lambda: reset(case)) if reset else None)
+            except Exception as e:  # one failing method must not end the sweep
+                row.error = f"{type(e).__name__}: {str(e)[:200]}"
+            group_rows.append(row)
+        base = next((r for r in group_rows if r.method == baseline and r.time_ms), None)
+        for r in group_rows:
+            if base and r.time_ms:
+                r.ratio_to_vllm = r.time_ms / base.time_ms
+        rows += group_rows
+    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "matmul_ceiling_tflops": ceiling, "baseline": baseline, "rows": [asdict(r) for r in rows]}
+
+
+def markdown(result) -> str:
+    lines = [f"# Continuation prefill on {result['device']}, {result['date']}", "",
+             f"bf16 matmul ceiling measured in this run: {result['matmul_ceiling_tflops'] or 0:.0f} TFLOP/s. "
+             f"Ratios are time / {result['baseline']} time (lower is better).", "",
+             "| preset | shape | q_len | cached | method | time ms | TFLOP/s | % ceiling | peak MiB | workspace MiB | ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    f = lambda x, p: "" if x is None else f"{x:.{p}f}"
+    for r in result["rows"]:
+        lines.append(f"| {r['preset']} | {r['shape']} | {r['q_len']} | {r['cached_len'] // K}K | {r['method']} | "
+                     f"{f(r['time_ms'], 2)} | {f(r['tflops'], 0)} | "
+                     f"{f(r['ceiling_share'] and 100 * r['ceiling_share'], 0)} | {f(r['peak_mib'], 0)} | "
+                     f"{f(r['workspace_mib'], 1)} | {f(r['ratio_to_vllm'], 2)} |"
+                     + (f" {r['error']}" if r["error"] else ""))
+    return "\n".join(lines) + "\n"
+
+
+def plot(result, out_dir, stem):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in result["rows"] if not r["error"]]
+    first = rows[0] if rows else None
+    if not first:
+        return []
+    sel = [r for r in rows if r["shape"] == first["shape"] and r["q_len"] == first["q_len"]]
+    presets = sorted({r["preset"] for r in sel})
+    paths = []
+    fig, axes = plt.subplots(1, len(presets), figsize=(5 * len(presets), 4), squeeze=False)
+    for ax, preset in zip(axes[0], presets):
+        for m in sorted({r["method"] for r in sel}):
+            pts = sorted((r["cached_len"], r["time_ms"]) for r in sel
+                         if r["preset"] == preset and r["method"] == m and r["time_ms"])
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+        ax.set(xscale="log", yscale="log", xlabel="cached tokens", ylabel="time (ms)", title=preset)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{result['device']}: {first['shape']}, q_len {first['q_len']}")
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, f"{stem}-time.png"))
+    fig.savefig(paths[-1], dpi=110)
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    mem = [r for r in sel if r["preset"] == first["preset"] and r["peak_mib"] is not None]
+    for m in sorted({r["method"] for r in mem}):
+        pts = sorted({(r["cached_len"], r["peak_mib"]) for r in mem if r["method"] == m})
+        ax.plot([p[0] for p in pts], [max(p[1], 1e-1) for p in pts], marker="o", label=m)
+    ax.set(xscale="log", yscale="log", xlabel="cached tokens", ylabel="peak extra memory (MiB)",
+           title=f"{first['preset']}, {first['shape']}, q_len {first['q_len']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, f"{stem}-memory.png"))
+    fig.savefig(paths[-1], dpi=110)
+    return paths
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(prog="tq-chunked bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: [int(x) for x in s.split(",") if x]
+    strs = lambda s: [x for x in s.split(",") if x]
+    p.add_argument("--quick", action="store_true", help="one preset and shape, 8K/32K/128K: about a minute")
+    p.add_argument("--cpu", action="store_true", help="small sizes on the CPU (the default without a GPU)")
+    p.add_argument("--presets", type=strs, default=["turboquant_3bit_nc", "turboquant_k8v4", "turboquant_4bit_nc",
+                                                    "turboquant_k3v4_nc"])
+    p.add_argument("--shapes", type=strs, default=list(SHAPES))
+    p.add_argument("--q-lens", type=ints, default=[512, 2048, 8192])
+    p.add_argument("--cached-lens", type=ints, default=[8 * K, 16 * K, 32 * K, 64 * K, 128 * K])
+    p.add_argument("--memory-lens", type=ints, default=[256 * K, 512 * K, 1024 * K],
+                   help="cached lengths measured for memory only (first preset/shape/q_len)")
+    p.add_argument("--windows", type=ints, default=[], help="extra windows to time besides the default")
+    p.add_argument("--methods", type=strs, default=[], help="keep methods whose name starts with one of these")
+    p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--out", default="benchmarks/results")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.presets, a.shapes, a.q_lens = a.presets[:1], ["llama3-8b"], [2048]
+        a.cached_lens, a.memory_lens = [8 * K, 32 * K, 128 * K], []
+    if a.cpu or not torch.cuda.is_available():
+        a.cpu = True
+        a.presets, a.shapes, a.q_lens = a.presets[:1], ["70b-tp8"], [256]
+        a.cached_lens, a.memory_lens = [1 * K, 4 * K], []
+    return a
+
+
+def main(argv=None):
+    args = parse(argv)
+    result = run(args)
+    os.makedirs(args.out, exist_ok=True)
+    dev = result["device"].replace(" ", "-").lower()
+    stem = f"{dev}-{result['date']}" + ("-quick" if args.quick else "")
+    with open(os.path.join(args.out, stem + ".json"), "w") as f:
+        json.dump(result, f, indent=1)
+    md = markdown(result)
+    with open(os.path.join(args.out, stem + ".md"), "w") as f:
+        f.write(md)
+    paths = plot(result, args.out, stem)
+    print(md)
+    print("wrote", ", ".join([os.path.join(args.out, stem + e) for e in (".json", ".md")] + paths))
+
+
+if __name__ == "__main__":
+    main()
