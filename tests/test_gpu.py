@@ -10,7 +10,7 @@ import torch
 from tq_chunked import PRESETS, continuation_prefill, workspace_bytes
 from tq_chunked.attention import BACKENDS, backend_available
 from tq_chunked.demo import build_case
-from tq_chunked.format import TQConfig, encode_reference
+from tq_chunked.format import TQConfig, encode_reference, unpack_bits
 from tq_chunked.reference import full_buffer_continuation_prefill, oracle_continuation_prefill
 from tq_chunked.vllm_harness import build_vllm_tq, vllm_available, vllm_continuation_prefill, vllm_store
 
@@ -56,32 +56,52 @@ def test_peak_memory_is_flat_from_8k_to_128k():
 
 
 def _vllm_cache(tq, preset, total, layout, block_size=16, hk=8, d=128, seed=0):
+    """A cache written by vLLM's own store kernel. vLLM 0.20's store needs its own
+    contiguous layout; for 0.33's head-major layout the bytes are then copied into a
+    (num_blocks, Hk, block_size, slot) buffer and its transpose(1, 2) view returned."""
     gen = torch.Generator("cuda").manual_seed(seed)
     cfg = TQConfig.from_preset(preset, d)
     nb = -(-total // block_size) + 2
-    if layout == "v020":
-        cache = torch.zeros(nb, block_size, hk, cfg.slot_bytes, dtype=torch.uint8, device="cuda")
-    else:
-        cache = torch.zeros(nb, hk, block_size, cfg.slot_bytes, dtype=torch.uint8, device="cuda").transpose(1, 2)
+    cache = torch.zeros(nb, block_size, hk, cfg.slot_bytes, dtype=torch.uint8, device="cuda")
     bt = torch.randperm(nb, generator=gen, device="cuda").int()[None]
     pos = torch.arange(total, device="cuda")
     slots = bt[0].long()[pos // block_size] * block_size + pos % block_size
     key = torch.randn(total, hk, d, generator=gen, device="cuda", dtype=torch.float16) * 1.5
     val = torch.randn(total, hk, d, generator=gen, device="cuda", dtype=torch.float16)
     vllm_store(tq, key, val, cache, slots)
+    if layout == "v033":
+        cache = cache.transpose(1, 2).contiguous().transpose(1, 2)
     return cache, bt, slots, key, val
 
 
 @needs_vllm
 @pytest.mark.parametrize("preset", list(PRESETS))
-def test_encoder_is_byte_exact_with_vllm_store(preset):
+def test_encoder_agrees_with_vllm_store(preset):
+    """Keys (indices, norms, fp8 bytes) and value scale/zero are byte-exact. Value
+    indices may differ by one where (v - min) / scale + 0.5 lies on a rounding boundary:
+    vLLM's Triton store divides with an approximate fp32 division, this encoder with an
+    exact one. Such an index is off by one step either way; the test checks that every
+    difference is exactly such a boundary case."""
+    cfg = TQConfig.from_preset(preset, 128)
     tq = build_vllm_tq(preset, 32, 8, 128)
     cache, bt, slots, key, val = _vllm_cache(tq, preset, 8192, "v020")
     ours = torch.zeros_like(cache)
-    encode_reference(key, val, ours, slots, TQConfig.from_preset(preset, 128), tq.centroids, tq.rotation)
-    differ = (ours != cache).any(-1)  # (blocks, positions, heads): slots that differ
-    print(f"{preset}: {differ.sum().item()} of {differ[:8192 // 16].numel()} slots differ")
-    assert torch.equal(ours, cache)
+    encode_reference(key, val, ours, slots, cfg, tq.centroids, tq.rotation)
+    blk, pos = slots // 16, slots % 16
+    theirs_s, ours_s = cache[blk, pos], ours[blk, pos]  # (N, Hk, slot)
+    kb, vi = cfg.key_bytes, cfg.key_bytes + cfg.value_index_bytes
+    assert torch.equal(theirs_s[..., :kb], ours_s[..., :kb]), "key bytes differ"
+    assert torch.equal(theirs_s[..., vi:], ours_s[..., vi:]), "value scale/zero bytes differ"
+    ia = unpack_bits(theirs_s[..., kb:vi], cfg.value_bits, 128)
+    ib = unpack_bits(ours_s[..., kb:vi], cfg.value_bits, 128)
+    differ = ia != ib
+    v = val.float()
+    vmin, vmax = v.amin(-1, keepdim=True), v.amax(-1, keepdim=True)
+    x = (v - vmin) / ((vmax - vmin) / (2**cfg.value_bits - 1)).clamp(min=1e-8) + 0.5
+    boundary = (x - x.round()).abs() < 1e-5 * x.abs().clamp(min=1)
+    print(f"{preset}: {differ.sum().item()} of {differ.numel()} value indices differ, all by one at a boundary")
+    assert ((ia - ib).abs() <= 1).all() and (boundary | ~differ).all()
+    assert differ.float().mean().item() < 1e-4
 
 
 @needs_vllm

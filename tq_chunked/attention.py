@@ -241,6 +241,9 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     is a (Hq, Lq, D) tensor of q's dtype that the result is written into; otherwise
     the "torch" back end returns float32 and the others q's dtype.
     """
+    if k.shape[1] == 0:  # no keys: FlashAttention would report lse = +inf
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device) if out is None else out.zero_()
+        return out, torch.full(q.shape[:2], float("-inf"), device=q.device)
     return _IMPLS[backend](q, k, v, scale, causal, out)
 
 

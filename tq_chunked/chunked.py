@@ -4,7 +4,7 @@ fixed-size windows instead of dequantizing all of it.
     rotate the query once                            q_win  (Hq, Lq, D) fp16
     for each window [s, s + W) of the cached prefix:
         dequantize it into the workspace             k_win, v_win  (Hk, W, D) fp16
-        attend (no mask) -> (out, lse)               part_out, lse
+        attend (no mask) -> (out, lse)               partial output, its lse
         merge into the running (out, lse) state      state_out fp32, state_lse
     attend causally to the chunk's own K/V, merge,  -> out (Lq, Hq, D), query dtype
     and write the result
@@ -129,50 +129,51 @@ def continuation_prefill(query: torch.Tensor, key_chunk: torch.Tensor, val_chunk
             raise ValueError(f"workspace must hold at least workspace_bytes(...) = {need} bytes, "
                              f"got {workspace.numel()}")
     backend = resolve_backend(backend, query.device, query.dtype, d)
-    buf = carve(workspace, lq, hq, hk, d, window, query.dtype)
+    buf = carve(workspace, lq, hq, hk, d, window)
     block_table = block_table.reshape(-1)
 
     rotate_query(query, None if cfg.key_fp8 else rotation, buf.q_win)
-    out = torch.empty_like(query)  # (Lq, Hq, D)
+    out = torch.empty_like(query)  # (Lq, Hq, D); also scratch for partial outputs until the end
     lse_out = torch.empty(hq, lq, dtype=torch.float32, device=query.device) if return_lse else None
-    step = _Accumulator(buf, scale, backend)
+    step = _Accumulator(buf, out.transpose(0, 1), scale, backend)
     for start in range(0, cached_len, window):
         n = min(window, cached_len - start)
         dequantize_window(kv_cache, block_table, start, n, cfg, centroids, buf.k_win, buf.v_win)
         step.attend(buf.q_win, buf.k_win[:, :n], buf.v_win[:, :n], causal=False)
     # The chunk's own keys, last: causal, unrotated, in the query's dtype.
     step.attend(query.transpose(0, 1), key_chunk.transpose(0, 1), val_chunk.transpose(0, 1), causal=True,
-                final_out=out.transpose(0, 1), final_lse=lse_out)
+                final_lse=lse_out)
     return (out, lse_out) if return_lse else out
 
 
 class _Accumulator:
-    """Runs partial attentions and folds each into the workspace's (state_out, state_lse)."""
+    """Runs partial attentions and folds each into the workspace's (state_out, state_lse);
+    the last one (``attend(..., causal=True)``) writes the result into ``out``."""
 
-    def __init__(self, buf, scale, backend):
-        self.buf, self.scale, self.backend, self.first = buf, scale, backend, True
+    def __init__(self, buf, out, scale, backend):
+        self.buf, self.out, self.scale, self.backend, self.first = buf, out, scale, backend, True
 
-    def attend(self, q, k, v, *, causal, final_out=None, final_lse=None):
-        buf = self.buf
+    def attend(self, q, k, v, *, causal, final_lse=None):
+        buf, final = self.buf, causal
         if self.backend == "triton":  # attention and merge in one kernel, float32 state
             attention_accumulate(q, k, v, self.scale, causal=causal, state_out=buf.state_out,
                                  state_lse=buf.state_lse, first=self.first)
-            if final_out is not None:
-                final_out.copy_(buf.state_out)
+            if final:
+                self.out.copy_(buf.state_out)
                 if final_lse is not None:
                     final_lse.copy_(buf.state_lse)
         else:
             part_out = None
-            if self.backend == "flash":  # FlashAttention writes into the workspace
-                part_out = buf.part_out.view(q.dtype).transpose(0, 1)  # (Hq, Lq, D)
+            if self.backend == "flash":  # FlashAttention writes its partial into the output tensor
+                part_out = self.out.view(q.dtype)  # (Hq, Lq, D); fp16 windows in a bf16 output's bytes
             part, lse = partial_attention(q, k, v, self.scale, causal=causal, backend=self.backend,
                                           out=part_out)
-            if final_out is not None and self.first:  # nothing cached: the chunk alone
-                final_out.copy_(part)
+            if final and self.first:  # nothing cached: the chunk alone
+                self.out.copy_(part)
                 if final_lse is not None:
                     final_lse.copy_(lse)
-            elif final_out is not None:
-                merge_attn_states(buf.state_out, buf.state_lse, part, lse, final_out, final_lse)
+            elif final:  # in place when part is self.out: each element is read before written
+                merge_attn_states(buf.state_out, buf.state_lse, part, lse, self.out, final_lse)
             elif self.first:
                 buf.state_out.copy_(part)
                 buf.state_lse.copy_(lse)

@@ -99,8 +99,7 @@ def _dequant_window_kernel(
 
 
 def dequantize_window(kv_cache: torch.Tensor, block_table: torch.Tensor, start: int, length: int,
-                      cfg: TQConfig, centroids: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
-                      *, block_t: int = 32, num_warps: int = 4) -> None:
+                      cfg: TQConfig, centroids: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
     """Decode cached tokens [start, start + length) into k_out[:, :length], v_out[:, :length].
 
     kv_cache: uint8 (num_blocks, block_size, Hk, slot_bytes), any strides.
@@ -118,6 +117,11 @@ def dequantize_window(kv_cache: torch.Tensor, block_table: torch.Tensor, start: 
         v_out[:, :length] = v.half()
         return
     hk = kv_cache.shape[2]
+    # One warp, 128 elements per thread (4-bit keys: 32): fastest in a sweep on the H200
+    # (benchmarks/NOTES.md): 0.36 ms for 128K tokens x 8 heads (3bit_nc) against 0.93 ms
+    # with 4 warps.
+    block_t = max(1, (1024 if cfg.key_bits == 4 else 4096) // cfg.head_dim)
+    num_warps = 1
     grid = (triton.cdiv(length, block_t), hk)
     _dequant_window_kernel[grid](
         kv_cache, block_table, centroids, k_out, v_out, start, length,

@@ -7,10 +7,10 @@ into these regions (each start aligned to 256 bytes):
     q_win         (Hq, Lq, D)  fp16     the (rotated) query, head-major
     state_out     (Hq, Lq, D)  float32  running merged output
     state_lse     (Hq, Lq)     float32  running log-sum-exp
-    part_out      (Lq, Hq, D)  2 bytes  one partial output (fp16 windows, query dtype
-                                        for the chunk's own causal block)
 
-None of them depends on cached_len: memory is O(W * Hk * D + Lq * Hq * D).
+Partial outputs of the FlashAttention back end go into the call's output tensor, used
+as scratch until the final merge. None of this depends on cached_len: memory is
+O(W * Hk * D + Lq * Hq * D).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 ALIGN = 256
-DEFAULT_WINDOW_BYTES = 32 << 20  # K + V of one window; measured: benchmarks/NOTES.md
+DEFAULT_WINDOW_BYTES = 48 << 20  # K + V of one window; chosen by measurement: benchmarks/NOTES.md
 
 
 def default_window(num_kv_heads: int, head_dim: int, block_size: int) -> int:
@@ -31,14 +31,13 @@ def default_window(num_kv_heads: int, head_dim: int, block_size: int) -> int:
 
 
 def _regions(q_len, num_q_heads, num_kv_heads, head_dim, window):
-    # name: (shape, dtype); part_out's dtype is fixed at carve time (fp16 or bf16).
+    # name: (shape, dtype)
     return {
         "k_win": ((num_kv_heads, window, head_dim), torch.float16),
         "v_win": ((num_kv_heads, window, head_dim), torch.float16),
         "q_win": ((num_q_heads, q_len, head_dim), torch.float16),
         "state_out": ((num_q_heads, q_len, head_dim), torch.float32),
         "state_lse": ((num_q_heads, q_len), torch.float32),
-        "part_out": ((q_len, num_q_heads, head_dim), torch.float16),
     }
 
 
@@ -77,10 +76,9 @@ class WindowBuffers:
     q_win: torch.Tensor
     state_out: torch.Tensor
     state_lse: torch.Tensor
-    part_out: torch.Tensor
 
 
-def carve(buffer: torch.Tensor, q_len, num_q_heads, num_kv_heads, head_dim, window, dtype) -> WindowBuffers:
+def carve(buffer: torch.Tensor, q_len, num_q_heads, num_kv_heads, head_dim, window) -> WindowBuffers:
     """Views of the regions inside ``buffer`` (uint8, >= workspace_bytes(...) bytes)."""
     base = (-buffer.data_ptr()) % ALIGN  # first aligned byte
     views = {}
@@ -88,5 +86,4 @@ def carve(buffer: torch.Tensor, q_len, num_q_heads, num_kv_heads, head_dim, wind
         n = _nbytes(shape, t)
         views[name] = buffer[base:base + n].view(t).view(shape)
         base += _aligned(n)
-    views["part_out"] = views["part_out"].view(dtype)
     return WindowBuffers(**views)
