@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tq_chunked.format import TQConfig, encode_reference, lloyd_max_centroids
+from tq_chunked.format import TQConfig, encode_reference, hadamard, lloyd_max_centroids
 
 # CPU runs execute the Triton kernels in the interpreter; GPU runs on the device.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -50,12 +50,14 @@ class Case:
 
 def make_case(preset="turboquant_3bit_nc", dtype=torch.float16, head_dim=64, num_q_heads=4, num_kv_heads=2,
               block_size=16, cached_len=300, q_len=129, layout="v020", seed=None, device=DEVICE,
-              rotation="random") -> Case:
+              rotation="random", centroids=None) -> Case:
     """A cache holding cached_len + q_len random tokens (as vLLM's store leaves it), a
     shuffled block table with spare blocks, and the chunk's raw K/V and query.
 
     layout "v020": physical (num_blocks, block_size, Hk, slot); "v033": physical
     (num_blocks, Hk, block_size, slot), passed as its transpose(1, 2) view.
+    rotation: "random" (orthonormal, not symmetric), "hadamard", or a (D, D) tensor;
+    centroids: the table to write with (default: this project's Lloyd-Max solver).
     """
     gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
     cfg = TQConfig.from_preset(preset, head_dim)
@@ -68,9 +70,12 @@ def make_case(preset="turboquant_3bit_nc", dtype=torch.float16, head_dim=64, num
         kv_cache = torch.randint(0, 256, (num_blocks, num_kv_heads, block_size, cfg.slot_bytes),
                                  dtype=torch.uint8, generator=gen).transpose(1, 2)
     kv_cache = kv_cache.to(device)
-    centroids = lloyd_max_centroids(head_dim, cfg.centroid_bits).to(device)
-    rot = (random_rotation(head_dim, gen) if rotation == "random" else
-           __import__("tq_chunked").hadamard(head_dim)).to(device)
+    if centroids is None:
+        centroids = lloyd_max_centroids(head_dim, cfg.centroid_bits)
+    centroids = centroids.float().to(device)
+    if isinstance(rotation, str):
+        rotation = random_rotation(head_dim, gen) if rotation == "random" else hadamard(head_dim)
+    rot = rotation.float().to(device)
     block_table = torch.randperm(num_blocks, generator=gen).int().to(device)[None, :]  # (1, max_blocks)
     # Keys with per-channel offsets and outliers, values with a per-token spread.
     key = (torch.randn(total, num_kv_heads, head_dim, generator=gen) * 1.5

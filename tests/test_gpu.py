@@ -122,3 +122,103 @@ def test_answer_agrees_with_vllm_continuation_prefill(preset, layout):
         e = rel_err(ours, oracle)
         print(f"{preset} {layout} {backend}: chunked {e:.3e}, vLLM {e_vllm:.3e}, apart {rel_err(ours, theirs.double()):.3e}")
         assert e <= 1.1 * e_vllm + 1e-4, (backend, e, e_vllm)
+
+
+def _mixed_batch(tq, preset, long_cached, seed=0):
+    """A batch as vLLM's scheduler orders it: two decodes, a short continuation
+    (64 <= 128 tokens: vLLM's decode-kernel path), a long continuation (1024 tokens over
+    long_cached), a first-chunk prefill. Every token is already in the cache, as
+    do_kv_cache_update leaves it before forward."""
+    from vllm.v1.attention.backends.turboquant_attn import TurboQuantMetadata
+    gen = torch.Generator("cuda").manual_seed(seed)
+    hk, d, hq, bs = 8, 128, 32, 16
+    reqs = [(1000, 1), (3000, 1), (2000, 64), (long_cached, 1024), (0, 512)]  # (cached, q_len)
+    cfg = TQConfig.from_preset(preset, d)
+    blocks_per_req = [-(-(c + q) // bs) for c, q in reqs]
+    nb = sum(blocks_per_req) + 4
+    cache = torch.zeros(nb, bs, hk, cfg.slot_bytes, dtype=torch.uint8, device="cuda")
+    perm = torch.randperm(nb, generator=gen, device="cuda").int()
+    max_blocks = max(blocks_per_req)
+    block_table = torch.zeros(len(reqs), max_blocks, dtype=torch.int32, device="cuda")
+    qs, ks, vs, slot_maps, req_kv = [], [], [], [], []
+    used = 0
+    for i, ((cached, q_len), nblk) in enumerate(zip(reqs, blocks_per_req)):
+        block_table[i, :nblk] = perm[used:used + nblk]
+        used += nblk
+        total = cached + q_len
+        key = torch.randn(total, hk, d, generator=gen, device="cuda", dtype=torch.float16)
+        val = torch.randn(total, hk, d, generator=gen, device="cuda", dtype=torch.float16)
+        pos = torch.arange(total, device="cuda")
+        slots = block_table[i].long()[pos // bs] * bs + pos % bs
+        vllm_store(tq, key, val, cache, slots)
+        qs.append(torch.randn(q_len, hq, d, generator=gen, device="cuda", dtype=torch.float16))
+        ks.append(key[cached:])
+        vs.append(val[cached:])
+        slot_maps.append(slots[cached:])
+        req_kv.append((key, val))
+    q_lens = [q for _, q in reqs]
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    n = sum(q_lens)
+    meta = TurboQuantMetadata(
+        seq_lens=torch.tensor([c + q for c, q in reqs], dtype=torch.int32, device="cuda"),
+        slot_mapping=torch.cat(slot_maps), block_table=block_table, query_start_loc=qsl, num_actual_tokens=n,
+        max_query_len=max(q_lens), max_seq_len=max(c + q for c, q in reqs), is_prefill=True, num_decodes=2,
+        num_decode_tokens=2)
+    q = torch.cat(qs).reshape(n, hq * d)
+    k = torch.cat(ks).reshape(n, hk * d)
+    v = torch.cat(vs).reshape(n, hk * d)
+    return q, k, v, cache, meta, reqs, block_table
+
+
+@needs_vllm
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_vllm_forward_on_a_mixed_batch_with_and_without_the_plugin(preset, monkeypatch):
+    import vllm.v1.attention.backends.turboquant_attn as tqa
+    from tq_chunked.vllm_plugin import plan_patches
+    tq = build_vllm_tq(preset, 32, 8, 128)
+    q, k, v, cache, meta, reqs, bt = _mixed_batch(tq, preset, long_cached=8192)
+    forward = lambda: tq.impl.forward(tq.layer, q, k, v, cache, meta,
+                                      output=torch.full((q.shape[0], 32 * 128), float("nan"), dtype=q.dtype,
+                                                        device="cuda"))
+    theirs = forward()
+    for owner, name, value in plan_patches(tqa, None):  # the plugin, undone by monkeypatch afterwards
+        monkeypatch.setattr(owner, name, value)
+    ours = forward()
+    assert torch.isfinite(ours).all()
+    starts = meta.query_start_loc.tolist()
+    for i, (cached, q_len) in enumerate(reqs):
+        rows = slice(starts[i], starts[i + 1])
+        if cached > 0 and q_len > 128:  # the long continuation: the windowed path
+            long_q = q[rows].view(q_len, 32, 128)
+            kc, vc = k[rows].view(q_len, 8, 128), v[rows].view(q_len, 8, 128)
+            kwargs = dict(preset=preset, centroids=tq.centroids, rotation=tq.rotation, scale=128**-0.5)
+            oracle = oracle_continuation_prefill(long_q, kc, vc, cache, bt[i], cached, **kwargs)
+            e_ours = rel_err(ours[rows].view(q_len, 32, 128), oracle)
+            e_theirs = rel_err(theirs[rows].view(q_len, 32, 128), oracle)
+            print(f"{preset} forward, long continuation: plugin {e_ours:.3e}, vLLM {e_theirs:.3e}")
+            assert e_ours <= 1.1 * e_theirs + 1e-4
+        else:  # decodes, the short continuation, the first chunk: vLLM's own paths, untouched
+            assert torch.equal(ours[rows], theirs[rows])
+
+
+@needs_vllm
+def test_vllm_forward_peak_memory_with_the_plugin_is_flat(monkeypatch):
+    import vllm.v1.attention.backends.turboquant_attn as tqa
+    from tq_chunked.vllm_plugin import plan_patches
+    for owner, name, value in plan_patches(tqa, None):
+        monkeypatch.setattr(owner, name, value)
+    peaks = {}
+    for long_cached in (8192, 131072):
+        tq = build_vllm_tq("turboquant_3bit_nc", 32, 8, 128)
+        q, k, v, cache, meta, reqs, bt = _mixed_batch(tq, "turboquant_3bit_nc", long_cached)
+        out = torch.empty(q.shape[0], 32 * 128, dtype=q.dtype, device="cuda")
+        tq.impl.forward(tq.layer, q, k, v, cache, meta, output=out)  # warm-up
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        tq.impl.forward(tq.layer, q, k, v, cache, meta, output=out)
+        torch.cuda.synchronize()
+        peaks[long_cached] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        del q, k, v, cache, meta, tq
+    print(f"patched forward peak extra: {peaks[8192]:.1f} MiB at 8K, {peaks[131072]:.1f} MiB at 128K")
+    assert peaks[131072] - peaks[8192] < 64

@@ -289,6 +289,7 @@ def parse(argv=None):
     p.add_argument("--methods", type=strs, default=[], help="keep methods whose name starts with one of these")
     p.add_argument("--no-vllm", action="store_true")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default="", help="appended to the output file names")
     a = p.parse_args(argv)
     if a.quick:
         a.presets, a.shapes, a.q_lens = a.presets[:1], ["llama3-8b"], [2048]
@@ -305,7 +306,7 @@ def main(argv=None):
     result = run(args)
     os.makedirs(args.out, exist_ok=True)
     dev = result["device"].replace(" ", "-").lower()
-    stem = f"{dev}-{result['date']}" + ("-quick" if args.quick else "")
+    stem = f"{dev}-{result['date']}" + ("-quick" if args.quick else "") + (f"-{args.tag}" if args.tag else "")
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump(result, f, indent=1)
     md = markdown(result)
