@@ -99,8 +99,26 @@ def sweep_dequant(cached_len=131072, window=16384):
               + " ".join(f"{t:.2f}/{b}/{w}" for t, b, w in row))
 
 
+def profile_calls():
+    """Kernel-level profile of whole calls at short contexts (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    for preset, cached in [("turboquant_3bit_nc", 8192), ("turboquant_k8v4", 8192)]:
+        args, kw = build_case(preset, cached, 2048, 32, 8, 128, 16, torch.float16, "cuda")
+        for _ in range(3):
+            continuation_prefill(*args, **kw)
+        torch.cuda.synchronize()
+        t = bench(lambda: continuation_prefill(*args, **kw))
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                continuation_prefill(*args, **kw)
+            torch.cuda.synchronize()
+        print(f"== {preset} cached {cached}: {t:.3f} ms per call (do_bench); profile of 10 calls:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=50))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=50))
+        tiny, tkw = build_case(preset, 16, 16, 32, 8, 128, 16, torch.float16, "cuda")
+        print(f"   call overhead (cached 16, q_len 16): {bench(lambda: continuation_prefill(*tiny, **tkw)):.3f} ms")
+
+
 if __name__ == "__main__":
-    if __import__("os").environ.get("SWEEP_DEQUANT"):
-        sweep_dequant()
-    else:
-        main()
+    mode = __import__("os").environ.get("MODE", "")
+    {"sweep": sweep_dequant, "profile": profile_calls}.get(mode, main)()

@@ -7,7 +7,7 @@ Runs on the H200 device; CI (no GPU) skips it. The vLLM tests need vLLM importab
 import pytest
 import torch
 
-from tq_chunked import PRESETS, continuation_prefill, workspace_bytes
+from tq_chunked import PRESETS, continuation_prefill, default_window, workspace_bytes
 from tq_chunked.attention import BACKENDS, backend_available
 from tq_chunked.demo import build_case
 from tq_chunked.format import TQConfig, encode_reference, unpack_bits
@@ -50,8 +50,9 @@ def test_peak_memory_is_flat_from_8k_to_128k():
         torch.cuda.synchronize()
         peaks[cached_len] = torch.cuda.max_memory_allocated() - base
         del out, args
+    window = default_window(8, 128, 16)
     print({k: f"{v / 2**20:.1f} MiB" for k, v in peaks.items()},
-          f"workspace {workspace_bytes(2048, 32, 8, 128, 8192, torch.float16) / 2**20:.1f} MiB")
+          f"workspace {workspace_bytes(2048, 32, 8, 128, window, torch.float16) / 2**20:.1f} MiB")
     assert peaks[131072] - peaks[8192] < 8 * 2**20
 
 

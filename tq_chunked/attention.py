@@ -167,13 +167,21 @@ def _vllm_flash():
         return None
 
 
-def _flash_attention(q, k, v, scale, causal, out):
+def _cu_seqlens(length, device, cache):
+    """[0, length] int32 on the device (one sequence), memoized in ``cache`` if given."""
+    t = None if cache is None else cache.get(length)
+    if t is None:
+        t = torch.arange(2, dtype=torch.int32, device=device) * length  # no host-to-device copy
+        if cache is not None:
+            cache[length] = t
+    return t
+
+
+def _flash_attention(q, k, v, scale, causal, out, seqlens=None):
     fn, version = _vllm_flash()
     hq, lq, d = q.shape
     lk = k.shape[1]
-    # One sequence each; built on the device, so no host-to-device copy per call.
-    cu_q = torch.arange(2, dtype=torch.int32, device=q.device) * lq  # [0, Lq]
-    cu_k = torch.arange(2, dtype=torch.int32, device=q.device) * lk  # [0, Lk]
+    cu_q, cu_k = _cu_seqlens(lq, q.device, seqlens), _cu_seqlens(lk, q.device, seqlens)
     kwargs = {} if version is None else {"fa_version": version}
     o, lse = fn(q=q.transpose(0, 1), k=k.transpose(0, 1), v=v.transpose(0, 1),  # token-major views
                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=lq, max_seqlen_k=lk,
@@ -239,16 +247,20 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head
 
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
-                      causal: bool = False, backend: str = "torch", out: torch.Tensor | None = None):
+                      causal: bool = False, backend: str = "torch", out: torch.Tensor | None = None,
+                      seqlens: dict | None = None):
     """Attention of q (Hq, Lq, D) over k, v (Hk, Lk, D); returns (out (Hq, Lq, D), lse (Hq, Lq)).
 
     ``backend`` must already be resolved (see ``resolve_backend``). ``out``, if given,
     is a (Hq, Lq, D) tensor of q's dtype that the result is written into; otherwise
-    the "torch" back end returns float32 and the others q's dtype.
+    the "torch" back end returns float32 and the others q's dtype. ``seqlens``: a dict
+    the "flash" back end keeps its sequence-length tensors in across calls.
     """
     if k.shape[1] == 0:  # no keys: FlashAttention would report lse = +inf
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device) if out is None else out.zero_()
         return out, torch.full(q.shape[:2], float("-inf"), device=q.device)
+    if backend == "flash":
+        return _flash_attention(q, k, v, scale, causal, out, seqlens)
     return _IMPLS[backend](q, k, v, scale, causal, out)
 
 

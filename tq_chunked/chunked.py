@@ -118,8 +118,6 @@ def continuation_prefill(query: torch.Tensor, key_chunk: torch.Tensor, val_chunk
               scale, window)
     hk = key_chunk.shape[1]
     window = window if window is not None else default_window(hk, d, kv_cache.shape[1])
-    block_size = kv_cache.shape[1]
-    window = min(window, max(block_size, -(-cached_len // block_size) * block_size))  # no larger than needed
     need = workspace_bytes(lq, hq, hk, d, window, query.dtype)
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.uint8, device=query.device)
@@ -152,6 +150,7 @@ class _Accumulator:
 
     def __init__(self, buf, out, scale, backend):
         self.buf, self.out, self.scale, self.backend, self.first = buf, out, scale, backend, True
+        self.seqlens = {}  # FlashAttention's [0, L] device tensors, built once per length
 
     def attend(self, q, k, v, *, causal, final_lse=None):
         buf, final = self.buf, causal
@@ -167,7 +166,7 @@ class _Accumulator:
             if self.backend == "flash":  # FlashAttention writes its partial into the output tensor
                 part_out = self.out.view(q.dtype)  # (Hq, Lq, D); fp16 windows in a bf16 output's bytes
             part, lse = partial_attention(q, k, v, self.scale, causal=causal, backend=self.backend,
-                                          out=part_out)
+                                          out=part_out, seqlens=self.seqlens)
             if final and self.first:  # nothing cached: the chunk alone
                 self.out.copy_(part)
                 if final_lse is not None:
