@@ -191,7 +191,7 @@ def run(args) -> dict:
         for name, (fn, reset, window) in methods.items():
             if kind == "memory" and not (name.startswith("chunked") or name.startswith("vllm")):
                 continue
-            w = window or min(default_window(hk, d, 16), -(-cached_len // 16) * 16)
+            w = window or default_window(hk, d, 16)
             row = Row(name, preset, shape, q_len, cached_len)
             if name.startswith("chunked"):
                 row.workspace_mib = workspace_bytes(q_len, hq, hk, d, w, torch.float16) / 2**20
@@ -290,6 +290,7 @@ def parse(argv=None):
     p.add_argument("--no-vllm", action="store_true")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="", help="appended to the output file names")
+    p.add_argument("--render", metavar="JSON", help="only rewrite the Markdown table and plots of a result file")
     a = p.parse_args(argv)
     if a.quick:
         a.presets, a.shapes, a.q_lens = a.presets[:1], ["llama3-8b"], [2048]
@@ -303,6 +304,14 @@ def parse(argv=None):
 
 def main(argv=None):
     args = parse(argv)
+    if args.render:
+        with open(args.render) as f:
+            result = json.load(f)
+        stem = os.path.splitext(args.render)[0]
+        with open(stem + ".md", "w") as f:
+            f.write(markdown(result))
+        print("wrote", ", ".join([stem + ".md"] + plot(result, os.path.dirname(stem) or ".", os.path.basename(stem))))
+        return
     result = run(args)
     os.makedirs(args.out, exist_ok=True)
     dev = result["device"].replace(" ", "-").lower()
