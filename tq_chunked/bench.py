@@ -232,17 +232,27 @@ def markdown(result) -> str:
 
 
 def plot(result, out_dir, stem):
+    """time.png: time against cached_len per preset (first shape and q_len); memory.png
+    (when memory-only lengths ran): peak extra memory against cached_len, log-log;
+    ratio.png (when several shapes or q_lens ran): time ratio to vLLM per shape."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = [r for r in result["rows"] if not r["error"]]
-    first = rows[0] if rows else None
-    if not first:
+    if not rows:
         return []
+    first = rows[0]
     sel = [r for r in rows if r["shape"] == first["shape"] and r["q_len"] == first["q_len"]]
     presets = sorted({r["preset"] for r in sel})
     paths = []
-    fig, axes = plt.subplots(1, len(presets), figsize=(5 * len(presets), 4), squeeze=False)
+
+    def save(fig, name):
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, f"{stem}-{name}.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(presets), figsize=(4.5 * len(presets), 4), squeeze=False)
     for ax, preset in zip(axes[0], presets):
         for m in sorted({r["method"] for r in sel}):
             pts = sorted((r["cached_len"], r["time_ms"]) for r in sel
@@ -253,21 +263,43 @@ def plot(result, out_dir, stem):
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"{result['device']}: {first['shape']}, q_len {first['q_len']}")
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, f"{stem}-time.png"))
-    fig.savefig(paths[-1], dpi=110)
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    mem = [r for r in sel if r["preset"] == first["preset"] and r["peak_mib"] is not None]
-    for m in sorted({r["method"] for r in mem}):
-        pts = sorted({(r["cached_len"], r["peak_mib"]) for r in mem if r["method"] == m})
-        ax.plot([p[0] for p in pts], [max(p[1], 1e-1) for p in pts], marker="o", label=m)
-    ax.set(xscale="log", yscale="log", xlabel="cached tokens", ylabel="peak extra memory (MiB)",
-           title=f"{first['preset']}, {first['shape']}, q_len {first['q_len']}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, f"{stem}-memory.png"))
-    fig.savefig(paths[-1], dpi=110)
+    save(fig, "time")
+
+    if any(r["time_ms"] is None and r["peak_mib"] is not None for r in sel):
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        mem = [r for r in sel if r["preset"] == first["preset"] and r["peak_mib"] is not None]
+        for m in sorted({r["method"] for r in mem}):
+            pts = sorted({(r["cached_len"], r["peak_mib"]) for r in mem if r["method"] == m})
+            ax.plot([p[0] for p in pts], [max(p[1], 0.1) for p in pts], marker="o", label=m)
+        ax.set(xscale="log", yscale="log", xlabel="cached tokens", ylabel="peak extra memory (MiB)",
+               title=f"{first['preset']}, {first['shape']}, q_len {first['q_len']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        save(fig, "memory")
+
+    groups = sorted({(r["shape"], r["q_len"]) for r in rows})
+    chunked = [r for r in rows if r["method"].startswith("chunked") and "-w" not in r["method"] and r["ratio_to_vllm"]]
+    if len(groups) > 1 and chunked:
+        method = sorted({r["method"] for r in chunked})[0]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        shapes = sorted({g[0] for g in groups})
+        q_lens = sorted({g[1] for g in groups})
+        colors = plt.get_cmap("tab10")
+        styles = ["-", "--", ":", "-."]
+        for shape, q_len in groups:  # color: shape; line style and marker: q_len
+            pts = sorted((r["cached_len"], r["ratio_to_vllm"]) for r in chunked
+                         if r["method"] == method and r["shape"] == shape and r["q_len"] == q_len
+                         and r["preset"] == first["preset"])
+            if pts:
+                k = q_lens.index(q_len)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors(shapes.index(shape)),
+                        linestyle=styles[k % 4], marker="os^Dv"[k % 5], label=f"{shape}, q_len {q_len}")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set(xscale="log", xlabel="cached tokens", ylabel=f"time / {result['baseline']} time",
+               title=f"{method}, {first['preset']}: lower is faster")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        save(fig, "ratio")
     return paths
 
 
