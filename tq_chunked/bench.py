@@ -28,7 +28,6 @@ from tqdm import tqdm
 from . import continuation_prefill, workspace_bytes
 from .attention import backend_available
 from .demo import build_case
-from .format import TQConfig
 from .reference import full_buffer_continuation_prefill
 from .workspace import default_window
 
@@ -106,25 +105,11 @@ class CaseData:
         hq, hk, d = SHAPES[shape]
         self.preset, self.shape, self.q_len, self.device = preset, shape, q_len, device
         self.tq = None
-        if use_vllm:
-            from .vllm_harness import build_vllm_tq, vllm_store
+        if use_vllm:  # vLLM's own store kernel writes the cache
+            from .vllm_harness import build_vllm_tq
             self.tq = build_vllm_tq(preset, hq, hk, d)
-            (q, kc, vc, cache, bt, _), kwargs = build_case(preset, 0, q_len, hq, hk, d, 16, torch.float16, device)
-            total = max_cached + q_len
-            cfg = TQConfig.from_preset(preset, d)
-            nb = -(-total // 16)
-            cache = torch.empty(nb, 16, hk, cfg.slot_bytes, dtype=torch.uint8, device=device)
-            bt = torch.randperm(nb, device=device).int()[None]
-            for s in range(0, total, 16384):  # vLLM's own store kernel writes the cache
-                pos = torch.arange(s, min(total, s + 16384), device=device)
-                slots = bt[0].long()[pos // 16] * 16 + pos % 16
-                vllm_store(self.tq, torch.randn(len(pos), hk, d, device=device, dtype=torch.float16),
-                           torch.randn(len(pos), hk, d, device=device, dtype=torch.float16), cache, slots)
-            self.cache, self.bt, self.q, self.kc, self.vc = cache, bt, q, kc, vc
-            self.kwargs = dict(preset=preset, centroids=self.tq.centroids, rotation=self.tq.rotation, scale=d**-0.5)
-        else:
-            (self.q, self.kc, self.vc, self.cache, self.bt, _), self.kwargs = build_case(
-                preset, max_cached, q_len, hq, hk, d, 16, torch.float16, device)
+        (self.q, self.kc, self.vc, self.cache, self.bt, _), self.kwargs = build_case(
+            preset, max_cached, q_len, hq, hk, d, 16, torch.float16, device, vllm_tq=self.tq)
 
     def args(self, cached_len):
         return (self.q, self.kc, self.vc, self.cache, self.bt, cached_len)

@@ -17,23 +17,34 @@ from .format import TQConfig, encode_reference
 from .reference import full_buffer_continuation_prefill
 
 
-def build_case(preset, cached_len, q_len, hq, hk, d, block_size, dtype, device, seed=0):
-    """A paged TurboQuant cache holding cached_len + q_len random tokens, shuffled blocks."""
+def build_case(preset, cached_len, q_len, hq, hk, d, block_size, dtype, device, seed=0, vllm_tq=None):
+    """A paged TurboQuant cache holding cached_len + q_len random tokens, shuffled blocks.
+
+    Written by this project's encoder, or, given ``vllm_tq`` (``vllm_harness.build_vllm_tq``),
+    by vLLM's own store kernel with vLLM's centroids and rotation.
+    Returns (query, key_chunk, val_chunk, kv_cache, block_table, cached_len), kwargs.
+    """
     gen = torch.Generator(device).manual_seed(seed)
     cfg = TQConfig.from_preset(preset, d)
     total = cached_len + q_len
     num_blocks = -(-total // block_size)
     kv_cache = torch.zeros(num_blocks, block_size, hk, cfg.slot_bytes, dtype=torch.uint8, device=device)
     block_table = torch.randperm(num_blocks, generator=gen, device=device).int()[None]  # (1, num_blocks)
-    centroids = lloyd_max_centroids(d, cfg.centroid_bits).to(device)
-    rotation = hadamard(d).to(device)
+    if vllm_tq is None:
+        centroids = lloyd_max_centroids(d, cfg.centroid_bits).to(device)
+        rotation = hadamard(d).to(device)
+        store = lambda k, v, slots: encode_reference(k, v, kv_cache, slots, cfg, centroids, rotation)
+    else:
+        from .vllm_harness import vllm_store
+        centroids, rotation = vllm_tq.centroids, vllm_tq.rotation
+        store = lambda k, v, slots: vllm_store(vllm_tq, k, v, kv_cache, slots)
     for s in range(0, total, 16384):  # encode in slices: bounded scratch memory
         n = min(16384, total - s)
         pos = torch.arange(s, s + n, device=device)
         key = torch.randn(n, hk, d, generator=gen, device=device, dtype=dtype)
         val = torch.randn(n, hk, d, generator=gen, device=device, dtype=dtype)
         slots = block_table[0].long()[pos // block_size] * block_size + pos % block_size
-        encode_reference(key, val, kv_cache, slots, cfg, centroids, rotation)
+        store(key, val, slots)
     query = torch.randn(q_len, hq, d, generator=gen, device=device, dtype=dtype)
     key_chunk = torch.randn(q_len, hk, d, generator=gen, device=device, dtype=dtype)
     val_chunk = torch.randn(q_len, hk, d, generator=gen, device=device, dtype=dtype)
@@ -82,7 +93,7 @@ def main(argv=None):
     print(f"{'chunked':12} {t_c * 1e3:8.2f} ms {mib(m_c)}")
     print(f"{'full-buffer':12} {t_f * 1e3:8.2f} ms {mib(m_f)}")
     from .workspace import default_window
-    window = a.window or min(default_window(hk, a.head_dim, 16), a.cached_len)
+    window = a.window or default_window(hk, a.head_dim, 16)
     ws = workspace_bytes(a.q_len, hq, hk, a.head_dim, window, torch.float16)
     print(f"chunked workspace (window {window}): {ws / 2**20:.1f} MiB, independent of cached_len")
     print(f"relative difference |chunked - full| / |full| = {diff:.2e}")
