@@ -59,8 +59,9 @@ def measure(fn, device, repeats=5):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    times = []
+    times, out = [], None
     for _ in range(repeats):
+        out = None  # the last result is not held while the next call runs
         t = time.perf_counter()
         out = fn()
         if device.type == "cuda":
