@@ -170,6 +170,8 @@ def plan_patches(tqa, window):
         if original_reserve is not None:
             @functools.wraps(original_reserve)
             def reserve_workspace(self):
+                if getattr(tqa, "is_flydsl_available", lambda: False)():
+                    return original_reserve(self)  # the SoA path keeps vLLM's own method and buffers
                 real = tqa.current_workspace_manager
                 tqa.current_workspace_manager = lambda: _WithoutContinuationReservation(real())
                 try:
