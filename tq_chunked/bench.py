@@ -20,7 +20,7 @@ import datetime
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 from tqdm import tqdm
@@ -54,7 +54,6 @@ class Row:
     workspace_mib: float | None = None
     ratio_to_vllm: float | None = None
     error: str | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def attention_flop(q_len, hq, d, cached_len):
@@ -120,7 +119,7 @@ def methods_for(device, windows, use_vllm, latest):
     ms = {}
     if use_vllm:
         import vllm
-        from .vllm_harness import latest_continuation_prefill, vllm_continuation_prefill
+        from .vllm_harness import latest_continuation_prefill, prepare_latest, vllm_continuation_prefill
 
         def drop_layer_buffers(case):
             for a in ("_tq_k_dequant_buf", "_tq_v_dequant_buf"):
@@ -128,8 +127,9 @@ def methods_for(device, windows, use_vllm, latest):
                     delattr(case.tq.layer, a)
         ms[f"vllm-{vllm.__version__}"] = (lambda c, n: vllm_continuation_prefill(c.tq, *c.args(n)),
                                           drop_layer_buffers, None)
-        if latest:
-            ms["vllm-latest"] = (lambda c, n: latest_continuation_prefill(c.tq, *c.args(n)), _fresh_latest, None)
+        if latest:  # reset before the memory call, so the latest method's workspace counts in its peak
+            ms["vllm-latest"] = (lambda c, n: latest_continuation_prefill(c.tq, *c.args(n)),
+                                 lambda c: prepare_latest(c.tq, c.device, fresh_workspace=True), None)
     ms["full"] = (lambda c, n: full_buffer_continuation_prefill(*c.args(n), **c.kwargs), None, None)
     backends = [b for b in ("flash", "cudnn", "triton", "torch")
                 if backend_available(b, device, torch.float16, 128) and (b != "torch" or device.type == "cpu")]
@@ -139,14 +139,6 @@ def methods_for(device, windows, use_vllm, latest):
             ms[f"chunked-{b}-w{w}"] = (lambda c, n, b=b, w=w: continuation_prefill(*c.args(n), **c.kwargs,
                                                                                   backend=b, window=w), None, w)
     return ms
-
-
-def _fresh_latest(case):
-    """An empty WorkspaceManager, so the latest method's buffer counts in its peak."""
-    import vllm_latest
-    from vllm.v1.worker import workspace
-    workspace.reset_workspace_manager()
-    vllm_latest.prepare(case.tq.impl, case.tq.layer, case.device)
 
 
 def run(args) -> dict:
@@ -167,8 +159,9 @@ def run(args) -> dict:
     for (preset, shape, q_len), cached_len, kind in tqdm(jobs, desc="bench", unit="case"):
         max_len = max(args.cached_lens + (args.memory_lens if (preset, shape, q_len) == groups[0] else []))
         if case_key != (preset, shape, q_len):
-            case, case_key = None, (preset, shape, q_len)
-            torch.cuda.empty_cache() if device.type == "cuda" else None
+            case, case_key = None, (preset, shape, q_len)  # free the last group's cache first
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             case = CaseData(preset, shape, q_len, max_len, device, use_vllm)
         hq, hk, d = SHAPES[shape]
         flop = attention_flop(q_len, hq, d, cached_len)

@@ -70,21 +70,24 @@ def latest_available() -> bool:
         return False
 
 
-def latest_continuation_prefill(tq: VllmTQ, query, key_chunk, val_chunk, kv_cache, block_table, cached_len,
-                                fresh_workspace=False):
-    """The latest vLLM release's ``_continuation_prefill``, run in the installed runtime.
-
-    fresh_workspace: start from an empty WorkspaceManager, so its buffer is allocated
-    (and counted) inside this call.
-    """
+def prepare_latest(tq: VllmTQ, device, fresh_workspace=False) -> None:
+    """Give the impl/layer what the latest method reads (once); fresh_workspace also starts
+    from an empty WorkspaceManager, so the next call allocates (and counts) its buffer."""
     import vllm_latest
     from vllm.v1.worker import workspace
 
     if fresh_workspace:
         workspace.reset_workspace_manager()
-    if not getattr(tq.layer, "_tq_latest_prepared", False) or fresh_workspace:
-        vllm_latest.prepare(tq.impl, tq.layer, query.device)
+    if fresh_workspace or not getattr(tq.layer, "_tq_latest_prepared", False):
+        vllm_latest.prepare(tq.impl, tq.layer, device)
         tq.layer._tq_latest_prepared = True
+
+
+def latest_continuation_prefill(tq: VllmTQ, query, key_chunk, val_chunk, kv_cache, block_table, cached_len):
+    """The latest vLLM release's ``_continuation_prefill``, run in the installed runtime."""
+    import vllm_latest
+
+    prepare_latest(tq, query.device)
     return vllm_latest.latest_continuation_prefill(tq.impl, tq.layer, query, key_chunk, val_chunk, kv_cache,
                                                    block_table.reshape(1, -1), cached_len,
                                                    cached_len + query.shape[0], tq.rotation, tq.centroids)

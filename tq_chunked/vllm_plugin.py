@@ -146,50 +146,40 @@ def plan_patches(tqa, window):
     if params != EXPECTED_PARAMS:
         raise UnsupportedVllm(f"_continuation_prefill{tuple(params)} is not the expected {tuple(EXPECTED_PARAMS)}")
     log = _logger()
-    plan = []
     uses_manager = hasattr(tqa, "current_workspace_manager")
     if uses_manager:
-        from vllm.v1.worker import workspace as vllm_workspace
-
-        def from_manager(nbytes, device):
+        def workspace_source(nbytes, device):
             return tqa.current_workspace_manager().get_simultaneous(((nbytes,), torch.uint8))[0]
-        plan.append((impl_cls, "_continuation_prefill", make_continuation_prefill(original, from_manager, window)))
+    else:
+        workspace_source = SharedWorkspace().get
+    plan = [(impl_cls, "_continuation_prefill", make_continuation_prefill(original, workspace_source, window))]
 
-        original_init = builder_cls.__init__
+    original_init = builder_cls.__init__
 
-        @functools.wraps(original_init)
-        def builder_init(self, *args, **kwargs):
-            original_init(self, *args, **kwargs)
-            w, nbytes = builder_workspace_bytes(self, window)
+    @functools.wraps(original_init)
+    def builder_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        w, nbytes = builder_workspace_bytes(self, window)
+        if uses_manager:  # reserve before vLLM locks the manager
+            from vllm.v1.worker import workspace as vllm_workspace
             if vllm_workspace.is_workspace_manager_initialized() and not tqa.current_workspace_manager().is_locked():
                 tqa.current_workspace_manager().get_simultaneous(((nbytes,), torch.uint8))
-            _log_active(log, w, nbytes)
-        plan.append((builder_cls, "__init__", builder_init))
+        _log_active(log, w, nbytes)
+    plan.append((builder_cls, "__init__", builder_init))
 
-        original_reserve = getattr(builder_cls, "_reserve_workspace", None)
-        if original_reserve is not None:
-            @functools.wraps(original_reserve)
-            def reserve_workspace(self):
-                if getattr(tqa, "is_flydsl_available", lambda: False)():
-                    return original_reserve(self)  # the SoA path keeps vLLM's own method and buffers
-                real = tqa.current_workspace_manager
-                tqa.current_workspace_manager = lambda: _WithoutContinuationReservation(real())
-                try:
-                    original_reserve(self)
-                finally:
-                    tqa.current_workspace_manager = real
-            plan.append((builder_cls, "_reserve_workspace", reserve_workspace))
-    else:
-        shared = SharedWorkspace()
-        plan.append((impl_cls, "_continuation_prefill", make_continuation_prefill(original, shared.get, window)))
-        original_init = builder_cls.__init__
-
-        @functools.wraps(original_init)
-        def builder_init(self, *args, **kwargs):
-            original_init(self, *args, **kwargs)
-            w, nbytes = builder_workspace_bytes(self, window)
-            _log_active(log, w, nbytes)
-        plan.append((builder_cls, "__init__", builder_init))
+    original_reserve = getattr(builder_cls, "_reserve_workspace", None)
+    if uses_manager and original_reserve is not None:
+        @functools.wraps(original_reserve)
+        def reserve_workspace(self):
+            if getattr(tqa, "is_flydsl_available", lambda: False)():
+                return original_reserve(self)  # the SoA path keeps vLLM's own method and buffers
+            real = tqa.current_workspace_manager
+            tqa.current_workspace_manager = lambda: _WithoutContinuationReservation(real())
+            try:
+                original_reserve(self)
+            finally:
+                tqa.current_workspace_manager = real
+        plan.append((builder_cls, "_reserve_workspace", reserve_workspace))
     return plan
 
 
