@@ -241,7 +241,12 @@ def dequantize_reference(kv_cache: torch.Tensor, block_table: torch.Tensor, star
         norm = _bytes_fp16(kb[..., cfg.key_index_bytes:cfg.key_bytes].unsqueeze(-2))  # (Hk, n, 1)
         if cfg.norm_correction:
             sumsq = (c.double() * c.double()).sum(-1, keepdim=True).float()
-            c = c * (1.0 / torch.sqrt(sumsq + 1e-16))
+            # The kernel's sqrt_rn is the correctly rounded float32 square root. torch's
+            # float32 sqrt on a CPU is not (one ulp off for 14% of inputs in [0.5, 2)); a
+            # float64 square root rounded to float32 is, since 53 >= 2 * 24 + 2 bits make
+            # the double rounding innocuous.
+            root = torch.sqrt((sumsq + 1e-16).double()).float()
+            c = c * (1.0 / root)
         k = norm * c
     vb = slots[..., cfg.key_bytes: cfg.key_bytes + cfg.value_bytes]
     vidx = unpack_bits(vb[..., : cfg.value_index_bytes], cfg.value_bits, d).float()
