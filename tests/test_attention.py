@@ -1,64 +1,90 @@
-"""Partial attention back ends against float64: outputs and log-sum-exp."""
+"""Varlen partial attention back ends against float64: outputs and log-sum-exp, with
+empty query and key segments, causal and not."""
 
 import pytest
 import torch
 
-from tq_chunked.attention import BACKENDS, attention_accumulate, backend_available, partial_attention
+from tq_chunked.attention import BACKENDS, backend_available, resolve_backend, varlen_attention
+from tq_chunked.plan import WindowCall
 
 from conftest import DEVICE, rel_err
 
-AVAILABLE = [b for b in BACKENDS if backend_available(b, torch.device(DEVICE), torch.float16, 128)]
+AVAILABLE = [b for b in BACKENDS if backend_available(b, torch.device(DEVICE), 128)[0]]
 
 
-def _ref(q, k, v, scale, causal):
-    hq, lq, d = q.shape
-    hk, lk, _ = k.shape
-    kk = k.double().repeat_interleave(hq // hk, 0)
-    vv = v.double().repeat_interleave(hq // hk, 0)
-    s = q.double() @ kk.transpose(1, 2) * scale
-    if causal:
-        i, j = torch.arange(lq)[:, None], torch.arange(lk)[None, :]
-        s = s.masked_fill((j > i + lk - lq).to(s.device), float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    return torch.softmax(s, -1) @ vv, lse
+def make_call(q_lens, k_lens, causal):
+    cu = lambda lens: [sum(lens[:i]) for i in range(len(lens) + 1)]
+    cq, ck = cu(q_lens), cu(k_lens)
+    t = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)
+    return WindowCall(start=0, length=ck[-1], r0=0, r1=len(q_lens), q0=0, q1=cq[-1], cu_q=t(cq), cu_k=t(ck),
+                      cu_q_host=tuple(cq), cu_k_host=tuple(ck), max_q=max(q_lens), max_k=max(k_lens), causal=causal)
+
+
+def reference(call, q, k, v, scale):
+    """float64, one sequence at a time: (out (Nq, Hq, D), lse (Hq, Nq)); no key: 0 and -inf."""
+    nq, hq, d = q.shape
+    g = hq // k.shape[1]
+    out = torch.zeros(nq, hq, d, dtype=torch.float64, device=q.device)
+    lse = torch.full((hq, nq), float("-inf"), dtype=torch.float64, device=q.device)
+    for b in range(len(call.cu_q_host) - 1):
+        q0, q1, k0, k1 = call.cu_q_host[b], call.cu_q_host[b + 1], call.cu_k_host[b], call.cu_k_host[b + 1]
+        if q1 == q0 or k1 == k0:
+            continue
+        qq = q[q0:q1].double().transpose(0, 1)
+        kk = k[k0:k1].double().transpose(0, 1).repeat_interleave(g, 0)
+        vv = v[k0:k1].double().transpose(0, 1).repeat_interleave(g, 0)
+        s = qq @ kk.transpose(1, 2) * scale
+        if call.causal:
+            i = torch.arange(q1 - q0, device=q.device)[:, None]
+            j = torch.arange(k1 - k0, device=q.device)[None, :]
+            s = s.masked_fill(j > i + (k1 - k0) - (q1 - q0), float("-inf"))
+        lse[:, q0:q1] = torch.logsumexp(s, -1)
+        out[q0:q1] = (torch.softmax(s, -1) @ vv).transpose(0, 1)
+    return out, lse
+
+
+CASES = {  # name: (q_lens, k_lens, causal, group, D)
+    "one-seq": ([70], [50], False, 1, 64),
+    "gqa-4": ([33, 20], [129, 7], False, 4, 128),
+    "empty-q-and-k-segments": ([20, 0, 15, 9], [40, 30, 0, 25], False, 2, 64),
+    "causal-first-chunks": ([65, 17], [65, 17], True, 2, 64),
+    "causal-longer-keys": ([40, 5], [90, 5], True, 8, 256),
+    "d80": ([30], [45], False, 2, 80),
+}
 
 
 @pytest.mark.parametrize("backend", AVAILABLE)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("group,d,lq,lk,causal", [(1, 64, 70, 50, False), (4, 128, 33, 129, False),
-                                                   (2, 64, 65, 65, True), (8, 256, 40, 40, True)])
-def test_backend_matches_float64(backend, dtype, group, d, lq, lk, causal):
-    if backend == "cudnn" and d > 128:
-        pytest.skip("cudnn back end is limited to D <= 128")
+@pytest.mark.parametrize("case", list(CASES))
+def test_backend_matches_float64(backend, dtype, case):
+    q_lens, k_lens, causal, group, d = CASES[case]
+    if not backend_available(backend, torch.device(DEVICE), d)[0]:
+        pytest.skip(f"{backend} does not take D {d}")
+    gen = torch.Generator().manual_seed(len(case) * 7 + d)
     hk = 2
-    q = (torch.randn(lq, hk * group, d, device=DEVICE) * 1.5).to(dtype).transpose(0, 1)  # strided head-major
-    k = torch.randn(hk, lk, d, device=DEVICE).to(dtype)
-    v = torch.randn(hk, lk, d, device=DEVICE).to(dtype)
-    out, lse = partial_attention(q, k, v, d**-0.5, causal=causal, backend=backend)
-    o_ref, l_ref = _ref(q, k, v, d**-0.5, causal)
+    call = make_call(q_lens, k_lens, causal)
+    q = (torch.randn(sum(q_lens), hk * group, d, generator=gen) * 1.5).to(DEVICE, dtype)
+    k = torch.randn(sum(k_lens), hk, d, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(sum(k_lens), hk, d, generator=gen).to(DEVICE, dtype)
+    out = torch.full_like(q, float("nan"))
+    lse = varlen_attention(call, q, k, v, d**-0.5, out, backend)
+    o_ref, l_ref = reference(call, q, k, v, d**-0.5)
+    seen = torch.isfinite(l_ref)  # rows that saw a key
     tol = 4e-3 if dtype == torch.float16 else 2e-2
-    assert rel_err(out, o_ref) < tol
-    assert rel_err(lse, l_ref) < 1e-3
+    assert rel_err(out[seen.T], o_ref[seen.T]) < tol
+    assert rel_err(lse[seen], l_ref[seen]) < 1e-3
+    # A row that saw no key: zero output, lse -inf (FlashAttention: +inf; merge.py reads both as empty).
+    assert (out[~seen.T] == 0).all() and torch.isinf(lse[~seen]).all()
+    if backend != "flash":
+        assert (lse[~seen] < 0).all()
 
 
-@pytest.mark.skipif("triton" not in AVAILABLE, reason="Triton needs a GPU or TRITON_INTERPRET=1")
-def test_triton_accumulate_equals_merge_of_two_halves():
-    hq, hk, lq, d = 4, 2, 50, 64
-    q = torch.randn(hq, lq, d, device=DEVICE).half()
-    k = torch.randn(hk, 90, d, device=DEVICE).half()
-    v = torch.randn(hk, 90, d, device=DEVICE).half()
-    state = torch.full((hq, lq, d), float("nan"), device=DEVICE)
-    lse = torch.full((hq, lq), float("nan"), device=DEVICE)
-    attention_accumulate(q, k[:, :40], v[:, :40], 0.125, causal=False, state_out=state, state_lse=lse, first=True)
-    attention_accumulate(q, k[:, 40:], v[:, 40:], 0.125, causal=False, state_out=state, state_lse=lse, first=False)
-    o_ref, l_ref = _ref(q, k, v, 0.125, False)
-    assert rel_err(state, o_ref) < 2e-3
-    assert rel_err(lse, l_ref) < 1e-4
-
-
-@pytest.mark.parametrize("backend", AVAILABLE)
-def test_no_keys_gives_zero_output_and_minus_inf_lse(backend):
-    q = torch.randn(2, 8, 64, device=DEVICE).half()
-    k = torch.randn(1, 0, 64, device=DEVICE).half()
-    out, lse = partial_attention(q, k, k, 0.125, backend=backend)
-    assert torch.isneginf(lse).all() and not out.isnan().any() and (out == 0).all()
+def test_auto_never_picks_an_unavailable_back_end_and_named_ones_are_checked():
+    dev = torch.device(DEVICE)
+    assert resolve_backend("auto", dev, 128) in AVAILABLE
+    for name in BACKENDS:
+        if name not in AVAILABLE:
+            with pytest.raises(ValueError, match=f"backend {name!r} is not available"):
+                resolve_backend(name, dev, 128)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_backend("cudnn", dev, 128)

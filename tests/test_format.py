@@ -16,7 +16,7 @@ def test_slot_bytes_at_d128_match_vllm(preset, slot):
     assert TQConfig.from_preset(preset, 128).slot_bytes == slot
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30, deadline=None, derandomize=True)
 @given(bits=st.sampled_from([3, 4]), d=st.sampled_from([8, 16, 64, 128, 256]), seed=st.integers(0, 2**31))
 def test_pack_unpack_round_trip(bits, d, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -58,7 +58,7 @@ def test_hadamard_is_orthonormal_and_symmetric():
 def test_round_trip_error_is_that_of_the_quantizer(preset):
     cfg = TQConfig.from_preset(preset, 128)
     centroids = lloyd_max_centroids(128, cfg.centroid_bits)
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = torch.Generator().manual_seed(7)
     key = torch.randn(64, 2, 128, generator=gen)
     val = torch.randn(64, 2, 128, generator=gen)
     cache = torch.randint(0, 256, (4, 16, 2, cfg.slot_bytes), dtype=torch.uint8, generator=gen)
@@ -70,7 +70,12 @@ def test_round_trip_error_is_that_of_the_quantizer(preset):
     assert ((v.transpose(0, 1) - val).norm() / val.norm()).item() < {4: 0.12, 3: 0.25}[cfg.value_bits]
 
 
-def test_config_rejects_a_non_power_of_two_head_dim_for_mse_keys():
+@pytest.mark.parametrize("preset,head_dim", [("turboquant_3bit_nc", 96), ("turboquant_k8v4", 100),
+                                             ("turboquant_k8v4", 8), ("turboquant_4bit_nc", 512)])
+def test_config_refuses_head_sizes_vllm_does_not_serve(preset, head_dim):
     with pytest.raises(ValueError, match="head_dim"):
-        TQConfig.from_preset("turboquant_3bit_nc", 96)
+        TQConfig.from_preset(preset, head_dim)
+
+
+def test_fp8_keys_take_any_multiple_of_8():
     assert TQConfig.from_preset("turboquant_k8v4", 96).slot_bytes == 96 + 48 + 4

@@ -1,272 +1,241 @@
-"""Partial attention back ends: softmax(q k^T * scale) v over one key set, with its
-log-sum-exp, so that partial results over disjoint key sets can be merged exactly.
+"""Variable-length partial attention with its log-sum-exp, so that results over disjoint
+key sets can be merged exactly. One call covers many sequences (requests):
 
-Every back end takes head-major views and returns head-major results:
+    q: (Nq, Hq, D)  k, v: (Nk, Hk, D)  token-major, unit stride over D
+    sequence b: queries cu_q[b]:cu_q[b+1] attend to keys cu_k[b]:cu_k[b+1]
+    Hq = G * Hk, query head h uses kv head h // G
+    -> out (Nq, Hq, D) in q's dtype (written in place), lse (Hq, Nq) float32, natural log
 
-    q: (Hq, Lq, D)   k, v: (Hk, Lk, D)   Hq = G * Hk, query head h uses kv head h // G
-    -> out: (Hq, Lq, D) in q's dtype, any strides;  lse: (Hq, Lq) float32, natural log
+``causal=True`` masks bottom-right aligned per sequence: query i sees keys
+j <= i + Lk - Lq. A query that sees no key gets out = 0 and lse = -inf (FlashAttention
+reports +inf there; merge.py reads both as empty).
 
-``causal=True`` masks bottom-right aligned: query i sees keys j <= i + Lk - Lq.
-A query that sees no key gets out = 0 and lse = -inf.
-
-Back ends (``resolve_backend`` picks the first that is available for the inputs):
+Back ends (``resolve_backend`` picks the first available for "auto"):
   "flash"  vLLM's flash_attn_varlen_func (FlashAttention-3 on Hopper, FA2 elsewhere)
-  "cudnn"  PyTorch's cuDNN attention; GQA folded into the query axis when not causal
   "triton" the kernel in this file (also runs on CPU under TRITON_INTERPRET=1)
-  "torch"  float32 PyTorch, the CPU reference
+  "torch"  float32 PyTorch, one sequence at a time: the CPU reference
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
 import triton
 import triton.language as tl
-from einops import rearrange
 
-BACKENDS = ("flash", "cudnn", "triton", "torch")
+from .dequant import interpreter_rounds_bf16, round_bf16, use_triton
+
+BACKENDS = ("flash", "triton", "torch")
+log = logging.getLogger("tq_chunked")
 
 
 # ---------------------------------------------------------------------------
-# Triton flash attention with LSE
+# Triton varlen flash attention with LSE
 # ---------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["Lq", "Lk"])
+@triton.jit
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
-    s_qh, s_ql, s_kh, s_kl, s_vh, s_vl, s_oh, s_ol, s_lh,
-    Lq, Lk, qk_scale,  # qk_scale = softmax scale * log2(e)
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, D: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+    s_q_tok, s_q_head, s_k_tok, s_k_head, s_v_tok, s_v_head, s_o_tok, s_o_head, s_lse_head,
+    qk_scale,  # softmax scale * log2(e)
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ACCUMULATE: tl.constexpr,  # merge into the (out, lse) already in o_ptr/lse_ptr
     DOT_F32: tl.constexpr,  # float32 dot operands (the CPU interpreter's bf16 dot is wrong)
+    ROUND_BF16: tl.constexpr,  # see dequant.round_bf16
 ):
     m_block = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
+    seq = tl.program_id(1)
+    head = tl.program_id(2).to(tl.int64)
     kv_head = head // GROUP
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query index
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
-    m_mask = offs_m < Lq
-    q = tl.load(q_ptr + head * s_qh + offs_m[:, None] * s_ql + offs_d[None, :], mask=m_mask[:, None], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
-    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    shift = Lk - Lq  # causal: query i sees keys j <= i + shift
-    k_end = Lk
-    if CAUSAL:
-        k_end = tl.minimum(Lk, (m_block + 1) * BLOCK_M + shift)
-    k_base = k_ptr + kv_head * s_kh
-    v_base = v_ptr + kv_head * s_vh
-    for n0 in range(0, k_end, BLOCK_N):
-        n = n0 + offs_n
-        n_mask = n < Lk
-        k = tl.load(k_base + n[None, :] * s_kl + offs_d[:, None], mask=n_mask[None, :], other=0.0)  # (D, BLOCK_N)
+    q_start = tl.load(cu_q_ptr + seq)
+    lq = tl.load(cu_q_ptr + seq + 1) - q_start
+    k_start = tl.load(cu_k_ptr + seq)
+    lk = tl.load(cu_k_ptr + seq + 1) - k_start
+    if m_block * BLOCK_M < lq:
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query within the sequence
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        m_mask = offs_m < lq
+        d_mask = offs_d < D
+        q_rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(q_ptr + q_rows[:, None] * s_q_tok + head * s_q_head + offs_d[None, :],
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
         if DOT_F32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, k) * qk_scale  # (BLOCK_M, BLOCK_N)
-        valid = n_mask[None, :]
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
+        l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        shift = lk - lq  # causal: query i sees keys j <= i + shift
+        k_end = lk
         if CAUSAL:
-            valid = valid & (n[None, :] <= offs_m[:, None] + shift)
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + n[:, None] * s_vl + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        if DOT_F32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+            k_end = tl.maximum(0, tl.minimum(lk, (m_block + 1) * BLOCK_M + shift))
+        k_base = k_ptr + kv_head * s_k_head
+        v_base = v_ptr + kv_head * s_v_head
+        for n0 in range(0, k_end, BLOCK_N):
+            n = n0 + offs_n
+            n_mask = n < lk
+            k_rows = (k_start + n).to(tl.int64)
+            k = tl.load(k_base + k_rows[None, :] * s_k_tok + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None],
+                        other=0.0)  # (BLOCK_D, BLOCK_N)
+            if DOT_F32:
+                k = k.to(tl.float32)
+            s = tl.dot(q, k) * qk_scale  # (BLOCK_M, BLOCK_N)
+            valid = n_mask[None, :]
+            if CAUSAL:
+                valid = valid & (n[None, :] <= offs_m[:, None] + shift)
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + k_rows[:, None] * s_v_tok + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :],
+                        other=0.0)
+            if DOT_F32:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        has_keys = l_i > 0
+        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        out = round_bf16(out, ROUND_BF16).to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + q_rows[:, None] * s_o_tok + head * s_o_head + offs_d[None, :], out,
+                 mask=m_mask[:, None] & d_mask[None, :])
+        tl.store(lse_ptr + head * s_lse_head + q_start + offs_m, lse, mask=m_mask)
 
-    has_keys = l_i > 0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    o_rows = o_ptr + head * s_oh + offs_m[:, None] * s_ol + offs_d[None, :]
-    lse_rows = lse_ptr + head * s_lh + offs_m
-    if ACCUMULATE:  # the merge of merge.py, fused: no partial output leaves the chip
-        lse_prev = tl.load(lse_rows, mask=m_mask, other=float("-inf"))
-        o_prev = tl.load(o_rows, mask=m_mask[:, None], other=0.0).to(tl.float32)
-        m = tl.maximum(lse_prev, lse)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        w_prev = tl.exp(lse_prev - m)
-        w_new = tl.exp(lse - m)
-        total = w_prev + w_new
-        inv = tl.where(total > 0, 1.0 / total, 0.0)
-        out = o_prev * (w_prev * inv)[:, None] + out * (w_new * inv)[:, None]
-        lse = tl.where(total > 0, m + tl.log(total), float("-inf"))
-    tl.store(o_rows, out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None])
-    tl.store(lse_rows, lse, mask=m_mask)
 
-
-def _triton_attention(q, k, v, scale, causal, out, lse=None, accumulate=False):
-    hq, lq, d = q.shape
-    hk, lk, _ = k.shape
-    if out is None:
-        out = torch.empty(hq, lq, d, dtype=q.dtype, device=q.device)
-    if lse is None:
-        lse = torch.empty(hq, lq, dtype=torch.float32, device=q.device)
+def _triton_attention(call, q, k, v, scale, out):
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # as FlashAttention does
+    nq, hq, d = q.shape
+    hk = k.shape[1]
+    lse = torch.empty(hq, nq, dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(d)
     if not q.is_cuda:  # the interpreter: small blocks, less work on masked rows
-        block_m, block_n, warps, stages = 64, 64, 4, 1
-    elif d <= 128:
+        block_m, block_n, warps, stages = 32, 32, 4, 1
+    elif block_d <= 128:
         block_m, block_n, warps, stages = 128, 64, 8, 3
     else:
         block_m, block_n, warps, stages = 64, 32, 8, 2
-    grid = (triton.cdiv(lq, block_m), hq)
+    grid = (triton.cdiv(max(call.max_q, 1), block_m), len(call.cu_q_host) - 1, hq)
     _attention_kernel[grid](
-        q, k, v, out, lse,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0),
-        lq, lk, scale * math.log2(math.e),
-        GROUP=hq // hk, CAUSAL=causal, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        ACCUMULATE=accumulate, DOT_F32=not q.is_cuda, num_warps=warps, num_stages=stages,
+        q, k, v, out, lse, call.cu_q, call.cu_k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        lse.stride(0), scale * math.log2(math.e),
+        GROUP=hq // hk, CAUSAL=call.causal, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_F32=not q.is_cuda, ROUND_BF16=interpreter_rounds_bf16(out.dtype), num_warps=warps, num_stages=stages,
     )
-    return out, lse
+    return lse
 
 
 # ---------------------------------------------------------------------------
 # Other back ends
 # ---------------------------------------------------------------------------
 
-def _torch_attention(q, k, v, scale, causal, out):
-    hq, lq, d = q.shape
-    hk, lk, _ = k.shape
-    qf = rearrange(q.float(), "(hk g) l d -> hk (g l) d", hk=hk)  # a kv head's query group, stacked
-    s = rearrange(torch.matmul(qf, k.float().transpose(1, 2)), "hk (g l) n -> (hk g) l n", l=lq) * scale
-    if causal:
-        i = torch.arange(lq, device=q.device)[:, None]
-        j = torch.arange(lk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (lk - lq), float("-inf"))
-    lse = torch.logsumexp(s, -1)  # (Hq, Lq), -inf where no key
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    o = torch.matmul(rearrange(p, "(hk g) l n -> hk (g l) n", hk=hk), v.float())
-    o = rearrange(o, "hk (g l) d -> (hk g) l d", l=lq)  # (Hq, Lq, D)
-    if out is None:
-        return o, lse
-    out.copy_(o)
-    return out, lse
+def _torch_attention(call, q, k, v, scale, out):
+    nq, hq, d = q.shape
+    hk = k.shape[1]
+    g = hq // hk
+    lse = torch.full((hq, nq), float("-inf"), dtype=torch.float32, device=q.device)
+    for b in range(len(call.cu_q_host) - 1):
+        q0, q1 = call.cu_q_host[b], call.cu_q_host[b + 1]
+        k0, k1 = call.cu_k_host[b], call.cu_k_host[b + 1]
+        lq, lk = q1 - q0, k1 - k0
+        if lq == 0:
+            continue
+        qq = q[q0:q1].float().transpose(0, 1)  # (Hq, lq, D)
+        kk = k[k0:k1].float().transpose(0, 1).repeat_interleave(g, 0)  # (Hq, lk, D)
+        vv = v[k0:k1].float().transpose(0, 1).repeat_interleave(g, 0)
+        s = qq @ kk.transpose(1, 2) * scale  # (Hq, lq, lk)
+        if call.causal:
+            i = torch.arange(lq, device=q.device)[:, None]
+            j = torch.arange(lk, device=q.device)[None, :]
+            s = s.masked_fill(j > i + (lk - lq), float("-inf"))
+        l = torch.logsumexp(s, -1)  # -inf where no key
+        p = torch.exp(s - torch.where(torch.isinf(l), 0.0, l)[..., None])
+        out[q0:q1] = (p @ vv).transpose(0, 1)
+        lse[:, q0:q1] = l
+    return lse
 
 
 @functools.cache
 def _vllm_flash():
-    """vLLM's flash_attn_varlen_func and the FA version it picks, or None."""
+    """(vLLM's flash_attn_varlen_func, its FA version) or None if vLLM has none here.
+    Only a missing module means "unavailable"; any other error is a broken install and
+    is raised."""
     try:
-        from vllm.v1.attention.backends.fa_utils import (get_flash_attn_version,
-                                                          is_flash_attn_varlen_func_available)
-        if not is_flash_attn_varlen_func_available():
-            return None
-        from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
-        return flash_attn_varlen_func, get_flash_attn_version()
-    except Exception:
+        from vllm.v1.attention.backends import fa_utils
+    except ImportError as e:
+        log.debug("tq_chunked: back end 'flash' unavailable: vLLM is not importable (%s)", e)
         return None
+    if not fa_utils.is_flash_attn_varlen_func_available():
+        log.debug("tq_chunked: back end 'flash' unavailable: vLLM reports no flash_attn_varlen_func")
+        return None
+    try:
+        version = fa_utils.get_flash_attn_version(head_size=None)
+    except TypeError:  # releases without the head_size argument
+        version = fa_utils.get_flash_attn_version()
+    return fa_utils.flash_attn_varlen_func, version
 
 
-def _cu_seqlens(length, device, cache):
-    """[0, length] int32 on the device (one sequence), memoized in ``cache`` if given."""
-    t = None if cache is None else cache.get(length)
-    if t is None:
-        t = torch.arange(2, dtype=torch.int32, device=device) * length  # no host-to-device copy
-        if cache is not None:
-            cache[length] = t
-    return t
-
-
-def _flash_attention(q, k, v, scale, causal, out, seqlens=None):
+def _flash_attention(call, q, k, v, scale, out):
     fn, version = _vllm_flash()
-    hq, lq, d = q.shape
-    lk = k.shape[1]
-    cu_q, cu_k = _cu_seqlens(lq, q.device, seqlens), _cu_seqlens(lk, q.device, seqlens)
     kwargs = {} if version is None else {"fa_version": version}
-    o, lse = fn(q=q.transpose(0, 1), k=k.transpose(0, 1), v=v.transpose(0, 1),  # token-major views
-                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=lq, max_seqlen_k=lk,
-                softmax_scale=scale, causal=causal, return_softmax_lse=True,
-                out=None if out is None else out.transpose(0, 1), **kwargs)
-    return o.transpose(0, 1), lse  # (Hq, Lq, D), (Hq, Lq)
+    _, lse = fn(q=q, k=k, v=v, cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k, max_seqlen_q=call.max_q,
+                max_seqlen_k=call.max_k, softmax_scale=scale, causal=call.causal, return_softmax_lse=True, out=out,
+                **kwargs)
+    return lse
 
 
-def _cudnn_attention(q, k, v, scale, causal, out):
-    hq, lq, d = q.shape
-    hk, lk, _ = k.shape
-    g = hq // hk
-    if causal:
-        if lq != lk:
-            raise ValueError("backend 'cudnn' masks top-left: causal needs Lq == Lk")
-        if g > 1:  # the chunk's own block: expand its O(q_len) K/V to all query heads
-            k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
-        qq, kk, vv = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    else:  # GQA folded: the g query heads of a kv head become one sequence of g * Lq
-        qq = rearrange(q, "(hk g) l d -> 1 hk (g l) d", hk=hk)
-        kk, vv = k.unsqueeze(0), v.unsqueeze(0)
-    res = torch.ops.aten._scaled_dot_product_cudnn_attention(qq, kk, vv, None, True, 0.0, causal, False,
-                                                             scale=scale)
-    o = res[0].reshape(hq, lq, d)
-    lse = res[1].reshape(hq, lq).float()
-    if out is not None:
-        out.copy_(o)
-        o = out
-    return o, lse
+_IMPLS = {"flash": _flash_attention, "triton": _triton_attention, "torch": _torch_attention}
 
 
-_IMPLS = {"flash": _flash_attention, "cudnn": _cudnn_attention, "triton": _triton_attention,
-          "torch": _torch_attention}
-
-
-def backend_available(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+def backend_available(name: str, device: torch.device, head_dim: int) -> tuple[bool, str]:
+    """(available, reason if not) for back end ``name`` on this device and head size."""
     if name == "torch":
-        return True
+        return True, ""
     if name == "triton":
-        from .dequant import use_triton
-        return use_triton(torch.empty(0, device=device))
-    if device.type != "cuda":
-        return False
+        ok = use_triton(torch.empty(0, device=device))
+        return ok, "" if ok else "Triton needs a CUDA device (or TRITON_INTERPRET=1 on a CPU)"
     if name == "flash":
-        return _vllm_flash() is not None and head_dim <= 256
-    if name == "cudnn":
-        return torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(device) >= (8, 0) \
-            and head_dim <= 128
+        if device.type != "cuda":
+            return False, "FlashAttention needs a CUDA device"
+        if head_dim > 256:
+            return False, f"FlashAttention supports head sizes up to 256, not {head_dim}"
+        if _vllm_flash() is None:
+            return False, "vLLM's flash_attn_varlen_func is not importable"
+        return True, ""
     raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {name!r}")
 
 
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """'auto' -> the fastest available back end; a named one is checked, never replaced."""
+@functools.cache
+def resolve_backend(backend: str, device: torch.device, head_dim: int) -> str:
+    """'auto' -> the fastest available back end (logged once, with why others were
+    skipped); a named one is checked and never replaced."""
     if backend == "auto":
-        order = ("flash", "cudnn", "triton") if device.type == "cuda" else ("torch",)
-        return next(b for b in order if backend_available(b, device, dtype, head_dim))
+        order = ("flash", "triton") if device.type == "cuda" else ("torch",)
+        skipped = []
+        for b in order:
+            ok, why = backend_available(b, device, head_dim)
+            if ok:
+                log.debug("tq_chunked: backend 'auto' -> %r on %s, head_dim %d%s", b, device, head_dim,
+                          "".join(f"; skipped {s!r}: {w}" for s, w in skipped))
+                return b
+            skipped.append((b, why))
+        raise AssertionError("unreachable: 'torch' and 'triton' are always available on their devices")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {backend!r}")
-    if not backend_available(backend, device, dtype, head_dim):
-        raise ValueError(f"backend {backend!r} is not available for {device.type} tensors, "
-                         f"dtype {dtype}, head_dim {head_dim}")
+    ok, why = backend_available(backend, device, head_dim)
+    if not ok:
+        raise ValueError(f"backend {backend!r} is not available: {why}")
     return backend
 
 
-def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
-                      causal: bool = False, backend: str = "torch", out: torch.Tensor | None = None,
-                      seqlens: dict | None = None):
-    """Attention of q (Hq, Lq, D) over k, v (Hk, Lk, D); returns (out (Hq, Lq, D), lse (Hq, Lq)).
-
-    ``backend`` must already be resolved (see ``resolve_backend``). ``out``, if given,
-    is a (Hq, Lq, D) tensor of q's dtype that the result is written into; otherwise
-    the "torch" back end returns float32 and the others q's dtype. ``seqlens``: a dict
-    the "flash" back end keeps its sequence-length tensors in across calls.
-    """
-    if k.shape[1] == 0:  # no keys: FlashAttention would report lse = +inf
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device) if out is None else out.zero_()
-        return out, torch.full(q.shape[:2], float("-inf"), device=q.device)
-    if backend == "flash":
-        return _flash_attention(q, k, v, scale, causal, out, seqlens)
-    return _IMPLS[backend](q, k, v, scale, causal, out)
-
-
-def attention_accumulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool,
-                         state_out: torch.Tensor, state_lse: torch.Tensor, first: bool) -> None:
-    """Triton back end only: attend and merge into a running (state_out, state_lse)
-    in one kernel (``first``: overwrite instead). state_out (Hq, Lq, D) float32,
-    state_lse (Hq, Lq) float32. Saves the partial output's round trip and rounding."""
-    _triton_attention(q, k, v, scale, causal, state_out, state_lse, accumulate=not first)
+def varlen_attention(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor,
+                     backend: str) -> torch.Tensor:
+    """Attention of the sequences of ``call`` (a ``plan.WindowCall``; see the module
+    docstring for shapes); writes ``out`` and returns lse (Hq, Nq). ``backend`` must be
+    resolved (``resolve_backend``)."""
+    return _IMPLS[backend](call, q, k, v, scale, out)

@@ -1,71 +1,126 @@
-"""The public entry point: a continuation prefill that streams the cached prefix in
-fixed-size windows instead of dequantizing all of it.
+"""The public entry points: a batched continuation prefill that streams all requests'
+cached prefixes in fixed-size windows instead of dequantizing them whole, and its
+one-request form.
 
-    rotate the query once                            q_win  (Hq, Lq, D) fp16
-    for each window [s, s + W) of the cached prefix:
-        dequantize it into the workspace             k_win, v_win  (Hk, W, D) fp16
-        attend (no mask) -> (out, lse)               partial output, its lse
-        merge into the running (out, lse) state      state_out fp32, state_lse
-    attend causally to the chunk's own K/V, merge,  -> out (Lq, Hq, D), query dtype
-    and write the result
+    plan the windows from the host lengths (plan.py)     once per step, memoized
+    for each group of kv heads (workspace.py):
+        rotate the queries into the workspace (prepare.py) q_buf (N, Hq_g, D) fp16
+        for each window of the cached tokens, all requests at once:
+            dequantize it                                 k_buf, v_buf (W, Hk_g, D) fp16
+            varlen attention, no mask -> (out, lse)       a partial output
+            merge into the running state                  state_out fp32, state_lse
+        the chunk's own keys, raw, causal, all requests   -> out (N, Hq, D), query dtype
+        merge the state into it                           -> out
 
-Memory is the workspace (see workspace.py): independent of cached_len.
+With one window, its partial is merged straight into the chunk's result (no state).
+Requests with nothing cached take no window: the chunk's attention is their answer.
+
+Memory is the workspace: independent of the cached lengths and of the batch size.
 """
 
 from __future__ import annotations
 
+import math
+import operator
+from collections.abc import Sequence
+
 import torch
 
-from .attention import attention_accumulate, partial_attention, resolve_backend
+from .attention import resolve_backend, varlen_attention
 from .dequant import dequantize_window
 from .format import TQConfig, resolve_config
 from .merge import merge_attn_states
-from .rotate import rotate_query
-from .workspace import carve, default_window, workspace_bytes
+from .plan import plan_windows
+from .prepare import prepare
+from .workspace import DEFAULT_WORKSPACE_BYTES, _bytes, carve, default_window, kv_head_group
+
+_QUERY_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _check_tensor(name, t, ndim=None, dtypes=None, device=None):
+# ---------------------------------------------------------------------------
+# Validation at the boundary
+# ---------------------------------------------------------------------------
+
+def _check_tensor(name, t, ndim, dtypes=None, device=None, unit_last=False):
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if ndim is not None and t.ndim not in ((ndim,) if isinstance(ndim, int) else ndim):
+    if t.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
         raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} must be on {device} (the query's device), got {t.device}")
+    if unit_last and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride over its last dimension, got strides {t.stride()}")
 
 
-def _validate(query, key_chunk, val_chunk, kv_cache, block_table, cached_len, cfg, centroids, rotation,
-              scale, window):
+def _as_int(name, value, minimum=None):
+    """operator.index(value) (Python and numpy ints, 0-d integer tensors on the CPU)."""
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        raise ValueError(f"{name} must be a host integer (a CUDA tensor would need a synchronization), got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _as_scale(scale):
+    if isinstance(scale, torch.Tensor) and scale.device.type != "cpu":
+        raise ValueError(f"scale must be a host number (a CUDA tensor would need a synchronization), got {scale!r}")
+    if isinstance(scale, (bool, str, bytes)):
+        raise ValueError(f"scale must be a finite positive float, got {scale!r}")
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise ValueError(f"scale must be a finite positive float, got {type(scale).__name__} {scale!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"scale must be a finite positive float, got {scale!r}")
+    return value
+
+
+def _host_ints(name, cpu, device_tensor, length):
+    """A tuple of host ints from the *_cpu argument, else (one synchronization) from the
+    device tensor."""
+    src = cpu if cpu is not None else device_tensor
+    shown = name + ("_cpu" if cpu is not None else "")
+    if src is None:
+        raise ValueError(f"{name} or {name}_cpu must be given")
+    if isinstance(src, torch.Tensor):
+        if src.ndim != 1 or src.dtype.is_floating_point or src.dtype == torch.bool:
+            raise ValueError(f"{shown} must be a 1-D integer tensor, got {src.dtype} of shape {tuple(src.shape)}")
+        values = src.tolist()
+    elif isinstance(src, Sequence):
+        values = [_as_int(shown, v) for v in src]
+    else:
+        raise ValueError(f"{shown} must be a tensor or a sequence of ints, got {type(src).__name__}")
+    if len(values) != length:
+        raise ValueError(f"{shown} must have {length} entries, got {len(values)}")
+    return tuple(values)
+
+
+def _validate(query, key, value, kv_cache, block_table, cfg, centroids, rotation, names):
     dev = query.device
-    lq, hq, d = query.shape
-    for name, t in (("key_chunk", key_chunk), ("val_chunk", val_chunk)):
+    n, hq, d = query.shape
+    if hq == 0:
+        raise ValueError("query must have at least one head, got shape " + str(tuple(query.shape)))
+    key_name, value_name = names
+    for name, t in ((key_name, key), (value_name, value)):
         _check_tensor(name, t, 3, (query.dtype,), dev)
-        if t.shape[0] != lq or t.shape[2] != d:
-            raise ValueError(f"{name} must have shape ({lq}, Hk, {d}) to match query, got {tuple(t.shape)}")
-    if val_chunk.shape != key_chunk.shape:
-        raise ValueError(f"val_chunk must have key_chunk's shape {tuple(key_chunk.shape)}, got {tuple(val_chunk.shape)}")
-    hk = key_chunk.shape[1]
+        if t.shape[0] != n or t.shape[2] != d or t.shape[1] == 0:
+            raise ValueError(f"{name} must have shape ({n}, Hk, {d}) with Hk >= 1 to match query, got {tuple(t.shape)}")
+    if value.shape != key.shape:
+        raise ValueError(f"{value_name} must have {key_name}'s shape {tuple(key.shape)}, got {tuple(value.shape)}")
+    hk = key.shape[1]
     if hq % hk:
-        raise ValueError(f"query heads ({hq}) must be a multiple of key_chunk heads ({hk})")
-    _check_tensor("kv_cache", kv_cache, 4, (torch.uint8,), dev)
-    if kv_cache.shape[2] != hk or kv_cache.shape[3] != cfg.slot_bytes:
+        raise ValueError(f"query heads ({hq}) must be a multiple of {key_name} heads ({hk})")
+    _check_tensor("kv_cache", kv_cache, 4, (torch.uint8,), dev, unit_last=True)
+    if kv_cache.shape[2] != hk or kv_cache.shape[3] != cfg.slot_bytes or kv_cache.shape[1] == 0:
         raise ValueError(f"kv_cache must have shape (num_blocks, block_size, {hk}, {cfg.slot_bytes}) for this "
                          f"preset at D={d}, got {tuple(kv_cache.shape)}")
-    if kv_cache.stride(3) != 1:
-        raise ValueError("kv_cache must have unit stride over its slot bytes (last dimension)")
-    _check_tensor("block_table", block_table, (1, 2), (torch.int32,), dev)
-    if block_table.ndim == 2 and block_table.shape[0] != 1:
-        raise ValueError(f"block_table must be (max_blocks,) or (1, max_blocks), got {tuple(block_table.shape)}")
-    if not block_table.is_contiguous():
-        raise ValueError("block_table must be contiguous")
-    if isinstance(cached_len, bool) or not isinstance(cached_len, int) or cached_len < 0:
-        raise ValueError(f"cached_len must be a non-negative int, got {cached_len!r}")
-    block_size = kv_cache.shape[1]
-    covered = block_table.shape[-1] * block_size
-    if cached_len > covered:
-        raise ValueError(f"cached_len ({cached_len}) exceeds what block_table covers "
-                         f"({block_table.shape[-1]} blocks x {block_size} = {covered} tokens)")
+    _check_tensor("block_table", block_table, 2, (torch.int32,), dev)
     if not cfg.key_fp8:
         _check_tensor("centroids", centroids, 1, (torch.float32,), dev)
         if centroids.shape[0] != 2**cfg.key_bits:
@@ -73,109 +128,210 @@ def _validate(query, key_chunk, val_chunk, kv_cache, block_table, cached_len, cf
         _check_tensor("rotation", rotation, 2, (torch.float32, torch.float16, torch.bfloat16), dev)
         if tuple(rotation.shape) != (d, d):
             raise ValueError(f"rotation must have shape ({d}, {d}), got {tuple(rotation.shape)}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive float, got {scale!r}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0
-                               or window % block_size):
-        raise ValueError(f"window must be a positive multiple of block_size ({block_size}), got {window!r}")
+
+
+def _validate_lengths(qsl, seq_lens, n, block_size, max_blocks):
+    if qsl[0] != 0 or qsl[-1] != n:
+        raise ValueError(f"query_start_loc must start at 0 and end at the number of query tokens ({n}), "
+                         f"got {qsl[0]} ... {qsl[-1]}")
+    for r, s in enumerate(seq_lens):
+        q_len = qsl[r + 1] - qsl[r]
+        if q_len < 0:
+            raise ValueError(f"query_start_loc must be non-decreasing, got {qsl[r]} then {qsl[r + 1]} at request {r}")
+        if s < q_len:
+            raise ValueError(f"seq_lens[{r}] ({s}) must be at least the request's query tokens ({q_len}): "
+                             f"seq_lens counts cached + new tokens")
+        if q_len and -(-(s - q_len) // block_size) > max_blocks:
+            raise ValueError(f"seq_lens[{r}] ({s}) needs more cached blocks than block_table has columns "
+                             f"({max_blocks} x block_size {block_size})")
+
+
+def _check_block_ids(block_table, plan, num_blocks):
+    """Refuse block ids outside [0, num_blocks) among the columns the call reads (one
+    device reduction and one synchronization)."""
+    if plan.max_read_blocks == 0:
+        return
+    cols = torch.arange(plan.max_read_blocks, device=block_table.device)
+    used = block_table[:, :plan.max_read_blocks]
+    bad = ((used < 0) | (used >= num_blocks)) & (cols[None, :] < plan.read_blocks[:, None])
+    if bool(bad.any()):
+        r, c = bad.nonzero()[0].tolist()
+        raise ValueError(f"block_table[{r}, {c}] = {block_table[r, c].item()} is not a block of kv_cache "
+                         f"(num_blocks {num_blocks}); pass check_block_table=False only if your tables are trusted")
+
+
+# ---------------------------------------------------------------------------
+# The batched call
+# ---------------------------------------------------------------------------
+
+def continuation_prefill_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                                block_table: torch.Tensor, query_start_loc: torch.Tensor | None,
+                                seq_lens: torch.Tensor | None, *, preset: str | TQConfig,
+                                centroids: torch.Tensor | None, rotation: torch.Tensor | None, scale: float,
+                                query_start_loc_cpu=None, seq_lens_cpu=None, window: int | None = None,
+                                workspace: torch.Tensor | None = None, backend: str = "auto",
+                                return_lse: bool = False, out: torch.Tensor | None = None,
+                                check_block_table: bool = True, max_workspace_bytes: int | None = None):
+    """Attention of a batch of prefill chunks, each over its own cached prefix and itself.
+
+    Requests are packed in vLLM's terms. Request r has ``q_len_r = query_start_loc[r+1]
+    - query_start_loc[r]`` new tokens at positions ``cached_r .. seq_lens[r] - 1``, where
+    ``cached_r = seq_lens[r] - q_len_r`` tokens are already in the cache. A request
+    with nothing cached (a first chunk) or with no new tokens is allowed.
+
+    Args:
+        query: (N, Hq, D), fp16 or bf16, any strides: all requests' new tokens.
+        key, value: (N, Hk, D), the query's dtype, any strides: their own K/V.
+        kv_cache: uint8 (num_blocks, block_size, Hk, slot_bytes), any strides with a unit
+            last stride (vLLM 0.20's layout, or 0.33's head-major one seen through
+            ``.transpose(1, 2)``). Each request's tokens [0, cached_r) are read; never written.
+        block_table: int32 (B, max_blocks), any strides: each request's blocks.
+        query_start_loc: int32 (B + 1,) on the device; read only without ``query_start_loc_cpu``.
+        seq_lens: int32 (B,) on the device (cached + new tokens); read only without ``seq_lens_cpu``.
+        preset: a ``turboquant_*`` name or a ``TQConfig``.
+        centroids: float32 (2**key_bits,), the centroids the cache was written with
+            (vLLM: ``layer._tq_centroids``); unused, may be None, for fp8-key presets.
+        rotation: (D, D) orthonormal matrix the keys were rotated by (vLLM: ``layer._tq_Pi``);
+            unused for fp8-key presets.
+        scale: softmax scale, finite and positive.
+        query_start_loc_cpu, seq_lens_cpu: host copies of the two (CPU tensors or int
+            sequences, as vLLM keeps them). Given, the call never synchronizes with the
+            GPU (with ``check_block_table=False``); absent, it reads the device tensors once.
+        window: cached tokens per window; default ``default_window(Hk, D, block_size)``.
+        workspace: optional contiguous uint8 buffer of at least ``workspace_bytes(N, Hq,
+            Hk, D, window, query.dtype, max_bytes=max_workspace_bytes)`` bytes on the
+            query's device; allocated per call when None.
+        backend: "auto", "flash", "triton" or "torch" (see attention.py). A named back end
+            that is unavailable raises; it is never silently replaced.
+        return_lse: also return the (Hq, N) float32 log-sum-exp.
+        out: optional (N, Hq, D) tensor of the query's dtype, unit stride over D, to write into.
+        check_block_table: refuse block ids outside [0, num_blocks) among those read (one
+            synchronization). Off, the kernels still never read outside kv_cache: a bad id
+            reads as zeros, a wrong answer for that request only.
+        max_workspace_bytes: the budget that sets how many kv heads run at once
+            (``workspace.kv_head_group``); default 128 MiB.
+
+    Returns:
+        (N, Hq, D) in the query's dtype; with return_lse, (out, lse).
+    """
+    _check_tensor("query", query, 3, _QUERY_DTYPES)
+    _check_tensor("block_table", block_table, 2, (torch.int32,), query.device)
+    b = block_table.shape[0]
+    qsl = _host_ints("query_start_loc", query_start_loc_cpu, query_start_loc, b + 1)
+    lens = _host_ints("seq_lens", seq_lens_cpu, seq_lens, b)
+    return _run(query, key, value, kv_cache, block_table, qsl, lens, preset=preset, centroids=centroids,
+                rotation=rotation, scale=scale, window=window, workspace=workspace, backend=backend,
+                return_lse=return_lse, out=out, check_block_table=check_block_table,
+                max_workspace_bytes=max_workspace_bytes)
 
 
 def continuation_prefill(query: torch.Tensor, key_chunk: torch.Tensor, val_chunk: torch.Tensor,
                          kv_cache: torch.Tensor, block_table: torch.Tensor, cached_len: int, *,
                          preset: str | TQConfig, centroids: torch.Tensor | None, rotation: torch.Tensor | None,
                          scale: float, window: int | None = None, workspace: torch.Tensor | None = None,
-                         backend: str = "auto", return_lse: bool = False):
-    """Attention of a prefill chunk over its cached prefix and itself, in windows.
+                         backend: str = "auto", return_lse: bool = False, out: torch.Tensor | None = None,
+                         check_block_table: bool = True, max_workspace_bytes: int | None = None):
+    """One request's chunk over its cached prefix and itself: ``continuation_prefill_varlen``
+    with a batch of one (same engine, same arguments but these):
 
-    Args:
-        query: (q_len, Hq, D), fp16 or bf16. Query i sits at position cached_len + i.
-        key_chunk, val_chunk: (q_len, Hk, D), the query's dtype: the chunk's own K/V.
-        kv_cache: uint8 (num_blocks, block_size, Hk, slot_bytes), any strides with a unit
-            last stride (vLLM 0.20's layout, or 0.33's head-major one seen through
-            ``.transpose(1, 2)``). Tokens [0, cached_len) are read; never written.
-        block_table: int32 (max_blocks,) or (1, max_blocks), contiguous: the request's blocks.
-        cached_len: tokens already in the cache before this chunk.
-        preset: a ``turboquant_*`` name or a ``TQConfig``.
-        centroids: float32 (2**key_bits,), the centroids the cache was written with
-            (unused, may be None, for fp8-key presets).
-        rotation: (D, D) orthonormal matrix the keys were rotated by (vLLM's Pi); unused
-            for fp8-key presets.
-        scale: softmax scale.
-        window: tokens per window, a multiple of block_size; default ``default_window``.
-        workspace: optional uint8 buffer of >= ``workspace_bytes(...)`` bytes on the
-            query's device; allocated per call when None.
-        backend: "auto", "flash", "cudnn", "triton" or "torch" (see attention.py). A named
-            back end that is unavailable raises; it is never silently replaced.
-        return_lse: also return the (Hq, q_len) float32 log-sum-exp.
-
-    Returns:
-        (q_len, Hq, D) in the query's dtype; with return_lse, (out, lse).
+        query: (q_len, Hq, D); key_chunk, val_chunk: (q_len, Hk, D): the chunk.
+        block_table: int32 (max_blocks,) or (1, max_blocks): the request's blocks.
+        cached_len: tokens already in the cache before this chunk (a host integer).
     """
-    _check_tensor("query", query, 3, (torch.float16, torch.bfloat16))
-    lq, hq, d = query.shape
+    _check_tensor("query", query, 3, _QUERY_DTYPES)
+    if not isinstance(block_table, torch.Tensor) or block_table.ndim not in (1, 2) or \
+            (block_table.ndim == 2 and block_table.shape[0] != 1):
+        raise ValueError(f"block_table must be a (max_blocks,) or (1, max_blocks) tensor, got "
+                         f"{getattr(block_table, 'shape', type(block_table).__name__)}")
+    cached_len = _as_int("cached_len", cached_len, 0)
+    q_len = query.shape[0]
+    return _run(query, key_chunk, val_chunk, kv_cache, block_table.reshape(1, -1), (0, q_len), (cached_len + q_len,),
+                preset=preset, centroids=centroids, rotation=rotation, scale=scale, window=window,
+                workspace=workspace, backend=backend, return_lse=return_lse, out=out,
+                check_block_table=check_block_table, max_workspace_bytes=max_workspace_bytes,
+                names=("key_chunk", "val_chunk"))
+
+
+def _run(query, key, value, kv_cache, block_table, qsl, lens, *, preset, centroids, rotation, scale, window, workspace,
+         backend, return_lse, out, check_block_table, max_workspace_bytes, names=("key", "value")):
+    n, hq, d = query.shape
     cfg = resolve_config(preset, d)
-    _validate(query, key_chunk, val_chunk, kv_cache, block_table, cached_len, cfg, centroids, rotation,
-              scale, window)
-    hk = key_chunk.shape[1]
-    window = window if window is not None else default_window(hk, d, kv_cache.shape[1])
-    need = workspace_bytes(lq, hq, hk, d, window, query.dtype)
+    _validate(query, key, value, kv_cache, block_table, cfg, centroids, rotation, names)
+    scale = _as_scale(scale)
+    num_blocks, block_size, hk = kv_cache.shape[0], kv_cache.shape[1], key.shape[1]
+    _validate_lengths(qsl, lens, n, block_size, block_table.shape[1])
+    window = default_window(hk, d, block_size) if window is None else _as_int("window", window, 1)
+    if max_workspace_bytes is not None:
+        max_workspace_bytes = _as_int("max_workspace_bytes", max_workspace_bytes, 1)
+    backend = resolve_backend(backend, query.device, d)
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    else:
+        _check_tensor("out", out, 3, (query.dtype,), query.device, unit_last=True)
+        if out.shape != query.shape:
+            raise ValueError(f"out must have the query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
+    lse = torch.empty(hq, n, dtype=torch.float32, device=query.device) if return_lse else None
+    if n == 0:
+        return (out, lse) if return_lse else out
+
+    plan = plan_windows(qsl, lens, window, block_size, query.device)
+    if plan.ready is not None:  # the plan's upload, if it ran on another stream
+        torch.cuda.current_stream(query.device).wait_event(plan.ready)
+    if check_block_table:
+        _check_block_ids(block_table, plan, num_blocks)
+    budget = DEFAULT_WORKSPACE_BYTES if max_workspace_bytes is None else max_workspace_bytes
+    if workspace is not None:
+        _check_tensor("workspace", workspace, 1, (torch.uint8,), query.device)
+        if not workspace.is_contiguous():
+            raise ValueError("workspace must be contiguous")
+        budget = min(budget, workspace.numel())
+    # As many kv heads at once as the budget (and a given workspace) holds at this
+    # call's window; at least what workspace_bytes(..., window) was sized for.
+    hk_g = kv_head_group(n, hq, hk, d, plan.window, query.dtype, budget)
+    hq_g = hq // hk * hk_g
+    need = _bytes(n, hq_g, hk_g, d, plan.window, query.dtype)
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.uint8, device=query.device)
     else:
-        _check_tensor("workspace", workspace, 1, (torch.uint8,), query.device)
         if workspace.numel() < need:
-            raise ValueError(f"workspace must hold at least workspace_bytes(...) = {need} bytes, "
+            raise ValueError(f"workspace must hold at least workspace_bytes(...) = {need} bytes for this call, "
                              f"got {workspace.numel()}")
-    backend = resolve_backend(backend, query.device, query.dtype, d)
-    buf = carve(workspace, lq, hq, hk, d, window)
-    block_table = block_table.reshape(-1)
-
-    rotate_query(query, None if cfg.key_fp8 else rotation, buf.q_win)
-    out = torch.empty_like(query)  # (Lq, Hq, D); also scratch for partial outputs until the end
-    lse_out = torch.empty(hq, lq, dtype=torch.float32, device=query.device) if return_lse else None
-    step = _Accumulator(buf, out.transpose(0, 1), scale, backend)
-    for start in range(0, cached_len, window):
-        n = min(window, cached_len - start)
-        dequantize_window(kv_cache, block_table, start, n, cfg, centroids, buf.k_win, buf.v_win)
-        step.attend(buf.q_win, buf.k_win[:, :n], buf.v_win[:, :n], causal=False)
-    # The chunk's own keys, last: causal, unrotated, in the query's dtype.
-    step.attend(query.transpose(0, 1), key_chunk.transpose(0, 1), val_chunk.transpose(0, 1), causal=True,
-                final_lse=lse_out)
-    return (out, lse_out) if return_lse else out
-
-
-class _Accumulator:
-    """Runs partial attentions and folds each into the workspace's (state_out, state_lse);
-    the last one (``attend(..., causal=True)``) writes the result into ``out``."""
-
-    def __init__(self, buf, out, scale, backend):
-        self.buf, self.out, self.scale, self.backend, self.first = buf, out, scale, backend, True
-        self.seqlens = {}  # FlashAttention's [0, L] device tensors, built once per length
-
-    def attend(self, q, k, v, *, causal, final_lse=None):
-        buf, final = self.buf, causal
-        if self.backend == "triton":  # attention and merge in one kernel, float32 state
-            attention_accumulate(q, k, v, self.scale, causal=causal, state_out=buf.state_out,
-                                 state_lse=buf.state_lse, first=self.first)
-            if final:
-                self.out.copy_(buf.state_out)
-                if final_lse is not None:
-                    final_lse.copy_(buf.state_lse)
+    bufs = carve(workspace, n, hq_g, hk_g, d, plan.window, query.dtype)
+    windows = plan.windows
+    # bf16 queries: the chunk's attention runs on fp16 copies, so that its partial output is
+    # rounded once to fp16, not to bf16 before the merge (that cost 1.1-1.25x the full
+    # path's error where the chunk dominates: tests/test_varlen.py, benchmarks/NOTES.md).
+    chunk16 = bool(windows) and query.dtype == torch.bfloat16
+    single = len(windows) == 1 and not chunk16  # its partial merges straight into the chunk's result
+    scratch = out.view(torch.float16)  # partial outputs in out's bytes, until the final merge
+    for kv0 in range(0, hk, hk_g):
+        q0 = kv0 * (hq // hk)
+        heads, kv_heads = slice(q0, q0 + hq_g), slice(kv0, kv0 + hk_g)
+        group_out, group_lse = out[:, heads], None if lse is None else lse[heads]
+        if windows:
+            prepare(query, key, value, None if cfg.key_fp8 else rotation, q0, kv0, bufs, init_lse=not single,
+                    chunk16=chunk16)
+        for call in windows:
+            dequantize_window(kv_cache, block_table, cfg, centroids if centroids is not None else kv_cache, plan,
+                              call, kv0, bufs.k_buf, bufs.v_buf)
+            part = (bufs.part if single else scratch[:, heads])[call.q0:call.q1]
+            part_lse = varlen_attention(call, bufs.q_buf[call.q0:call.q1], bufs.k_buf, bufs.v_buf, scale, part,
+                                        backend)
+            if not single:
+                merge_attn_states(bufs.state_out, bufs.state_lse, part, part_lse, bufs.state_out, bufs.state_lse,
+                                  row0=call.q0)
+        # The chunk's own keys, causal, all requests: a first-chunk prefill on the raw Q/K/V.
+        if chunk16:
+            chunk_out = scratch[:, heads]
+            chunk_lse = varlen_attention(plan.chunk, bufs.q16, bufs.k16, bufs.v16, scale, chunk_out, backend)
         else:
-            part_out = None
-            if self.backend == "flash":  # FlashAttention writes its partial into the output tensor
-                part_out = self.out.view(q.dtype)  # (Hq, Lq, D); fp16 windows in a bf16 output's bytes
-            part, lse = partial_attention(q, k, v, self.scale, causal=causal, backend=self.backend,
-                                          out=part_out, seqlens=self.seqlens)
-            if final and self.first:  # nothing cached: the chunk alone
-                self.out.copy_(part)
-                if final_lse is not None:
-                    final_lse.copy_(lse)
-            elif final:  # in place when part is self.out: each element is read before written
-                merge_attn_states(buf.state_out, buf.state_lse, part, lse, self.out, final_lse)
-            elif self.first:
-                buf.state_out.copy_(part)
-                buf.state_lse.copy_(lse)
-            else:
-                merge_attn_states(buf.state_out, buf.state_lse, part, lse, buf.state_out, buf.state_lse)
-        self.first = False
+            chunk_out = group_out
+            chunk_lse = varlen_attention(plan.chunk, query[:, heads], key[:, kv_heads], value[:, kv_heads], scale,
+                                         chunk_out, backend)
+        if group_lse is not None:
+            chunk_lse = group_lse.copy_(chunk_lse)  # merged in place below
+        if single:  # the one window's partial (its requests' rows) into the chunk's result
+            merge_attn_states(chunk_out, chunk_lse, part, part_lse, group_out, group_lse, row0=windows[0].q0)
+        elif windows:
+            merge_attn_states(bufs.state_out, bufs.state_lse, chunk_out, chunk_lse, group_out, group_lse)
+    return (out, lse) if return_lse else out

@@ -27,6 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+# Head sizes vLLM's TurboQuant serves: its store kernel packs values in groups of 8
+# dimensions, FlashAttention takes up to 256, and MSE keys need a Sylvester Hadamard
+# rotation, which exists at powers of two only (fp8 keys are not rotated: 80, 96, 112, ...).
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
 PRESETS: dict[str, tuple[int, int, bool]] = {
     # name: (key_bits, value_bits, norm_correction); key_bits 8 means fp8 keys.
     "turboquant_k8v4": (8, 4, False),
@@ -50,11 +55,11 @@ class TQConfig:
             raise ValueError(f"key_bits must be 3, 4 or 8, got {self.key_bits}")
         if self.value_bits not in (3, 4):
             raise ValueError(f"value_bits must be 3 or 4, got {self.value_bits}")
-        if self.head_dim <= 0 or self.head_dim % 8:
-            raise ValueError(f"head_dim must be a positive multiple of 8, got {self.head_dim}")
+        if not (MIN_HEAD_DIM <= self.head_dim <= MAX_HEAD_DIM) or self.head_dim % 8:
+            raise ValueError(f"head_dim must be a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {self.head_dim}")
         if not self.key_fp8 and self.head_dim & (self.head_dim - 1):
-            raise ValueError(
-                f"head_dim must be a power of two for MSE keys (Hadamard rotation), got {self.head_dim}")
+            raise ValueError(f"head_dim must be a power of two for MSE keys (vLLM's Hadamard rotation), "
+                             f"got {self.head_dim}")
 
     @classmethod
     def from_preset(cls, preset: str, head_dim: int) -> "TQConfig":
@@ -216,11 +221,18 @@ def encode_reference(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Ten
 
 
 def gather_slots(kv_cache: torch.Tensor, block_table: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """Raw slots of tokens [start, start + length): (length, Hk, slot_bytes) uint8."""
-    block_size = kv_cache.shape[1]
-    pos = torch.arange(start, start + length, device=kv_cache.device)
-    blocks = block_table.reshape(-1).long()[pos // block_size]
-    return kv_cache[blocks, pos % block_size]
+    """Raw slots of tokens [start, start + length): (length, Hk, slot_bytes) uint8.
+
+    A position whose block id is outside [0, num_blocks), or whose block-table column is
+    past the table, reads as zero bytes (as the dequant kernel masks it)."""
+    block_size, num_blocks = kv_cache.shape[1], kv_cache.shape[0]
+    table = block_table.reshape(-1).long()
+    col = torch.arange(start, start + length, device=kv_cache.device) // block_size
+    blocks = torch.where(col < table.shape[0], table[col.clamp(max=max(table.shape[0] - 1, 0))], -1)
+    ok = (blocks >= 0) & (blocks < num_blocks)
+    slots = kv_cache[blocks.clamp(0, num_blocks - 1), torch.arange(start, start + length, device=kv_cache.device)
+                     % block_size]
+    return torch.where(ok[:, None, None], slots, torch.zeros((), dtype=slots.dtype, device=slots.device))
 
 
 def dequantize_reference(kv_cache: torch.Tensor, block_table: torch.Tensor, start: int, length: int,

@@ -11,42 +11,44 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from .attention import partial_attention, resolve_backend
-from .chunked import _check_tensor, _validate
+from .attention import resolve_backend, varlen_attention
+from .chunked import _as_int, _check_tensor, _QUERY_DTYPES
 from .dequant import dequantize_window
 from .format import dequantize_reference, resolve_config
+from .plan import WindowCall, plan_windows
 
 
 def full_buffer_continuation_prefill(query, key_chunk, val_chunk, kv_cache, block_table, cached_len, *,
                                      preset, centroids, rotation, scale, backend="auto"):
     """Same arguments and result as ``continuation_prefill`` (no window, no workspace).
 
-    Uses the window dequant kernel once over [0, cached_len) into fp16 buffers, rotates
-    keys back in float32 and rounds them to fp16 (as vLLM does), then attends causally
-    over (cached_len + q_len) keys with the chosen back end ("flash", "triton", "torch";
-    "cudnn" cannot mask bottom-right and is refused).
+    Dequantizes [0, cached_len) with the window kernel into fp16 buffers, rotates keys
+    back in float32 and rounds them to fp16 (as vLLM does), then attends causally over
+    (cached_len + q_len) keys in the query's dtype with the chosen back end.
     """
-    _check_tensor("query", query, 3, (torch.float16, torch.bfloat16))
+    _check_tensor("query", query, 3, _QUERY_DTYPES)
     lq, hq, d = query.shape
     cfg = resolve_config(preset, d)
-    _validate(query, key_chunk, val_chunk, kv_cache, block_table, cached_len, cfg, centroids, rotation, scale,
-              None)
-    if backend == "auto":
-        backend = "flash" if resolve_backend("auto", query.device, query.dtype, d) == "flash" else (
-            "triton" if query.is_cuda else "torch")
-    backend = resolve_backend(backend, query.device, query.dtype, d)
-    if backend == "cudnn":
-        raise ValueError("backend 'cudnn' cannot mask bottom-right; use 'flash', 'triton' or 'torch'")
+    cached_len = _as_int("cached_len", cached_len, 0)
+    backend = resolve_backend(backend, query.device, d)
     hk = key_chunk.shape[1]
-    k = torch.empty(hk, cached_len, d, dtype=torch.float16, device=query.device)  # O(cached_len)
+    bt = block_table.reshape(1, -1)
+    k = torch.empty(cached_len, hk, d, dtype=torch.float16, device=query.device)  # O(cached_len)
     v = torch.empty_like(k)
-    dequantize_window(kv_cache, block_table.reshape(-1), 0, cached_len, cfg, centroids, k, v)
+    plan = plan_windows((0, lq), (cached_len + lq,), max(cached_len, 1), kv_cache.shape[1], query.device)
+    for call in plan.windows:  # one window: all of [0, cached_len)
+        dequantize_window(kv_cache, bt, cfg, centroids if centroids is not None else kv_cache, plan, call, 0, k, v)
     if not cfg.key_fp8:
         k = (k.float() @ rotation.float()).half()  # k = k_rot @ rotation: back to the original space
-    k_full = torch.cat([k.to(query.dtype), key_chunk.transpose(0, 1)], 1)  # (Hk, cached_len + q_len, D)
-    v_full = torch.cat([v.to(query.dtype), val_chunk.transpose(0, 1)], 1)
-    out, _ = partial_attention(query.transpose(0, 1), k_full, v_full, scale, causal=True, backend=backend)
-    return out.transpose(0, 1).to(query.dtype).contiguous()
+    k_full = torch.cat([k.to(query.dtype), key_chunk], 0)  # (cached_len + q_len, Hk, D)
+    v_full = torch.cat([v.to(query.dtype), val_chunk], 0)
+    lk = cached_len + lq
+    cu = lambda n: torch.tensor([0, n], dtype=torch.int32, device=query.device)
+    call = WindowCall(start=0, length=0, r0=0, r1=1, q0=0, q1=lq, cu_q=cu(lq), cu_k=cu(lk), cu_q_host=(0, lq),
+                      cu_k_host=(0, lk), max_q=lq, max_k=lk, causal=True)
+    out = torch.empty_like(query)
+    varlen_attention(call, query.contiguous(), k_full, v_full, scale, out, backend)
+    return out
 
 
 def oracle_continuation_prefill(query, key_chunk, val_chunk, kv_cache, block_table, cached_len, *,
