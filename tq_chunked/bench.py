@@ -1,16 +1,17 @@
-"""Throughput and memory of continuation prefill, side by side with vLLM, in one run.
+"""Time and memory of continuation prefill, side by side with vLLM, in one run.
 
-    tq-chunked bench [--quick] [--cpu] [--out benchmarks/results]
-    python -m tq_chunked.bench ...
+Methods (each where available): vllm-<installed version> (vLLM's own
+_continuation_prefill with its FlashAttention), vllm-latest (the latest release's
+method, through .gpu-carry/latest), full (this project's full-buffer path), and
+chunked-<backend> per attention back end (-w<W>: another window). vLLM's methods run
+on a GPU only.
 
-Methods (each where available): ``vllm-<installed version>`` (vLLM's own
-``_continuation_prefill`` with its FlashAttention), ``vllm-latest`` (the latest
-release's method through .gpu-carry/latest), ``full`` (this project's full-buffer
-path), and ``chunked-<backend>`` per attention back end (``-w<W>`` for other windows).
-Per case: median time (CUDA events, L2 flushed between runs), effective TFLOP/s
-(4·q_len·Hq·D·(cached_len + q_len/2)), its share of the bf16 matmul ceiling measured in
-the same run, peak extra memory, workspace bytes, and the time ratio to the strongest
-vLLM baseline. Writes JSON, a Markdown table and PNG plots.
+Per case: median time (on a GPU CUDA events with L2 flushed between runs; on a CPU
+the median of 3 calls), the workspace bytes, the time ratio to the strongest vLLM
+baseline (to full without vLLM), and on a GPU only: effective TFLOP/s
+(4*q_len*Hq*D*(cached_len + q_len/2)), its share of the bf16 matmul ceiling measured
+in the same run, and peak extra memory. Writes JSON, a Markdown table and PNG plots
+into --out.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from . import continuation_prefill, workspace_bytes
+from . import PRESETS, continuation_prefill, workspace_bytes
 from .attention import backend_available
 from .demo import build_case
 from .reference import full_buffer_continuation_prefill
@@ -37,7 +38,26 @@ SHAPES = {  # per-GPU-shard head shapes of real models: (Hq, Hk, D)
     "70b-tp8": (8, 1, 128),
     "d256": (16, 4, 256),
 }
+SHAPE_NOTES = {  # what each shape stands for, for --help and docs/benchmarks.md
+    "llama3-8b": "Llama-3-8B on one GPU",
+    "70b-tp1": "a 70B model (Llama-3-70B) on one GPU",
+    "70b-tp8": "the same 70B model's per-GPU shard at tensor parallel 8",
+    "d256": "a head size 256 shape",
+}
 K = 1024
+BLOCK_SIZE = 16  # cache block size of every case (vLLM's default)
+# Default sizes of the three modes. Each applies only to the options not given.
+SIZES = {
+    "full": dict(presets=["turboquant_3bit_nc", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc"],
+                 shapes=list(SHAPES), q_lens=[512, 2048, 8192], cached_lens=[8 * K, 16 * K, 32 * K, 64 * K, 128 * K],
+                 memory_lens=[256 * K, 512 * K, 1024 * K], windows=[]),
+    "quick": dict(presets=["turboquant_3bit_nc"], shapes=["llama3-8b"], q_lens=[2048],
+                  cached_lens=[8 * K, 32 * K, 128 * K], memory_lens=[], windows=[]),
+    # On a CPU the default window holds the whole context; a 512-token window shows several windows.
+    "cpu": dict(presets=["turboquant_3bit_nc"], shapes=["70b-tp8"], q_lens=[256], cached_lens=[1 * K, 4 * K],
+                memory_lens=[], windows=[512]),
+}
+DEFAULT_OUT = "tq-chunked-results"  # relative to the current directory; benchmarks/results/ holds committed runs
 
 
 @dataclass
@@ -194,18 +214,30 @@ def run(args) -> dict:
 
 
 def markdown(result) -> str:
-    lines = [f"# Continuation prefill on {result['device']}, {result['date']}", "",
-             f"bf16 matmul ceiling measured in this run: {result['matmul_ceiling_tflops'] or 0:.0f} TFLOP/s. "
-             f"Ratios are time / {result['baseline']} time (lower is better).", "",
-             "| preset | shape | q_len | cached | method | time ms | TFLOP/s | % ceiling | peak MiB | workspace MiB | ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    """The result as a Markdown table. Columns a run could not measure are left out: TFLOP/s
+    and % ceiling without a GPU matmul ceiling, peak MiB where no row has a peak."""
+    ceiling = result["matmul_ceiling_tflops"]
+    rows = result["rows"]
     f = lambda x, p: "" if x is None else f"{x:.{p}f}"
-    for r in result["rows"]:
-        lines.append(f"| {r['preset']} | {r['shape']} | {r['q_len']} | {r['cached_len'] // K}K | {r['method']} | "
-                     f"{f(r['time_ms'], 2)} | {f(r['tflops'], 0)} | "
-                     f"{f(r['ceiling_share'] and 100 * r['ceiling_share'], 0)} | {f(r['peak_mib'], 0)} | "
-                     f"{f(r['workspace_mib'], 1)} | {f(r['ratio_to_vllm'], 2)} |"
-                     + (f" {r['error']}" if r["error"] else ""))
+    columns = [  # (header, cell of a row)
+        ("preset", lambda r: r["preset"]), ("shape", lambda r: r["shape"]), ("q_len", lambda r: str(r["q_len"])),
+        ("cached", lambda r: f"{r['cached_len'] // K}K"), ("method", lambda r: r["method"]),
+        ("time ms", lambda r: f(r["time_ms"], 2))]
+    if ceiling:
+        columns += [("TFLOP/s", lambda r: f(r["tflops"], 0)),
+                    ("% ceiling", lambda r: f(r["ceiling_share"] and 100 * r["ceiling_share"], 0))]
+    if any(r["peak_mib"] is not None for r in rows):
+        columns += [("peak MiB", lambda r: f(r["peak_mib"], 0))]
+    columns += [("workspace MiB", lambda r: f(r["workspace_mib"], 1)), ("ratio", lambda r: f(r["ratio_to_vllm"], 2))]
+    if ceiling:
+        measured = f"bf16 matmul ceiling measured in this run: {ceiling:.0f} TFLOP/s. "
+    else:
+        measured = "No GPU: time and workspace only (TFLOP/s, the matmul ceiling and peak memory need one). "
+    lines = [f"# Continuation prefill on {result['device']}, {result['date']}", "",
+             measured + f"Ratios are time / {result['baseline']} time (lower is better).", "",
+             "| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(cell(r) for _, cell in columns) + " |" + (f" {r['error']}" if r["error"] else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -281,39 +313,120 @@ def plot(result, out_dir, stem):
     return paths
 
 
-def parse(argv=None):
-    p = argparse.ArgumentParser(prog="tq-chunked bench", description=__doc__,
+def _sizes_options(sizes):
+    """The sizes as the options that give them: ["--presets a,b", "--q-lens 256", ...]."""
+    join = lambda xs: ",".join(map(str, xs)) or '""'
+    return [f"--{name.replace('_', '-')} {join(sizes[name])}" for name in SIZES["full"]]
+
+
+def _epilog():
+    lines = ["shapes (per-GPU head shapes of real models):"]
+    for name, (hq, hk, d) in SHAPES.items():
+        lines.append(f"  {name:10} {SHAPE_NOTES[name]}: Hq {hq}, Hk {hk}, D {d}")
+    lines += ["", "default sizes of each mode, for the options not given:"]
+    for mode, sizes in SIZES.items():
+        rows, row = [], []  # options wrapped at 80 characters, never inside one
+        for option in _sizes_options(sizes):
+            if row and len(" ".join(row + [option])) > 80:
+                rows.append(" ".join(row))
+                row = []
+            row.append(option)
+        rows.append(" ".join(row))
+        lines.append(f"  {mode + ':':7}{rows[0]}")
+        lines += [" " * 9 + r for r in rows[1:]]
+    return "\n".join(lines)
+
+
+def _ints(text):
+    """argparse type: comma-separated positive integers."""
+    values = text.split(",")
+    for x in values:
+        if not x.strip().isdigit() or int(x) <= 0:
+            raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {x!r}")
+    return [int(x) for x in values]
+
+
+def _ints_or_none(text):
+    """argparse type: like _ints, and "" for an empty list."""
+    return _ints(text) if text else []
+
+
+def _windows(text):
+    """argparse type: comma-separated windows, multiples of BLOCK_SIZE; "" for none."""
+    values = _ints_or_none(text)
+    for w in values:
+        if w % BLOCK_SIZE:
+            raise argparse.ArgumentTypeError(f"{w} is not a multiple of the block size {BLOCK_SIZE}")
+    return values
+
+
+def _name_list(known, what):
+    """argparse type: comma-separated names, each one of known (a list of whats)."""
+    def parse_list(text):
+        names = text.split(",")
+        for name in names:
+            if name not in known:
+                raise argparse.ArgumentTypeError(f"unknown {what} {name!r}; known: {', '.join(known)}")
+        return names
+    return parse_list
+
+
+def make_parser(prog="tq-chunked bench"):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, epilog=_epilog(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ints = lambda s: [int(x) for x in s.split(",") if x]
-    strs = lambda s: [x for x in s.split(",") if x]
-    p.add_argument("--quick", action="store_true", help="one preset and shape, 8K/32K/128K: about a minute")
-    p.add_argument("--cpu", action="store_true", help="small sizes on the CPU (the default without a GPU)")
-    p.add_argument("--presets", type=strs, default=["turboquant_3bit_nc", "turboquant_k8v4", "turboquant_4bit_nc",
-                                                    "turboquant_k3v4_nc"])
-    p.add_argument("--shapes", type=strs, default=list(SHAPES))
-    p.add_argument("--q-lens", type=ints, default=[512, 2048, 8192])
-    p.add_argument("--cached-lens", type=ints, default=[8 * K, 16 * K, 32 * K, 64 * K, 128 * K])
-    p.add_argument("--memory-lens", type=ints, default=[256 * K, 512 * K, 1024 * K],
-                   help="cached lengths measured for memory only (first preset/shape/q_len)")
-    p.add_argument("--windows", type=ints, default=[], help="extra windows to time besides the default")
-    p.add_argument("--methods", type=strs, default=[], help="keep methods whose name starts with one of these")
-    p.add_argument("--no-vllm", action="store_true")
-    p.add_argument("--out", default="benchmarks/results")
+    # The size options (presets ... windows) default to None: the mode (full, --quick or
+    # --cpu) fills in only those not given, so an explicit option is never replaced.
+    p.add_argument("--quick", action="store_true",
+                   help="on a GPU, the quick sizes below (about a minute); on a CPU, the cpu sizes as without it")
+    p.add_argument("--cpu", action="store_true",
+                   help="run on the CPU (the default without a GPU) with the cpu sizes below; time and "
+                        "workspace only")
+    p.add_argument("--presets", type=_name_list(list(PRESETS), "preset"), metavar="NAMES",
+                   help="comma-separated presets: " + ", ".join(PRESETS))
+    p.add_argument("--shapes", type=_name_list(list(SHAPES), "shape"), metavar="NAMES",
+                   help="comma-separated head shapes (below): " + ", ".join(SHAPES))
+    p.add_argument("--q-lens", type=_ints, metavar="N,...", help="tokens in the prefill chunk")
+    p.add_argument("--cached-lens", type=_ints, metavar="N,...", help="tokens already in the cache, timed")
+    p.add_argument("--memory-lens", type=_ints_or_none, metavar="N,...",
+                   help="cached lengths measured for peak memory only (first preset, shape and q_len; GPU only); "
+                        "\"\" for none")
+    p.add_argument("--windows", type=_windows, metavar="W,...",
+                   help=f"extra windows to time besides the default window, multiples of {BLOCK_SIZE}; \"\" for none")
+    p.add_argument("--methods", type=lambda s: [x for x in s.split(",") if x], default=[], metavar="PREFIXES",
+                   help="keep only the methods whose name starts with one of these, e.g. full,chunked-torch")
+    p.add_argument("--no-vllm", action="store_true", help="leave out vLLM's methods (which run on a GPU only)")
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                   help="directory for the JSON, Markdown and PNG files, created if missing (default: "
+                        "./%(default)s)")
     p.add_argument("--tag", default="", help="appended to the output file names")
-    p.add_argument("--render", metavar="JSON", help="only rewrite the Markdown table and plots of a result file")
+    p.add_argument("--render", metavar="JSON",
+                   help="only rewrite the Markdown table and plots of a result file, next to it")
+    return p
+
+
+def parse(argv=None, prog="tq-chunked bench"):
+    """Parsed arguments, with the mode's default sizes filled in for the options not given."""
+    p = make_parser(prog)
     a = p.parse_args(argv)
-    if a.quick:
-        a.presets, a.shapes, a.q_lens = a.presets[:1], ["llama3-8b"], [2048]
-        a.cached_lens, a.memory_lens = [8 * K, 32 * K, 128 * K], []
     if a.cpu or not torch.cuda.is_available():
         a.cpu = True
-        a.presets, a.shapes, a.q_lens = a.presets[:1], ["70b-tp8"], [256]
-        a.cached_lens, a.memory_lens = [1 * K, 4 * K], []
+        if a.memory_lens:
+            p.error("argument --memory-lens: peak memory is measured on a GPU only; leave it out on the CPU")
+    a.mode = "cpu" if a.cpu else "quick" if a.quick else "full"
+    for name, value in SIZES[a.mode].items():
+        if getattr(a, name) is None:
+            setattr(a, name, list(value))
     return a
 
 
-def main(argv=None):
-    args = parse(argv)
+def output_stem(result, args):
+    """File name stem: device, date, "-quick" for the quick GPU sizes, the tag."""
+    dev = result["device"].replace(" ", "-").lower()
+    return f"{dev}-{result['date']}" + ("-quick" if args.mode == "quick" else "") + (f"-{args.tag}" if args.tag else "")
+
+
+def main(argv=None, prog="tq-chunked bench"):
+    args = parse(argv, prog)
     if args.render:
         with open(args.render) as f:
             result = json.load(f)
@@ -322,10 +435,11 @@ def main(argv=None):
             f.write(markdown(result))
         print("wrote", ", ".join([stem + ".md"] + plot(result, os.path.dirname(stem) or ".", os.path.basename(stem))))
         return
+    print(f"tq-chunked bench on the {'CPU' if args.cpu else 'GPU'}, {args.mode} mode (its sizes for the options "
+          f"not given): {' '.join(_sizes_options(vars(args)))}; results into {args.out}")
     result = run(args)
     os.makedirs(args.out, exist_ok=True)
-    dev = result["device"].replace(" ", "-").lower()
-    stem = f"{dev}-{result['date']}" + ("-quick" if args.quick else "") + (f"-{args.tag}" if args.tag else "")
+    stem = output_stem(result, args)
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump(result, f, indent=1)
     md = markdown(result)
@@ -337,4 +451,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    main(prog="python -m tq_chunked.bench")
