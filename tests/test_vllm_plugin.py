@@ -105,7 +105,7 @@ def _case(layer, preset, cached_len, q_len, layout):
     """A cache written with vLLM's own centroids and rotation (the layer's)."""
     from conftest import make_case
     return make_case(preset, torch.float16, head_dim=64, num_q_heads=4, num_kv_heads=2, cached_len=cached_len,
-                     q_len=q_len, layout=layout, device="cpu", rotation=layer._tq_Pi, centroids=layer._tq_centroids)
+                     q_len=q_len, layout=layout, device="cpu", rotation=layer._tq_Pi, centroids=layer._tq_centroids, seed=0)
 
 
 def _check_answer(out, case):
@@ -188,7 +188,7 @@ def test_reservation_keeps_decode_buffers_and_drops_the_max_model_len_pair(monke
     from vllm.v1.worker import workspace
     from tq_chunked.vllm_plugin import builder_workspace_bytes
     # A builder's state as its real __init__ leaves it (plain config values, see above).
-    fake_builder = types.SimpleNamespace(vllm_config=_plain_config(max_model_len=1 << 20),
+    fake_builder = types.SimpleNamespace(vllm_config=_plain_config(max_model_len=1 << 20, num_heads=32),
                                          kv_cache_spec=types.SimpleNamespace(num_kv_heads=8, head_size=128,
                                                                              block_size=16))
     sizes = {}

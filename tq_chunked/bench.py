@@ -151,8 +151,8 @@ def methods_for(device, windows, use_vllm, latest):
             ms["vllm-latest"] = (lambda c, n: latest_continuation_prefill(c.tq, *c.args(n)),
                                  lambda c: prepare_latest(c.tq, c.device, fresh_workspace=True), None)
     ms["full"] = (lambda c, n: full_buffer_continuation_prefill(*c.args(n), **c.kwargs), None, None)
-    backends = [b for b in ("flash", "cudnn", "triton", "torch")
-                if backend_available(b, device, torch.float16, 128) and (b != "torch" or device.type == "cpu")]
+    backends = [b for b in ("flash", "triton", "torch")
+                if backend_available(b, device, 128)[0] and (b != "torch" or device.type == "cpu")]
     for b in backends:
         ms[f"chunked-{b}"] = (lambda c, n, b=b: continuation_prefill(*c.args(n), **c.kwargs, backend=b), None, None)
         for w in windows:
@@ -192,7 +192,7 @@ def run(args) -> dict:
             w = window or default_window(hk, d, 16)
             row = Row(name, preset, shape, q_len, cached_len)
             if name.startswith("chunked"):
-                row.workspace_mib = workspace_bytes(q_len, hq, hk, d, w, torch.float16) / 2**20
+                row.workspace_mib = workspace_bytes(q_len, hq, hk, d, w) / 2**20
             try:
                 call = lambda: fn(case, cached_len)
                 if kind == "time":
@@ -401,6 +401,22 @@ def make_parser(prog="tq-chunked bench"):
     p.add_argument("--tag", default="", help="appended to the output file names")
     p.add_argument("--render", metavar="JSON",
                    help="only rewrite the Markdown table and plots of a result file, next to it")
+    engine = p.add_argument_group("engine-shaped modes (GPU with vLLM; see bench_engine.py): layers back to back, "
+                                  "host and GPU time per call, against the latest vLLM's _prefill_attention")
+    mode = engine.add_mutually_exclusive_group()
+    mode.add_argument("--stack", action="store_true", help="single requests: 3 head shapes x q_len 512, 2048 x "
+                                                           "cached 8K, 32K, 128K")
+    mode.add_argument("--serving", action="store_true",
+                      help="serving-shaped batches: 1-32 prefix-cache hits of q_len 16-2048 over 1K-64K cached "
+                           "tokens, with and without first chunks, three head shapes")
+    mode.add_argument("--crossover", action="store_true",
+                      help="one short continuation (q_len 8, 32, 128 over 1K, 8K, 64K cached): vLLM's decode "
+                           "replay against the windowed path")
+    engine.add_argument("--layers", type=int, default=32, metavar="L", help="layers called back to back (default 32)")
+    engine.add_argument("--repeats", type=int, default=5, metavar="R",
+                        help="interleaved repeats, the median reported (default 5)")
+    engine.add_argument("--workloads", type=lambda s: [x for x in s.split(",") if x], default=[], metavar="NAMES",
+                        help="keep only the workloads whose name starts with one of these")
     return p
 
 
@@ -412,6 +428,7 @@ def parse(argv=None, prog="tq-chunked bench"):
         a.cpu = True
         if a.memory_lens:
             p.error("argument --memory-lens: peak memory is measured on a GPU only; leave it out on the CPU")
+    a.engine_mode = "stack" if a.stack else "serving" if a.serving else "crossover" if a.crossover else None
     a.mode = "cpu" if a.cpu else "quick" if a.quick else "full"
     for name, value in SIZES[a.mode].items():
         if getattr(a, name) is None:
@@ -425,8 +442,38 @@ def output_stem(result, args):
     return f"{dev}-{result['date']}" + ("-quick" if args.mode == "quick" else "") + (f"-{args.tag}" if args.tag else "")
 
 
+def run_engine(args):
+    """--stack, --serving or --crossover: bench_engine's workloads, written like the grid."""
+    from . import bench_engine as be
+    if not torch.cuda.is_available():
+        raise SystemExit(f"tq-chunked bench: --{args.engine_mode} needs a CUDA GPU")
+    workloads = {"stack": be.stack_workloads, "serving": be.serving_workloads,
+                 "crossover": be.crossover_workloads}[args.engine_mode]()
+    if args.workloads:
+        workloads = [w for w in workloads if any(w.name.startswith(p) for p in args.workloads)]
+    methods = be.methods_available()
+    print(f"tq-chunked bench --{args.engine_mode}: {len(workloads)} workloads, methods {', '.join(methods)}, "
+          f"{args.layers} layers, {args.repeats} repeats; results into {args.out}")
+    rows = be.run_workloads(workloads, methods, args.layers, args.repeats)
+    result = {"mode": args.engine_mode, "device": torch.cuda.get_device_name(),
+              "date": datetime.date.today().isoformat(), "torch": torch.__version__, "layers": args.layers,
+              "repeats": args.repeats, "methods": list(methods), "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    stem = output_stem(result, args) + f"-{args.engine_mode}"
+    with open(os.path.join(args.out, stem + ".json"), "w") as f:
+        json.dump(result, f, indent=1)
+    md = be.markdown(result)
+    with open(os.path.join(args.out, stem + ".md"), "w") as f:
+        f.write(md)
+    png = be.plot(result, os.path.join(args.out, stem + ".png"))
+    print(md)
+    print("wrote", ", ".join([os.path.join(args.out, stem + e) for e in (".json", ".md")] + ([png] if png else [])))
+
+
 def main(argv=None, prog="tq-chunked bench"):
     args = parse(argv, prog)
+    if args.engine_mode:
+        return run_engine(args)
     if args.render:
         with open(args.render) as f:
             result = json.load(f)

@@ -26,19 +26,22 @@ BLOCK_SIZE = 16  # tokens per cache block, vLLM's default
 CPU_WINDOWS = 4
 
 
-def build_case(preset, cached_len, q_len, hq, hk, d, block_size, dtype, device, seed=0, vllm_tq=None):
-    """A paged TurboQuant cache holding cached_len + q_len random tokens, shuffled blocks.
+def build_batch(preset, requests, hq, hk, d, block_size, dtype, device, seed=0, vllm_tq=None):
+    """A paged TurboQuant cache holding several requests' tokens, their blocks shuffled.
 
+    requests: [(cached_len, q_len), ...]. Every token, cached or new, is in the cache (as
+    vLLM's store leaves it before attention); the new tokens' K/V are also returned raw.
     Written by this project's encoder, or, given ``vllm_tq`` (``vllm_harness.build_vllm_tq``),
     by vLLM's own store kernel with vLLM's centroids and rotation.
-    Returns (query, key_chunk, val_chunk, kv_cache, block_table, cached_len), kwargs.
+    Returns a dict: query (N, Hq, D), key, value (N, Hk, D), kv_cache, block_table
+    (B, max_blocks) int32, query_start_loc and seq_lens (host lists), kwargs.
     """
     gen = torch.Generator(device).manual_seed(seed)
     cfg = TQConfig.from_preset(preset, d)
-    total = cached_len + q_len
-    num_blocks = -(-total // block_size)
-    kv_cache = torch.zeros(num_blocks, block_size, hk, cfg.slot_bytes, dtype=torch.uint8, device=device)
-    block_table = torch.randperm(num_blocks, generator=gen, device=device).int()[None]  # (1, num_blocks)
+    need = [-(-(c + q) // block_size) for c, q in requests]
+    kv_cache = torch.zeros(sum(need), block_size, hk, cfg.slot_bytes, dtype=torch.uint8, device=device)
+    perm = torch.randperm(sum(need), generator=gen, device=device).int()
+    block_table = torch.zeros(len(requests), max(need, default=1), dtype=torch.int32, device=device)
     if vllm_tq is None:
         centroids = lloyd_max_centroids(d, cfg.centroid_bits).to(device)
         rotation = hadamard(d).to(device)
@@ -47,18 +50,32 @@ def build_case(preset, cached_len, q_len, hq, hk, d, block_size, dtype, device, 
         from .vllm_harness import vllm_store
         centroids, rotation = vllm_tq.centroids, vllm_tq.rotation
         store = lambda k, v, slots: vllm_store(vllm_tq, k, v, kv_cache, slots)
-    for s in range(0, total, 16384):  # encode in slices: bounded scratch memory
-        n = min(16384, total - s)
-        pos = torch.arange(s, s + n, device=device)
-        key = torch.randn(n, hk, d, generator=gen, device=device, dtype=dtype)
-        val = torch.randn(n, hk, d, generator=gen, device=device, dtype=dtype)
-        slots = block_table[0].long()[pos // block_size] * block_size + pos % block_size
-        store(key, val, slots)
-    query = torch.randn(q_len, hq, d, generator=gen, device=device, dtype=dtype)
-    key_chunk = torch.randn(q_len, hk, d, generator=gen, device=device, dtype=dtype)
-    val_chunk = torch.randn(q_len, hk, d, generator=gen, device=device, dtype=dtype)
-    kwargs = dict(preset=preset, centroids=centroids, rotation=rotation, scale=d**-0.5)
-    return (query, key_chunk, val_chunk, kv_cache, block_table, cached_len), kwargs
+    keys, values, qsl, used = [], [], [0], 0
+    for r, (cached, q_len) in enumerate(requests):
+        block_table[r, :need[r]] = perm[used:used + need[r]]
+        used += need[r]
+        total = cached + q_len
+        for s in range(0, total, 16384):  # encode in slices: bounded scratch memory
+            n = min(16384, total - s)
+            pos = torch.arange(s, s + n, device=device)
+            key = torch.randn(n, hk, d, generator=gen, device=device, dtype=dtype)
+            val = torch.randn(n, hk, d, generator=gen, device=device, dtype=dtype)
+            store(key, val, block_table[r].long()[pos // block_size] * block_size + pos % block_size)
+            new = slice(max(0, cached - s), n)  # this slice's new tokens
+            keys.append(key[new])
+            values.append(val[new])
+        qsl.append(qsl[-1] + q_len)
+    query = torch.randn(qsl[-1], hq, d, generator=gen, device=device, dtype=dtype)
+    return dict(query=query, key=torch.cat(keys), value=torch.cat(values), kv_cache=kv_cache,
+                block_table=block_table, query_start_loc=qsl, seq_lens=[c + q for c, q in requests],
+                kwargs=dict(preset=preset, centroids=centroids, rotation=rotation, scale=d**-0.5))
+
+
+def build_case(preset, cached_len, q_len, hq, hk, d, block_size, dtype, device, seed=0, vllm_tq=None):
+    """One request of ``build_batch``, as continuation_prefill takes it:
+    (query, key_chunk, val_chunk, kv_cache, block_table (1, max_blocks), cached_len), kwargs."""
+    b = build_batch(preset, [(cached_len, q_len)], hq, hk, d, block_size, dtype, device, seed, vllm_tq)
+    return (b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"], cached_len), b["kwargs"]
 
 
 def measure(fn, device, repeats=5):
