@@ -44,7 +44,7 @@ def build_batch(preset, requests, hq, hk, d, block_size, dtype, device, seed=0, 
     block_table = torch.zeros(len(requests), max(need, default=1), dtype=torch.int32, device=device)
     if vllm_tq is None:
         centroids = lloyd_max_centroids(d, cfg.centroid_bits).to(device)
-        rotation = hadamard(d).to(device)
+        rotation = None if cfg.key_fp8 else hadamard(d).to(device)  # fp8 keys are not rotated
         store = lambda k, v, slots: encode_reference(k, v, kv_cache, slots, cfg, centroids, rotation)
     else:
         from .vllm_harness import vllm_store
