@@ -88,12 +88,15 @@ def test_no_host_device_synchronization():
 
 
 def test_peak_memory_is_flat_in_cached_length_and_batch_size():
+    """Beyond one window, peak memory does not grow with the cached length; a batch of many
+    requests holding as many query tokens needs no more; all stay within the workspace,
+    the output and FlashAttention's own scratch."""
     peaks = {}
-    for name, requests in [("8K", [(8192, 2048)]), ("128K", [(131072, 2048)]), ("16x8K", [(8192, 128)] * 16)]:
+    for name, requests in [("32K", [(32768, 2048)]), ("128K", [(131072, 2048)]), ("16x8K", [(8192, 128)] * 16)]:
         b = build_batch("turboquant_3bit_nc", requests, 32, 8, 128, 16, torch.float16, "cuda")
         call = lambda: continuation_prefill_varlen(b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"],
                                                    None, None, **b["kwargs"], query_start_loc_cpu=b["query_start_loc"],
-                                                   seq_lens_cpu=b["seq_lens"])
+                                                   seq_lens_cpu=b["seq_lens"], check_block_table=False)
         call()  # warm-up
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -104,7 +107,8 @@ def test_peak_memory_is_flat_in_cached_length_and_batch_size():
         del out, b
     ws = workspace_bytes(2048, 32, 8, 128, default_window(8, 128, 16)) / 2**20
     print({k: f"{v:.1f} MiB" for k, v in peaks.items()}, f"workspace {ws:.1f} MiB")
-    assert peaks["128K"] - peaks["8K"] < 8 and peaks["16x8K"] <= peaks["8K"] + 8
+    assert abs(peaks["128K"] - peaks["32K"]) < 1
+    assert all(p < ws + 16 + 24 for p in peaks.values())  # + the 16 MiB output + FlashAttention's scratch
 
 
 def test_one_million_cached_tokens():

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from tq_chunked import PRESETS, continuation_prefill, continuation_prefill_varlen, workspace_bytes
 from tq_chunked.plan import plan_windows
 from tq_chunked.reference import full_buffer_continuation_prefill, oracle_continuation_prefill
-from tq_chunked.workspace import kv_head_group
+from tq_chunked.chunked import schedule
 
 from conftest import DEVICE, TRITON_OK, make_batch, rel_err
 
@@ -81,12 +81,25 @@ def test_gqa_groups(group):
                 window=96)
 
 
-def test_kv_head_groups_bound_the_workspace_and_keep_the_answer():
-    batch = make_batch([(200, 40), (90, 30)], "turboquant_k3v4_nc", num_q_heads=8, num_kv_heads=4, seed=14)
-    n = batch.query.shape[0]
-    budget = workspace_bytes(n, 8, 4, 64, 64) // 2  # too small for all kv heads at once
-    assert kv_head_group(n, 8, 4, 64, 64, torch.float16, budget) in (1, 2)
-    assert workspace_bytes(n, 8, 4, 64, 64, max_bytes=budget) <= budget
+def test_a_batch_over_the_budget_runs_in_tiles_of_whole_requests_with_all_heads():
+    batch = make_batch([(200, 40), (90, 30), (0, 25), (150, 35)], "turboquant_k3v4_nc", num_q_heads=8,
+                       num_kv_heads=4, seed=14)
+    budget = workspace_bytes(60, 8, 4, 64, 64)  # about 60 query rows with all heads
+    tiles, need = schedule(tuple(batch.query_start_loc), tuple(batch.seq_lens), 64, 16, 8, 4, 64, torch.float16,
+                           budget, torch.device(DEVICE))
+    assert [(t.r0, t.r1) for t in tiles] == [(0, 1), (1, 3), (3, 4)]
+    assert all(t.kv_group == 4 for t in tiles) and need <= budget
+    assert workspace_bytes(130, 8, 4, 64, 64, max_bytes=budget) <= budget
+    check_batch(batch, window=64, max_workspace_bytes=budget)
+
+
+def test_a_request_too_long_for_any_tile_runs_its_kv_heads_in_groups():
+    batch = make_batch([(200, 120), (30, 8)], "turboquant_3bit_nc", num_q_heads=8, num_kv_heads=4, seed=25)
+    budget = workspace_bytes(60, 8, 4, 64, 64)
+    tiles, need = schedule(tuple(batch.query_start_loc), tuple(batch.seq_lens), 64, 16, 8, 4, 64, torch.float16,
+                           budget, torch.device(DEVICE))
+    assert [(t.r0, t.r1, t.kv_group) for t in tiles] == [(0, 1, 2), (1, 2, 4)]
+    assert need <= workspace_bytes(128, 8, 4, 64, 64, max_bytes=budget)
     check_batch(batch, window=64, max_workspace_bytes=budget)
 
 

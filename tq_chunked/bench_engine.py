@@ -190,23 +190,31 @@ def _spin_cycles_per_ms():
 
 
 def measure(calls, cycles_per_ms, head_start_ms):
-    """(stack ms, host ms per call, GPU ms per call, whether the host stayed ahead)."""
+    """(stack ms, host ms per call, GPU ms per call, whether the host stayed ahead).
+
+    Host and GPU time are taken one call at a time: a spin kernel keeps the GPU busy
+    while the host enqueues the call, so the host never waits, and the queue is empty
+    before each call (a whole stack would fill CUDA's launch queue and make the host
+    wait for the GPU)."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for f in calls:
         f()
     torch.cuda.synchronize()
     stack = (time.perf_counter() - t0) * 1e3
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(int(head_start_ms * cycles_per_ms))  # the GPU is busy: the host never waits
-    t0 = time.perf_counter()
-    s.record()
+    host, events = [], []
     for f in calls:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(head_start_ms * cycles_per_ms))
+        t0 = time.perf_counter()
+        s.record()
         f()
-    host = (time.perf_counter() - t0) * 1e3
-    e.record()
-    e.synchronize()
-    return stack, host / len(calls), s.elapsed_time(e) / len(calls), host < head_start_ms
+        host.append((time.perf_counter() - t0) * 1e3)
+        e.record()
+        e.synchronize()
+        events.append((s, e))
+    gpu = [s.elapsed_time(e) for s, e in events]
+    return stack, statistics.mean(host), statistics.mean(gpu), max(host) < head_start_ms
 
 
 def run_workloads(workloads, methods, layers=LAYERS, repeats=5, progress=True):
@@ -226,12 +234,12 @@ def run_workloads(workloads, methods, layers=LAYERS, repeats=5, progress=True):
                 f()
         torch.cuda.synchronize()
         ref = outs.get("latest")
-        head_start = {name: 50.0 for name in calls}
+        head_start = {name: 2.0 for name in calls}
         samples = {name: [] for name in calls}
         for _ in range(repeats):  # interleaved: the machine's drift hits every method alike
             for name, fs in calls.items():
                 sample = measure(fs, cycles, head_start[name])
-                head_start[name] = max(head_start[name], 2 * sample[1] * len(fs))
+                head_start[name] = max(head_start[name], 3 * sample[1])
                 samples[name].append(sample)
         for name, ss in samples.items():
             med = lambda i: statistics.median(s[i] for s in ss)
@@ -242,10 +250,10 @@ def run_workloads(workloads, methods, layers=LAYERS, repeats=5, progress=True):
                              host_ahead=all(s[3] for s in ss),
                              diff_to_latest=None if ref is None or name == "latest" else
                              ((outs[name] - ref).norm() / ref.norm()).item()))
-        base = next((r for r in rows if r["workload"] == w.name and r["method"] == "latest"), None)
-        for r in rows:
-            if r["workload"] == w.name and base:
-                r["ratio"] = r["stack_ms"] / base["stack_ms"]
+        mine = rows[-len(samples):]
+        base = next((r for r in mine if r["method"] == "latest"), None)
+        for r in mine:
+            r["ratio"] = r["stack_ms"] / base["stack_ms"] if base else None
         del inputs, calls, outs, tq
         torch.cuda.empty_cache()
     return rows

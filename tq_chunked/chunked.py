@@ -20,9 +20,11 @@ Memory is the workspace: independent of the cached lengths and of the batch size
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -30,9 +32,9 @@ from .attention import resolve_backend, varlen_attention
 from .dequant import dequantize_window
 from .format import TQConfig, resolve_config
 from .merge import merge_attn_states
-from .plan import plan_windows
+from .plan import WindowPlan, plan_windows
 from .prepare import prepare
-from .workspace import DEFAULT_WORKSPACE_BYTES, _bytes, carve, default_window, kv_head_group
+from .workspace import DEFAULT_WORKSPACE_BYTES, _bytes, carve, default_window, kv_head_group, tile_rows
 
 _QUERY_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -274,47 +276,96 @@ def _run(query, key, value, kv_cache, block_table, qsl, lens, *, preset, centroi
     if n == 0:
         return (out, lse) if return_lse else out
 
-    plan = plan_windows(qsl, lens, window, block_size, query.device)
-    if plan.ready is not None:  # the plan's upload, if it ran on another stream
-        torch.cuda.current_stream(query.device).wait_event(plan.ready)
-    if check_block_table:
-        _check_block_ids(block_table, plan, num_blocks)
     budget = DEFAULT_WORKSPACE_BYTES if max_workspace_bytes is None else max_workspace_bytes
     if workspace is not None:
         _check_tensor("workspace", workspace, 1, (torch.uint8,), query.device)
         if not workspace.is_contiguous():
             raise ValueError("workspace must be contiguous")
         budget = min(budget, workspace.numel())
-    # As many kv heads at once as the budget (and a given workspace) holds at this
-    # call's window; at least what workspace_bytes(..., window) was sized for.
-    hk_g = kv_head_group(n, hq, hk, d, plan.window, query.dtype, budget)
-    hq_g = hq // hk * hk_g
-    need = _bytes(n, hq_g, hk_g, d, plan.window, query.dtype)
+    tiles, need = schedule(qsl, lens, window, block_size, hq, hk, d, query.dtype, budget, query.device)
+    reuse = workspace is not None  # the caller's: its views can be kept for the next call
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.uint8, device=query.device)
-    else:
-        if workspace.numel() < need:
-            raise ValueError(f"workspace must hold at least workspace_bytes(...) = {need} bytes for this call, "
-                             f"got {workspace.numel()}")
-    bufs = carve(workspace, n, hq_g, hk_g, d, plan.window, query.dtype)
+    elif workspace.numel() < need:
+        raise ValueError(f"workspace must hold at least workspace_bytes(...) = {need} bytes for this call, "
+                         f"got {workspace.numel()}")
+    for tile in tiles:
+        if tile.plan.ready is not None:  # the plan's upload, if it ran on another stream
+            torch.cuda.current_stream(query.device).wait_event(tile.plan.ready)
+        if len(tiles) == 1:
+            rows = (query, key, value, block_table, out, lse)
+        else:
+            q0, q1 = qsl[tile.r0], qsl[tile.r1]
+            rows = (query[q0:q1], key[q0:q1], value[q0:q1], block_table[tile.r0:tile.r1], out[q0:q1],
+                    None if lse is None else lse[:, q0:q1])
+        if check_block_table:
+            _check_block_ids(rows[3], tile.plan, num_blocks)
+        _attend(*rows, kv_cache, tile.plan, tile.kv_group, cfg, centroids, rotation, scale, backend, workspace, reuse)
+    return (out, lse) if return_lse else out
+
+
+@dataclass(frozen=True)
+class Tile:
+    r0: int  # requests [r0, r1)
+    r1: int
+    plan: WindowPlan
+    kv_group: int  # kv heads at once
+
+
+@functools.lru_cache(maxsize=32)
+def schedule(qsl, lens, window, block_size, hq, hk, d, dtype, budget, device):
+    """Tiles of whole requests whose query rows fit the budget with all heads (a request
+    too long for one runs alone, its kv heads in groups), their plans, and the workspace
+    bytes the largest needs (workspace.py). Memoized, like the plans: one per step."""
+    b, g = len(lens), hq // hk
+    cached = sum(s - (qsl[r + 1] - qsl[r]) for r, s in enumerate(lens) if qsl[r + 1] > qsl[r])
+    w_eff = max(1, min(window, cached))  # no tile reads a longer window than this
+    rows = tile_rows(qsl[-1], hq, hk, d, w_eff, dtype, budget)
+    cuts, r0 = [], 0
+    for r in range(b + 1):  # close a tile before the request that would overflow it, and at the end
+        if r == b or (r > r0 and qsl[r + 1] - qsl[r0] > rows):
+            cuts.append((r0, r))
+            r0 = r
+    tiles, need = [], 0
+    for r0, r1 in cuts:
+        base = qsl[r0]
+        plan = plan_windows(tuple(q - base for q in qsl[r0:r1 + 1]), lens[r0:r1], window, block_size, device)
+        hk_g = kv_head_group(plan.num_tokens, hq, hk, d, plan.window, dtype, budget)
+        tiles.append(Tile(r0, r1, plan, hk_g))
+        need = max(need, _bytes(plan.num_tokens, g * hk_g, hk_g, d, plan.window, dtype))
+    return tuple(tiles), need
+
+
+def _attend(query, key, value, block_table, out, lse, kv_cache, plan, hk_g, cfg, centroids, rotation, scale, backend,
+            workspace, reuse):
+    """One tile: the window loop for each group of kv heads (see the module docstring)."""
+    n, hq, d = query.shape
+    hk = key.shape[1]
+    hq_g = hq // hk * hk_g
     windows = plan.windows
     # bf16 queries: the chunk's attention runs on fp16 copies, so that its partial output is
     # rounded once to fp16, not to bf16 before the merge (that cost 1.1-1.25x the full
     # path's error where the chunk dominates: tests/test_varlen.py, benchmarks/NOTES.md).
     chunk16 = bool(windows) and query.dtype == torch.bfloat16
     single = len(windows) == 1 and not chunk16  # its partial merges straight into the chunk's result
+    regions = ("k_buf", "v_buf", "q_buf") + (("part",) if single else ("state_out", "state_lse")) + \
+        (("q16", "k16", "v16") if chunk16 else ())
+    bufs = carve(workspace, regions if windows else (), n, hq_g, hk_g, d, plan.window, query.dtype, reuse=reuse)
     scratch = out.view(torch.float16)  # partial outputs in out's bytes, until the final merge
+    rotation = None if cfg.key_fp8 else rotation
+    centroids = centroids if centroids is not None else kv_cache  # fp8 keys: not read
     for kv0 in range(0, hk, hk_g):
         q0 = kv0 * (hq // hk)
+        whole = hk_g == hk  # all heads at once: no head slices
         heads, kv_heads = slice(q0, q0 + hq_g), slice(kv0, kv0 + hk_g)
-        group_out, group_lse = out[:, heads], None if lse is None else lse[heads]
+        group_out = out if whole else out[:, heads]
+        group_lse = lse if whole or lse is None else lse[heads]
+        group_scratch = scratch if whole else scratch[:, heads]
         if windows:
-            prepare(query, key, value, None if cfg.key_fp8 else rotation, q0, kv0, bufs, init_lse=not single,
-                    chunk16=chunk16)
+            prepare(query, key, value, rotation, q0, kv0, bufs, init_lse=not single, chunk16=chunk16)
         for call in windows:
-            dequantize_window(kv_cache, block_table, cfg, centroids if centroids is not None else kv_cache, plan,
-                              call, kv0, bufs.k_buf, bufs.v_buf)
-            part = (bufs.part if single else scratch[:, heads])[call.q0:call.q1]
+            dequantize_window(kv_cache, block_table, cfg, centroids, plan, call, kv0, bufs.k_buf, bufs.v_buf)
+            part = (bufs.part if single else group_scratch)[call.q0:call.q1]
             part_lse = varlen_attention(call, bufs.q_buf[call.q0:call.q1], bufs.k_buf, bufs.v_buf, scale, part,
                                         backend)
             if not single:
@@ -322,16 +373,15 @@ def _run(query, key, value, kv_cache, block_table, qsl, lens, *, preset, centroi
                                   row0=call.q0)
         # The chunk's own keys, causal, all requests: a first-chunk prefill on the raw Q/K/V.
         if chunk16:
-            chunk_out = scratch[:, heads]
+            chunk_out = group_scratch
             chunk_lse = varlen_attention(plan.chunk, bufs.q16, bufs.k16, bufs.v16, scale, chunk_out, backend)
         else:
             chunk_out = group_out
-            chunk_lse = varlen_attention(plan.chunk, query[:, heads], key[:, kv_heads], value[:, kv_heads], scale,
-                                         chunk_out, backend)
+            q, k, v = (query, key, value) if whole else (query[:, heads], key[:, kv_heads], value[:, kv_heads])
+            chunk_lse = varlen_attention(plan.chunk, q, k, v, scale, chunk_out, backend)
         if group_lse is not None:
             chunk_lse = group_lse.copy_(chunk_lse)  # merged in place below
         if single:  # the one window's partial (its requests' rows) into the chunk's result
             merge_attn_states(chunk_out, chunk_lse, part, part_lse, group_out, group_lse, row0=windows[0].q0)
         elif windows:
             merge_attn_states(bufs.state_out, bufs.state_lse, chunk_out, chunk_lse, group_out, group_lse)
-    return (out, lse) if return_lse else out

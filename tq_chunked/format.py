@@ -104,6 +104,13 @@ def resolve_config(preset: str | TQConfig, head_dim: int) -> TQConfig:
         if preset.head_dim != head_dim:
             raise ValueError(f"preset.head_dim is {preset.head_dim} but the query has D={head_dim}")
         return preset
+    if not isinstance(preset, str):
+        raise ValueError(f"preset must be one of {sorted(PRESETS)} or a TQConfig, got {preset!r}")
+    return _preset_config(preset, head_dim)
+
+
+@functools.lru_cache(maxsize=64)
+def _preset_config(preset: str, head_dim: int) -> TQConfig:
     return TQConfig.from_preset(preset, head_dim)
 
 

@@ -86,13 +86,14 @@ def prepare(query, key, value, rotation, q_head0: int, kv_head0: int, bufs, init
     block_d = triton.next_power_of_2(d)
     r = rotation if rotation is not None else query  # not read without rotation
     q16, k16, v16 = (bufs.q16, bufs.k16, bufs.v16) if chunk16 else (bufs.q_buf,) * 3  # not written without
+    lse = bufs.state_lse if init_lse else bufs.q_buf  # not written without
     block_m = 64
     grid = (triton.cdiv(n, block_m), hq_g + (2 * hk_g if chunk16 else 0))
     _prepare_kernel[grid](
-        query, key, value, r, bufs.q_buf, bufs.state_lse, q16, k16, v16, n, hq_g, hk_g, q_head0, kv_head0,
+        query, key, value, r, bufs.q_buf, lse, q16, k16, v16, n, hq_g, hk_g, q_head0, kv_head0,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), r.stride(0), r.stride(1),
-        bufs.q_buf.stride(0), bufs.q_buf.stride(1), bufs.state_lse.stride(0), q16.stride(0), q16.stride(1),
+        bufs.q_buf.stride(0), bufs.q_buf.stride(1), lse.stride(0), q16.stride(0), q16.stride(1),
         k16.stride(0), k16.stride(1), v16.stride(0), v16.stride(1),
         D=d, BLOCK_D=block_d, ROTATE=rotation is not None, INIT_LSE=init_lse, CHUNK16=chunk16,
         BLOCK_M=block_m, BLOCK_N=min(block_d, 64), num_warps=4)

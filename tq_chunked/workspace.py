@@ -1,30 +1,33 @@
-"""The workspace of a continuation prefill, its exact size, and the kv-head groups that
-keep it within a budget.
+"""The workspace of a continuation prefill, its exact size, and how a batch is cut so that
+it stays within a budget.
 
 All scratch memory lives in one flat uint8 buffer, carved into these regions (each
-start aligned to 256 bytes), for one group of ``Hk_g`` kv heads and their
-``Hq_g = Hq / Hk * Hk_g`` query heads, N query tokens and a window of W cached tokens:
+start aligned to 256 bytes), for R query rows (a tile of requests), a group of ``Hk_g``
+kv heads with their ``Hq_g = Hq / Hk * Hk_g`` query heads, and a window of W tokens:
 
     k_buf, v_buf  (W, Hk_g, D)   fp16     one window's dequantized K/V
-    q_buf         (N, Hq_g, D)   fp16     the (rotated) query
-    state_out     (N, Hq_g, D)   float32  running merged output over the windows
-    state_lse     (Hq_g, N)      float32  its log-sum-exp
-    part          (N, Hq_g, D)   fp16     a window's partial output, when there is one
-                                          window: the first half of state_out's bytes
-    q16, k16, v16 (N, Hq_g | Hk_g, D) fp16  bf16 queries only: the chunk's own Q/K/V, so
+    q_buf         (R, Hq_g, D)   fp16     the (rotated) query
+    state_out     (R, Hq_g, D)   float32  running merged output over the windows
+    state_lse     (Hq_g, R)      float32  its log-sum-exp
+    part          (R, Hq_g, D)   fp16     with a single window, its partial output: the
+                                          first half of state_out's bytes (no state then)
+    q16, k16, v16 (R, Hq_g | Hk_g, D) fp16  bf16 queries only: the chunk's own Q/K/V, so
                                           that its partial output is not rounded to bf16
                                           before the merge (fp16 queries use theirs)
 
-Groups run one after another in the same buffer. The group is the largest divisor of Hk
-whose regions fit ``max_bytes`` (one kv head if none does), so the workspace is bounded
-in N as well as in the cached length; each group dequantizes only its own heads, so
-grouping adds no dequant work. With several windows, each window's partial output goes
-into the call's output tensor, used as scratch until the chunk's own attention writes it.
-Nothing here depends on the cached lengths or the number of requests.
+Within a budget (``max_bytes``, default 128 MiB), a batch is cut into tiles of whole
+requests whose query rows fit with all heads at once (``tile_rows``): each request's
+cached tokens are still dequantized once, and every attention call keeps all heads. A
+request too long for any tile runs alone, its kv heads in groups (``kv_head_group``),
+each group dequantizing only its own heads. With several windows, each window's partial
+output goes into the call's output tensor, used as scratch until the chunk's own
+attention writes there. Nothing here depends on the cached lengths or the number of
+requests.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 
@@ -32,7 +35,7 @@ import torch
 
 ALIGN = 256
 DEFAULT_WINDOW_BYTES = 48 << 20  # K + V of a window's cached tokens; chosen by measurement: benchmarks/NOTES.md
-DEFAULT_WORKSPACE_BYTES = 128 << 20  # the budget that sets the kv-head group (see module docstring)
+DEFAULT_WORKSPACE_BYTES = 128 << 20  # the budget that cuts a batch into tiles and head groups
 
 
 def default_window(num_kv_heads: int, head_dim: int, block_size: int) -> int:
@@ -42,33 +45,65 @@ def default_window(num_kv_heads: int, head_dim: int, block_size: int) -> int:
     return max(block_size, tokens // block_size * block_size)
 
 
-def _regions(q_tokens, group_q_heads, group_kv_heads, head_dim, window, dtype):
-    # name: (shape, dtype)
-    n16 = q_tokens if dtype == torch.bfloat16 else 0
-    return {
+def _aligned(n):
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@functools.lru_cache(maxsize=64)
+def layout(rows, group_q_heads, group_kv_heads, head_dim, window, dtype):
+    """{region: (byte offset, shape, dtype)} and the total bytes (with room to align the
+    first region in any buffer)."""
+    n16 = rows if dtype == torch.bfloat16 else 0
+    regions = {
         "k_buf": ((window, group_kv_heads, head_dim), torch.float16),
         "v_buf": ((window, group_kv_heads, head_dim), torch.float16),
-        "q_buf": ((q_tokens, group_q_heads, head_dim), torch.float16),
-        "state_out": ((q_tokens, group_q_heads, head_dim), torch.float32),
-        "state_lse": ((group_q_heads, q_tokens), torch.float32),
+        "q_buf": ((rows, group_q_heads, head_dim), torch.float16),
+        "state_out": ((rows, group_q_heads, head_dim), torch.float32),
+        "state_lse": ((group_q_heads, rows), torch.float32),
         "q16": ((n16, group_q_heads, head_dim), torch.float16),
         "k16": ((n16, group_kv_heads, head_dim), torch.float16),
         "v16": ((n16, group_kv_heads, head_dim), torch.float16),
     }
-
-
-def _bytes(q_tokens, group_q_heads, group_kv_heads, head_dim, window, dtype):
-    total = ALIGN  # room to align the first region in any buffer
-    for shape, t in _regions(q_tokens, group_q_heads, group_kv_heads, head_dim, window, dtype).values():
+    offsets, end = {}, 0
+    for name, (shape, t) in regions.items():
+        offsets[name] = (end, shape, t)
         n = t.itemsize
         for s in shape:
             n *= s
-        total += _aligned(n)
-    return total
+        end += _aligned(n)
+    offsets["part"] = (offsets["state_out"][0], (rows, group_q_heads, head_dim), torch.float16)
+    return offsets, end + ALIGN
 
 
-def _aligned(n):
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def _bytes(rows, group_q_heads, group_kv_heads, head_dim, window, dtype):
+    return layout(rows, group_q_heads, group_kv_heads, head_dim, window, dtype)[1]
+
+
+def kv_head_group(rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int, window: int,
+                  dtype: torch.dtype = torch.float16, max_bytes: int | None = None) -> int:
+    """kv heads run at once for ``rows`` query rows: the largest divisor of num_kv_heads
+    whose regions fit max_bytes (default DEFAULT_WORKSPACE_BYTES), or 1."""
+    max_bytes = DEFAULT_WORKSPACE_BYTES if max_bytes is None else max_bytes
+    g = num_q_heads // num_kv_heads
+    for hk_g in range(num_kv_heads, 0, -1):
+        if num_kv_heads % hk_g == 0 and _bytes(rows, g * hk_g, hk_g, head_dim, window, dtype) <= max_bytes:
+            return hk_g
+    return 1
+
+
+def tile_rows(q_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, window: int,
+              dtype: torch.dtype = torch.float16, max_bytes: int | None = None) -> int:
+    """Query rows a tile of requests may hold with all heads at once: q_tokens if they
+    fit max_bytes, else the most that do (0 if not even one row does)."""
+    max_bytes = DEFAULT_WORKSPACE_BYTES if max_bytes is None else max_bytes
+    fits = lambda r: _bytes(r, num_q_heads, num_kv_heads, head_dim, window, dtype) <= max_bytes
+    if fits(q_tokens):
+        return q_tokens
+    lo, hi = 0, q_tokens  # fits(lo) or lo == 0; not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo if fits(lo) else 0
 
 
 def _count(name, value, minimum):
@@ -81,26 +116,15 @@ def _count(name, value, minimum):
     return value
 
 
-def kv_head_group(q_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, window: int,
-                  dtype: torch.dtype = torch.float16, max_bytes: int | None = None) -> int:
-    """kv heads per group: the largest divisor of num_kv_heads whose workspace fits
-    max_bytes (default DEFAULT_WORKSPACE_BYTES), or 1."""
-    max_bytes = DEFAULT_WORKSPACE_BYTES if max_bytes is None else max_bytes
-    g = num_q_heads // num_kv_heads
-    for hk_g in range(num_kv_heads, 0, -1):
-        if num_kv_heads % hk_g == 0 and _bytes(q_tokens, g * hk_g, hk_g, head_dim, window, dtype) <= max_bytes:
-            return hk_g
-    return 1
-
-
 def workspace_bytes(q_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, window: int,
                     dtype: torch.dtype = torch.float16, *, max_bytes: int | None = None) -> int:
-    """Exact bytes of workspace a continuation prefill of q_tokens query tokens (all
-    requests of a batch together) in ``dtype`` (the query's: bf16 needs fp16 copies of
-    the chunk) uses with this window; independent of the cached lengths and the number of
-    requests. A call whose cached tokens total less than the window uses at most this.
-    A uint8 buffer of at least this many bytes on the query's device may be passed as
-    ``workspace=``; pass the same ``max_bytes`` to the call (``max_workspace_bytes``).
+    """Exact bytes of workspace that suffice for a continuation prefill of q_tokens query
+    tokens (all requests of a batch together) in ``dtype`` (the query's; bf16 needs fp16
+    copies of the chunk) with this window, however those tokens are split into requests
+    and whatever the cached lengths: the largest of the layouts the call can pick (tiles
+    of requests with all heads, or one request of all q_tokens in kv-head groups). A uint8
+    buffer of at least this many bytes on the query's device may be passed as
+    ``workspace=``; pass the same budget to the call (``max_workspace_bytes``).
     """
     q_tokens = _count("q_tokens", q_tokens, 0)
     num_q_heads = _count("num_q_heads", num_q_heads, 1)
@@ -113,33 +137,58 @@ def workspace_bytes(q_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16 (the query's), got {dtype}")
     if max_bytes is not None:
         max_bytes = _count("max_bytes", max_bytes, 1)
+    rows = tile_rows(q_tokens, num_q_heads, num_kv_heads, head_dim, window, dtype, max_bytes)
+    if rows == q_tokens:
+        return _bytes(q_tokens, num_q_heads, num_kv_heads, head_dim, window, dtype)
     hk_g = kv_head_group(q_tokens, num_q_heads, num_kv_heads, head_dim, window, dtype, max_bytes)
-    return _bytes(q_tokens, num_q_heads // num_kv_heads * hk_g, hk_g, head_dim, window, dtype)
+    alone = _bytes(q_tokens, num_q_heads // num_kv_heads * hk_g, hk_g, head_dim, window, dtype)
+    return max(alone, _bytes(rows, num_q_heads, num_kv_heads, head_dim, window, dtype) if rows else 0)
 
 
 @dataclass
 class Buffers:
-    k_buf: torch.Tensor
-    v_buf: torch.Tensor
-    q_buf: torch.Tensor
-    state_out: torch.Tensor
-    state_lse: torch.Tensor
-    q16: torch.Tensor
-    k16: torch.Tensor
-    v16: torch.Tensor
-    part: torch.Tensor  # aliases state_out's bytes
+    k_buf: torch.Tensor | None = None
+    v_buf: torch.Tensor | None = None
+    q_buf: torch.Tensor | None = None
+    state_out: torch.Tensor | None = None
+    state_lse: torch.Tensor | None = None
+    part: torch.Tensor | None = None  # aliases state_out's bytes
+    q16: torch.Tensor | None = None
+    k16: torch.Tensor | None = None
+    v16: torch.Tensor | None = None
 
 
-def carve(buffer: torch.Tensor, q_tokens, group_q_heads, group_kv_heads, head_dim, window, dtype) -> Buffers:
-    """Views of the regions inside ``buffer`` (uint8, contiguous, large enough)."""
-    base = (-buffer.data_ptr()) % ALIGN  # first aligned byte
+_carved: dict = {}  # the last few carvings of caller-owned workspaces: (key) -> Buffers
+
+
+def carve(buffer: torch.Tensor, regions, rows, group_q_heads, group_kv_heads, head_dim, window, dtype,
+          reuse: bool = False) -> Buffers:
+    """Views of the named regions inside ``buffer`` (uint8, contiguous, large enough).
+
+    reuse: the buffer is the caller's and lives on (an engine passes the same one to
+    every layer): keep its views for the next call with the same layout, which saves
+    the host the views' creation (about 20-60 us). At most two buffers are held so.
+    """
+    key = (buffer.data_ptr(), buffer.numel(), regions, rows, group_q_heads, group_kv_heads, head_dim, window, dtype)
+    if reuse and key in _carved:
+        return _carved[key]
+    bufs = _carve(buffer, regions, rows, group_q_heads, group_kv_heads, head_dim, window, dtype)
+    if reuse:
+        while len(_carved) >= 2:
+            _carved.pop(next(iter(_carved)))
+        _carved[key] = bufs
+    return bufs
+
+
+def _carve(buffer, regions, rows, group_q_heads, group_kv_heads, head_dim, window, dtype):
+    offsets, _ = layout(rows, group_q_heads, group_kv_heads, head_dim, window, dtype)
+    buf = buffer[(-buffer.data_ptr()) % ALIGN:]  # from the first aligned byte
+    typed = {}
     views = {}
-    for name, (shape, t) in _regions(q_tokens, group_q_heads, group_kv_heads, head_dim, window, dtype).items():
-        n = t.itemsize
-        for s in shape:
-            n *= s
-        views[name] = buffer[base:base + n].view(t).view(shape)
-        base += _aligned(n)
-    views["part"] = views["state_out"].view(-1).view(torch.float16)[:views["state_out"].numel()].view(
-        views["state_out"].shape)
+    for name in regions:
+        off, shape, t = offsets[name]
+        if t not in typed:
+            typed[t] = buf[:buf.numel() // t.itemsize * t.itemsize].view(t)
+        strides = (shape[1] * shape[2], shape[2], 1) if len(shape) == 3 else (shape[1], 1)
+        views[name] = typed[t].as_strided(shape, strides, typed[t].storage_offset() + off // t.itemsize)
     return Buffers(**views)
