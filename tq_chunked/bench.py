@@ -452,6 +452,8 @@ def run_engine(args):
     if args.workloads:
         workloads = [w for w in workloads if any(w.name.startswith(p) for p in args.workloads)]
     methods = be.methods_available()
+    if args.methods:
+        methods = {k: v for k, v in methods.items() if any(k.startswith(p) for p in args.methods)}
     print(f"tq-chunked bench --{args.engine_mode}: {len(workloads)} workloads, methods {', '.join(methods)}, "
           f"{args.layers} layers, {args.repeats} repeats; results into {args.out}")
     rows = be.run_workloads(workloads, methods, args.layers, args.repeats)

@@ -18,9 +18,9 @@ over repeats (median reported):
 Methods: ``latest``: the latest vLLM release's ``_prefill_attention`` with its own
 ``_continuation_prefill`` (run in the installed runtime through .gpu-carry/latest/
 vllm_latest.py), the strongest baseline; ``tq_chunked``: one ``continuation_prefill_varlen``
-call per layer with the host copies of the lengths and a preallocated workspace, as the
-vLLM plugin calls it; ``patched`` (when vLLM is importable): vLLM's own
-``_prefill_attention`` as the plugin replaces it. Needs a CUDA GPU.
+call per layer with the host copies of the lengths and a preallocated workspace;
+``vllm-<version>``: the installed release's real ``forward``, unpatched; ``patched``: the
+same ``forward`` with the plugin's replacements. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -141,9 +141,11 @@ def method_tq_chunked(layers: Layers):
 
 
 def method_latest(layers: Layers):
+    """The latest release's _prefill_attention and _continuation_prefill, on an impl of
+    their own (the installed release's forward keeps its own methods)."""
     import vllm_latest
-    from .vllm_harness import prepare_latest
-    tq = layers.tq
+    from .vllm_harness import VllmTQ, build_vllm_tq, prepare_latest
+    tq = VllmTQ(build_vllm_tq(layers.tq.impl.kv_cache_dtype, layers.hq, layers.hk, layers.d).impl, layers.tq.layer)
     prepare_latest(tq, layers.block_table.device)
     vllm_latest.bind_latest(tq.impl, "_continuation_prefill")
     prefill = vllm_latest.latest_method("_prefill_attention")
@@ -156,23 +158,38 @@ def method_latest(layers: Layers):
     return [layer_call(i) for i in range(len(layers.caches))]
 
 
-def method_patched(layers: Layers):
-    """vLLM's impl with the plugin's replacement methods bound to it."""
-    import types
-    import vllm.v1.attention.backends.turboquant_attn as tqa
-    from .vllm_plugin import plan_patches
+def _forward_calls(layers: Layers, impl):
+    """vLLM's real forward() of ``impl`` per layer (all-prefill batch: it runs
+    _prefill_attention), into a preallocated output, as the engine calls it."""
     tq = layers.tq
-    impl = tq.impl
-    for owner, name, value in plan_patches(tqa, None):
-        if owner is tqa.TurboQuantAttentionImpl:
-            setattr(impl, name, types.MethodType(value, impl))
     meta = layers.metadata()
+    n = layers.qsl[-1]
 
     def layer_call(i):
         q, k, v = layers.qkv[i]
-        return lambda: impl._prefill_attention(q, k, v, layers.caches[i], meta, tq.layer._tq_Pi,
-                                               tq.layer._tq_centroids, tq.layer._tq_PiT, tq.layer)
+        out = torch.empty(n, layers.hq * layers.d, dtype=q.dtype, device=q.device)
+        args = (tq.layer, q.view(n, -1), k.reshape(n, -1), v.reshape(n, -1), layers.caches[i], meta)
+        return lambda: impl.forward(*args, output=out).view(n, layers.hq, layers.d)
     return [layer_call(i) for i in range(len(layers.caches))]
+
+
+def method_vllm(layers: Layers):
+    """The installed vLLM release's forward, unpatched."""
+    return _forward_calls(layers, layers.tq.impl)
+
+
+def method_patched(layers: Layers):
+    """The installed vLLM release's forward with the plugin's replacements (bound to a
+    second impl, so the unpatched one stays as it is)."""
+    import types
+    import vllm.v1.attention.backends.turboquant_attn as tqa
+    from .vllm_harness import build_vllm_tq
+    from .vllm_plugin import plan_patches
+    impl = build_vllm_tq(layers.tq.impl.kv_cache_dtype, layers.hq, layers.hk, layers.d).impl
+    for owner, name, value in plan_patches(tqa, None):
+        if owner is tqa.TurboQuantAttentionImpl:
+            setattr(impl, name, types.MethodType(value, impl))
+    return _forward_calls(layers, impl)
 
 
 # ---------------------------------------------------------------------------
@@ -266,10 +283,9 @@ def methods_available():
         ms["latest"] = method_latest
     ms["tq_chunked"] = method_tq_chunked
     if vllm_available():
-        import vllm.v1.attention.backends.turboquant_attn as tqa
-        from .vllm_plugin import plan_patches
-        if any(name == "_prefill_attention" for _, name, _ in plan_patches(tqa, None)):
-            ms["patched"] = method_patched
+        import vllm
+        ms[f"vllm-{vllm.__version__}"] = method_vllm
+        ms["patched"] = method_patched
     return ms
 
 
