@@ -19,6 +19,7 @@ case "${1:-}" in
     carry .gpu-carry timeout 90 python3 benchmarks/vllm_forward.py "$OUT" 2>&1 | grep -v "^INFO\|^WARNING"
     carry .gpu-carry-0.21.0 timeout 90 python3 benchmarks/vllm_forward.py "$OUT" 2>&1 | grep -v "^INFO\|^WARNING" ;;
   bench)
+    carry .gpu-carry timeout 150 python3 benchmarks/soak.py 300 2>&1 | tee "$OUT/soak.log" | tail -3
     carry .gpu-carry-0.26.0 timeout 90 python3 benchmarks/vllm_forward.py "$OUT" 2>&1 | grep -v "^INFO\|^WARNING"
     carry .gpu-carry timeout 240 python3 -m tq_chunked.bench --serving --repeats 3 --methods latest,vllm,patched \
       --out "$OUT" 2>&1 | grep "^|"

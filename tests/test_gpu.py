@@ -215,6 +215,8 @@ def test_vllm_forward_with_the_plugin_keeps_every_prefix_hit_exact():
     for u, p in zip(r["unpatched"], r["patched"]):
         print(f"request {u['request']} (cached {u['cached']}, q {u['q_len']}): unpatched {u['error']:.2e}, "
               f"patched {p['error']:.2e}, full {p['full_error']:.2e}")
-        factor = 1.1 if p["q_len"] >= 4 else 1.6
-        assert p["error"] <= factor * p["full_error"] + 1e-4
-    assert all(u["error"] > 0.1 for u in r["unpatched"] if u["cached"] and u["q_len"] > 1)  # the hits
+        if p["request"] < 2:  # the two decodes: vLLM's own kernel, the same rows patched or not
+            assert p["error"] == u["error"]
+        else:
+            assert p["error"] <= 1.1 * p["full_error"] + 1e-4
+    assert all(u["error"] > 0.1 for u in r["unpatched"][3:])  # the prefix hits lost their prefix

@@ -66,7 +66,8 @@ def build_batch(preset, requests, hq, hk, d, block_size, dtype, device, seed=0, 
             values.append(val[new])
         qsl.append(qsl[-1] + q_len)
     query = torch.randn(qsl[-1], hq, d, generator=gen, device=device, dtype=dtype)
-    return dict(query=query, key=torch.cat(keys), value=torch.cat(values), kv_cache=kv_cache,
+    empty = torch.empty(0, hk, d, device=device, dtype=dtype)
+    return dict(query=query, key=torch.cat(keys + [empty]), value=torch.cat(values + [empty]), kv_cache=kv_cache,
                 block_table=block_table, query_start_loc=qsl, seq_lens=[c + q for c, q in requests],
                 kwargs=dict(preset=preset, centroids=centroids, rotation=rotation, scale=d**-0.5))
 
