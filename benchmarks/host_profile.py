@@ -57,19 +57,20 @@ def main():
         print(f"== {name}: whole call {host_us(call):.0f} us host")
         tiles, _ = schedule(tuple(b["query_start_loc"]), tuple(b["seq_lens"]), window, 16, 32, 8, 128,
                             torch.float16, 128 << 20, torch.device("cuda"))
-        plan = tiles[0].plan
+        plan = tiles[0].plan  # the first tile's pieces
+        n, g = plan.num_tokens, tiles[0].kv_group
         cfg = TQConfig.from_preset("turboquant_3bit_nc", 128)
         single = len(plan.windows) == 1
         regions = ("k_buf", "v_buf", "q_buf") + (("part",) if single else ("state_out", "state_lse"))
-        bufs = carve(ws, regions, n, 32, 8, 128, plan.window, torch.float16)
-        out = torch.empty_like(b["query"])
+        bufs = carve(ws, regions, n, 4 * g, g, 128, plan.window, torch.float16, single=single)
+        out = torch.empty_like(b["query"][:n])
         call0 = plan.windows[0]
         part = (bufs.part if single else out)[call0.q0:call0.q1]
         lse = varlen_attention(call0, bufs.q_buf[call0.q0:call0.q1], bufs.k_buf, bufs.v_buf, 0.1, part, "flash")
         pieces = {
             "schedule (cached)": lambda: schedule(tuple(b["query_start_loc"]), tuple(b["seq_lens"]), window, 16, 32, 8,
                                                   128, torch.float16, 128 << 20, torch.device("cuda")),
-            "carve": lambda: carve(ws, regions, n, 32, 8, 128, plan.window, torch.float16),
+            "carve": lambda: carve(ws, regions, n, 4 * g, g, 128, plan.window, torch.float16, single=single),
             "torch.empty_like(query)": lambda: torch.empty_like(b["query"]),
             "slice": lambda: bufs.q_buf[call0.q0:call0.q1],
             "prepare (Triton)": lambda: prepare(b["query"], b["key"], b["value"], b["kwargs"]["rotation"], 0, 0, bufs,
@@ -79,8 +80,8 @@ def main():
                                                                     bufs.k_buf, bufs.v_buf),
             "FlashAttention, a window": lambda: varlen_attention(call0, bufs.q_buf[call0.q0:call0.q1], bufs.k_buf,
                                                                  bufs.v_buf, 0.1, part, "flash"),
-            "FlashAttention, the chunk": lambda: varlen_attention(plan.chunk, b["query"], b["key"], b["value"], 0.1,
-                                                                  out, "flash"),
+            "FlashAttention, the chunk": lambda: varlen_attention(plan.chunk, b["query"][:n], b["key"][:n],
+                                                                  b["value"][:n], 0.1, out, "flash"),
             "merge (Triton)": lambda: merge_attn_states(out, lse, part, lse, out, None, row0=call0.q0),
         }
         print(f"   {len(plan.windows)} windows, {len(tiles)} tiles")

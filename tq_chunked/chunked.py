@@ -330,9 +330,10 @@ def schedule(qsl, lens, window, block_size, hq, hk, d, dtype, budget, device):
     for r0, r1 in cuts:
         base = qsl[r0]
         plan = plan_windows(tuple(q - base for q in qsl[r0:r1 + 1]), lens[r0:r1], window, block_size, device)
-        hk_g = kv_head_group(plan.num_tokens, hq, hk, d, plan.window, dtype, budget)
+        single = len(plan.windows) == 1 and dtype == torch.float16  # no state: a smaller layout
+        hk_g = kv_head_group(plan.num_tokens, hq, hk, d, plan.window, dtype, budget, single)
         tiles.append(Tile(r0, r1, plan, hk_g))
-        need = max(need, _bytes(plan.num_tokens, g * hk_g, hk_g, d, plan.window, dtype))
+        need = max(need, _bytes(plan.num_tokens, g * hk_g, hk_g, d, plan.window, dtype, single))
     return tuple(tiles), need
 
 
@@ -350,7 +351,8 @@ def _attend(query, key, value, block_table, out, lse, kv_cache, plan, hk_g, cfg,
     single = len(windows) == 1 and not chunk16  # its partial merges straight into the chunk's result
     regions = ("k_buf", "v_buf", "q_buf") + (("part",) if single else ("state_out", "state_lse")) + \
         (("q16", "k16", "v16") if chunk16 else ())
-    bufs = carve(workspace, regions if windows else (), n, hq_g, hk_g, d, plan.window, query.dtype, reuse=reuse)
+    bufs = carve(workspace, regions if windows else (), n, hq_g, hk_g, d, plan.window, query.dtype, single=single,
+                 reuse=reuse)
     scratch = out.view(torch.float16)  # partial outputs in out's bytes, until the final merge
     rotation = None if cfg.key_fp8 else rotation
     centroids = centroids if centroids is not None else kv_cache  # fp8 keys: not read

@@ -9,8 +9,8 @@ kv heads with their ``Hq_g = Hq / Hk * Hk_g`` query heads, and a window of W tok
     q_buf         (R, Hq_g, D)   fp16     the (rotated) query
     state_out     (R, Hq_g, D)   float32  running merged output over the windows
     state_lse     (Hq_g, R)      float32  its log-sum-exp
-    part          (R, Hq_g, D)   fp16     with a single window, its partial output: the
-                                          first half of state_out's bytes (no state then)
+    part          (R, Hq_g, D)   fp16     with a single window and fp16 queries, its partial
+                                          output, in place of the state (a smaller layout)
     q16, k16, v16 (R, Hq_g | Hk_g, D) fp16  bf16 queries only: the chunk's own Q/K/V, so
                                           that its partial output is not rounded to bf16
                                           before the merge (fp16 queries use theirs)
@@ -50,20 +50,26 @@ def _aligned(n):
 
 
 @functools.lru_cache(maxsize=64)
-def layout(rows, group_q_heads, group_kv_heads, head_dim, window, dtype):
+def layout(rows, group_q_heads, group_kv_heads, head_dim, window, dtype, single=False):
     """{region: (byte offset, shape, dtype)} and the total bytes (with room to align the
-    first region in any buffer)."""
+    first region in any buffer). ``single``: the layout of a call with one window and fp16
+    queries, which keeps no state: its partial output has a region of its own."""
     n16 = rows if dtype == torch.bfloat16 else 0
     regions = {
         "k_buf": ((window, group_kv_heads, head_dim), torch.float16),
         "v_buf": ((window, group_kv_heads, head_dim), torch.float16),
         "q_buf": ((rows, group_q_heads, head_dim), torch.float16),
-        "state_out": ((rows, group_q_heads, head_dim), torch.float32),
-        "state_lse": ((group_q_heads, rows), torch.float32),
-        "q16": ((n16, group_q_heads, head_dim), torch.float16),
-        "k16": ((n16, group_kv_heads, head_dim), torch.float16),
-        "v16": ((n16, group_kv_heads, head_dim), torch.float16),
     }
+    if single:
+        regions["part"] = ((rows, group_q_heads, head_dim), torch.float16)
+    else:
+        regions.update({
+            "state_out": ((rows, group_q_heads, head_dim), torch.float32),
+            "state_lse": ((group_q_heads, rows), torch.float32),
+            "q16": ((n16, group_q_heads, head_dim), torch.float16),
+            "k16": ((n16, group_kv_heads, head_dim), torch.float16),
+            "v16": ((n16, group_kv_heads, head_dim), torch.float16),
+        })
     offsets, end = {}, 0
     for name, (shape, t) in regions.items():
         offsets[name] = (end, shape, t)
@@ -71,22 +77,21 @@ def layout(rows, group_q_heads, group_kv_heads, head_dim, window, dtype):
         for s in shape:
             n *= s
         end += _aligned(n)
-    offsets["part"] = (offsets["state_out"][0], (rows, group_q_heads, head_dim), torch.float16)
     return offsets, end + ALIGN
 
 
-def _bytes(rows, group_q_heads, group_kv_heads, head_dim, window, dtype):
-    return layout(rows, group_q_heads, group_kv_heads, head_dim, window, dtype)[1]
+def _bytes(rows, group_q_heads, group_kv_heads, head_dim, window, dtype, single=False):
+    return layout(rows, group_q_heads, group_kv_heads, head_dim, window, dtype, single)[1]
 
 
 def kv_head_group(rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int, window: int,
-                  dtype: torch.dtype = torch.float16, max_bytes: int | None = None) -> int:
+                  dtype: torch.dtype = torch.float16, max_bytes: int | None = None, single: bool = False) -> int:
     """kv heads run at once for ``rows`` query rows: the largest divisor of num_kv_heads
-    whose regions fit max_bytes (default DEFAULT_WORKSPACE_BYTES), or 1."""
+    whose regions (``layout``) fit max_bytes (default DEFAULT_WORKSPACE_BYTES), or 1."""
     max_bytes = DEFAULT_WORKSPACE_BYTES if max_bytes is None else max_bytes
     g = num_q_heads // num_kv_heads
     for hk_g in range(num_kv_heads, 0, -1):
-        if num_kv_heads % hk_g == 0 and _bytes(rows, g * hk_g, hk_g, head_dim, window, dtype) <= max_bytes:
+        if num_kv_heads % hk_g == 0 and _bytes(rows, g * hk_g, hk_g, head_dim, window, dtype, single) <= max_bytes:
             return hk_g
     return 1
 
@@ -152,7 +157,7 @@ class Buffers:
     q_buf: torch.Tensor | None = None
     state_out: torch.Tensor | None = None
     state_lse: torch.Tensor | None = None
-    part: torch.Tensor | None = None  # aliases state_out's bytes
+    part: torch.Tensor | None = None
     q16: torch.Tensor | None = None
     k16: torch.Tensor | None = None
     v16: torch.Tensor | None = None
@@ -162,17 +167,18 @@ _carved: dict = {}  # the last few carvings of caller-owned workspaces: (key) ->
 
 
 def carve(buffer: torch.Tensor, regions, rows, group_q_heads, group_kv_heads, head_dim, window, dtype,
-          reuse: bool = False) -> Buffers:
+          single: bool = False, reuse: bool = False) -> Buffers:
     """Views of the named regions inside ``buffer`` (uint8, contiguous, large enough).
 
     reuse: the buffer is the caller's and lives on (an engine passes the same one to
     every layer): keep its views for the next call with the same layout, which saves
     the host the views' creation (about 20-60 us). At most two buffers are held so.
     """
-    key = (buffer.data_ptr(), buffer.numel(), regions, rows, group_q_heads, group_kv_heads, head_dim, window, dtype)
+    key = (buffer.data_ptr(), buffer.numel(), regions, rows, group_q_heads, group_kv_heads, head_dim, window, dtype,
+           single)
     if reuse and key in _carved:
         return _carved[key]
-    bufs = _carve(buffer, regions, rows, group_q_heads, group_kv_heads, head_dim, window, dtype)
+    bufs = _carve(buffer, regions, layout(rows, group_q_heads, group_kv_heads, head_dim, window, dtype, single)[0])
     if reuse:
         while len(_carved) >= 2:
             _carved.pop(next(iter(_carved)))
@@ -180,8 +186,7 @@ def carve(buffer: torch.Tensor, regions, rows, group_q_heads, group_kv_heads, he
     return bufs
 
 
-def _carve(buffer, regions, rows, group_q_heads, group_kv_heads, head_dim, window, dtype):
-    offsets, _ = layout(rows, group_q_heads, group_kv_heads, head_dim, window, dtype)
+def _carve(buffer, regions, offsets):
     buf = buffer[(-buffer.data_ptr()) % ALIGN:]  # from the first aligned byte
     typed = {}
     views = {}
