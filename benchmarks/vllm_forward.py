@@ -18,6 +18,7 @@ Writes OUT_DIR/forward-<release>.json and prints a table.
 """
 
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -180,6 +181,8 @@ def scenario_long(result, long_cached):
         if mode == "patched":
             patch(None, monkey)
         try:
+            gc.collect()  # the previous mode's manager, impl and buffers gone before counting
+            torch.cuda.empty_cache()
             if has_manager:
                 if ws_mod.is_workspace_manager_initialized():
                     ws_mod.reset_workspace_manager()
@@ -207,7 +210,7 @@ def scenario_long(result, long_cached):
             torch.cuda.synchronize()
             row[f"{mode}_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
             row[f"{mode}_errors"] = errors(out, q, k, v, cache, meta, qsl, reqs, layer)
-            del q, k, v, cache, cache_in, meta, out
+            del q, k, v, cache, cache_in, meta, out, impl, layer
         except Exception as e:  # the crash this project exists for, on 0.21-0.23
             row[f"{mode}_raised"] = f"{type(e).__name__}: {str(e)[:240]}"
         finally:
