@@ -79,7 +79,7 @@ def test_snippet_runs(name, line, code, needs):
 def test_readme_use_block_is_collected():
     """The collector finds the README's "Use" block (the one a newcomer copies)."""
     blocks = python_blocks((ROOT / "README.md").read_text())
-    assert any("continuation_prefill(" in code and needs is None for _, code, needs in blocks), blocks
+    assert any("continuation_prefill_varlen(" in code and needs is None for _, code, needs in blocks), blocks
 
 
 def test_collector_reads_fences_and_markers():
