@@ -112,6 +112,7 @@ class Batch:
     query_start_loc: list
     seq_lens: list
     kwargs: dict
+    seed: int  # reported in every assertion message of check_batch
 
     @property
     def args(self):
@@ -167,4 +168,4 @@ def make_batch(requests, preset="turboquant_3bit_nc", dtype=torch.float16, head_
         qsl.append(qsl[-1] + q_len)
         lens.append(total)
     kwargs = dict(preset=preset, centroids=centroids, rotation=rot, scale=head_dim**-0.5)
-    return Batch(torch.cat(qs), torch.cat(ks), torch.cat(vs), kv_cache, block_table, qsl, lens, kwargs)
+    return Batch(torch.cat(qs), torch.cat(ks), torch.cat(vs), kv_cache, block_table, qsl, lens, kwargs, seed)

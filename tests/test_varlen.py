@@ -57,9 +57,9 @@ def check_batch(batch, window, backend=BACKEND, **kw):
         e_full = rel_err(full_buffer_continuation_prefill(*args, **batch.kwargs, backend="torch"), oracle)
         e = rel_err(out[q0:q1], oracle)
         factor = 1.1 if q1 - q0 >= 4 else SHORT_REQUEST_FACTOR
-        assert e <= factor * e_full + 1e-4, (r, e, e_full)
+        assert e <= factor * e_full + 1e-4, f"seed {batch.seed}, request {r}: error {e:.3e}, full path {e_full:.3e}"
         errors.append(e)
-    assert torch.equal(batch.kv_cache, before)
+    assert torch.equal(batch.kv_cache, before), f"seed {batch.seed}: the cache was written"
     return errors
 
 

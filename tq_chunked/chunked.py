@@ -2,15 +2,16 @@
 cached prefixes in fixed-size windows instead of dequantizing them whole, and its
 one-request form.
 
-    plan the windows from the host lengths (plan.py)     once per step, memoized
-    for each group of kv heads (workspace.py):
-        rotate the queries into the workspace (prepare.py) q_buf (N, Hq_g, D) fp16
+    schedule from the host lengths (plan.py, workspace.py)   once per step, memoized:
+        the windows, and tiles of whole requests (kv-head groups for one too long)
+    for each tile, for each group of kv heads:
+        rotate the queries into the workspace (prepare.py)    q_buf (N, Hq_g, D) fp16
         for each window of the cached tokens, all requests at once:
-            dequantize it                                 k_buf, v_buf (W, Hk_g, D) fp16
-            varlen attention, no mask -> (out, lse)       a partial output
-            merge into the running state                  state_out fp32, state_lse
-        the chunk's own keys, raw, causal, all requests   -> out (N, Hq, D), query dtype
-        merge the state into it                           -> out
+            dequantize it                                     k_buf, v_buf (W, Hk_g, D) fp16
+            varlen attention, no mask -> (out, lse)           a partial output
+            merge into the running state                      state_out fp32, state_lse
+        the chunk's own keys, raw, causal, all requests       -> out (N, Hq, D), query dtype
+        merge the state into it                               -> out
 
 With one window, its partial is merged straight into the chunk's result (no state).
 Requests with nothing cached take no window: the chunk's attention is their answer.
@@ -320,7 +321,9 @@ def schedule(qsl, lens, window, block_size, hq, hk, d, dtype, budget, device):
     b, g = len(lens), hq // hk
     cached = sum(s - (qsl[r + 1] - qsl[r]) for r, s in enumerate(lens) if qsl[r + 1] > qsl[r])
     w_eff = max(1, min(window, cached))  # no tile reads a longer window than this
-    rows = tile_rows(qsl[-1], hq, hk, d, w_eff, dtype, budget)
+    one_window = cached <= window and dtype == torch.float16  # then no tile keeps a state: a smaller layout
+    # Nothing cached: no window, no workspace, one tile.
+    rows = tile_rows(qsl[-1], hq, hk, d, w_eff, dtype, budget, one_window) if cached else qsl[-1]
     cuts, r0 = [], 0
     for r in range(b + 1):  # close a tile before the request that would overflow it, and at the end
         if r == b or (r > r0 and qsl[r + 1] - qsl[r0] > rows):
@@ -330,6 +333,9 @@ def schedule(qsl, lens, window, block_size, hq, hk, d, dtype, budget, device):
     for r0, r1 in cuts:
         base = qsl[r0]
         plan = plan_windows(tuple(q - base for q in qsl[r0:r1 + 1]), lens[r0:r1], window, block_size, device)
+        if not plan.windows:  # first chunks only: the chunk's attention, all heads, no workspace
+            tiles.append(Tile(r0, r1, plan, hk))
+            continue
         single = len(plan.windows) == 1 and dtype == torch.float16  # no state: a smaller layout
         hk_g = kv_head_group(plan.num_tokens, hq, hk, d, plan.window, dtype, budget, single)
         tiles.append(Tile(r0, r1, plan, hk_g))

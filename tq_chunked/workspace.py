@@ -97,11 +97,11 @@ def kv_head_group(rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
 
 
 def tile_rows(q_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, window: int,
-              dtype: torch.dtype = torch.float16, max_bytes: int | None = None) -> int:
+              dtype: torch.dtype = torch.float16, max_bytes: int | None = None, single: bool = False) -> int:
     """Query rows a tile of requests may hold with all heads at once: q_tokens if they
     fit max_bytes, else the most that do (0 if not even one row does)."""
     max_bytes = DEFAULT_WORKSPACE_BYTES if max_bytes is None else max_bytes
-    fits = lambda r: _bytes(r, num_q_heads, num_kv_heads, head_dim, window, dtype) <= max_bytes
+    fits = lambda r: _bytes(r, num_q_heads, num_kv_heads, head_dim, window, dtype, single) <= max_bytes
     if fits(q_tokens):
         return q_tokens
     lo, hi = 0, q_tokens  # fits(lo) or lo == 0; not fits(hi)
