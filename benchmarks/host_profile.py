@@ -55,7 +55,7 @@ def main():
                                                    seq_lens_cpu=lens_cpu, window=window, workspace=ws,
                                                    check_block_table=False)
         print(f"== {name}: whole call {host_us(call):.0f} us host")
-        tiles, _ = schedule(tuple(b["query_start_loc"]), tuple(b["seq_lens"]), window, 16, 32, 8, 128,
+        tiles, _ = schedule(tuple(b["query_start_loc"]), tuple(b["seq_lens"]), window, 32, 8, 128,
                             torch.float16, 128 << 20, torch.device("cuda"))
         plan = tiles[0].plan  # the first tile's pieces
         n, g = plan.num_tokens, tiles[0].kv_group
@@ -68,8 +68,9 @@ def main():
         part = (bufs.part if single else out)[call0.q0:call0.q1]
         lse = varlen_attention(call0, bufs.q_buf[call0.q0:call0.q1], bufs.k_buf, bufs.v_buf, 0.1, part, "flash")
         pieces = {
-            "schedule (cached)": lambda: schedule(tuple(b["query_start_loc"]), tuple(b["seq_lens"]), window, 16, 32, 8,
-                                                  128, torch.float16, 128 << 20, torch.device("cuda")),
+            "schedule (cached)": lambda: schedule(tuple(b["query_start_loc"]), tuple(b["seq_lens"]), window, 32, 8, 128,
+                                                  torch.float16, 128 << 20, torch.device("cuda"),
+                                                  torch.cuda.current_stream()),
             "carve": lambda: carve(ws, regions, n, 4 * g, g, 128, plan.window, torch.float16, single=single),
             "torch.empty_like(query)": lambda: torch.empty_like(b["query"]),
             "slice": lambda: bufs.q_buf[call0.q0:call0.q1],

@@ -31,8 +31,7 @@ def reference_rows(batch, cfg, call, plan):
 
 def check_windows(batch, window, seed_tag):
     cfg = TQConfig.from_preset(batch.kwargs["preset"], batch.query.shape[2])
-    plan = plan_windows(tuple(batch.query_start_loc), tuple(batch.seq_lens), window, batch.kv_cache.shape[1],
-                        batch.query.device)
+    plan = plan_windows(tuple(batch.query_start_loc), tuple(batch.seq_lens), window, batch.query.device)
     hk, d = batch.kv_cache.shape[2], cfg.head_dim
     before = batch.kv_cache.clone()
     assert len(plan.windows) > 1, seed_tag

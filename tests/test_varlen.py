@@ -85,7 +85,7 @@ def test_a_batch_over_the_budget_runs_in_tiles_of_whole_requests_with_all_heads(
     batch = make_batch([(200, 40), (90, 30), (0, 25), (150, 35)], "turboquant_k3v4_nc", num_q_heads=8,
                        num_kv_heads=4, seed=14)
     budget = workspace_bytes(60, 8, 4, 64, 64)  # about 60 query rows with all heads
-    tiles, need = schedule(tuple(batch.query_start_loc), tuple(batch.seq_lens), 64, 16, 8, 4, 64, torch.float16,
+    tiles, need = schedule(tuple(batch.query_start_loc), tuple(batch.seq_lens), 64, 8, 4, 64, torch.float16,
                            budget, torch.device(DEVICE))
     assert [(t.r0, t.r1) for t in tiles] == [(0, 1), (1, 3), (3, 4)]
     assert all(t.kv_group == 4 for t in tiles) and need <= budget
@@ -96,14 +96,15 @@ def test_a_batch_over_the_budget_runs_in_tiles_of_whole_requests_with_all_heads(
 def test_a_request_too_long_for_any_tile_runs_its_kv_heads_in_groups():
     batch = make_batch([(200, 120), (30, 8)], "turboquant_3bit_nc", num_q_heads=8, num_kv_heads=4, seed=25)
     budget = workspace_bytes(60, 8, 4, 64, 64)
-    tiles, need = schedule(tuple(batch.query_start_loc), tuple(batch.seq_lens), 64, 16, 8, 4, 64, torch.float16,
+    tiles, need = schedule(tuple(batch.query_start_loc), tuple(batch.seq_lens), 64, 8, 4, 64, torch.float16,
                            budget, torch.device(DEVICE))
     assert [(t.r0, t.r1, t.kv_group) for t in tiles] == [(0, 1, 2), (1, 2, 4)]
     assert need <= workspace_bytes(128, 8, 4, 64, 64, max_bytes=budget)
     check_batch(batch, window=64, max_workspace_bytes=budget)
 
 
-@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=10, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
 @given(requests=st.lists(st.tuples(st.integers(0, 200), st.one_of(st.integers(0, 16), st.integers(100, 140))),
                          min_size=1, max_size=4),
        preset=st.sampled_from(list(PRESETS)), dtype=st.sampled_from([torch.float16, torch.bfloat16]),
@@ -124,9 +125,14 @@ def test_one_request_form_is_a_batch_of_one():
     assert torch.equal(a, b)
 
 
-def test_return_lse_matches_float64():
-    batch = make_batch([(120, 33), (0, 20), (40, 9)], seed=16)
-    out, lse = run_batch(batch, 64, return_lse=True)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("budget", [None, "tiles", "groups"])
+def test_return_lse_matches_float64(dtype, budget):
+    batch = make_batch([(120, 33), (0, 20), (40, 9)], dtype=dtype, seed=16)
+    # "tiles": room for ~25 rows with all heads (3 tiles); "groups": for none, so the
+    # 33-row request runs its kv heads one at a time
+    max_bytes = {None: None, "tiles": workspace_bytes(25, 4, 2, 64, 64, dtype), "groups": 1}[budget]
+    out, lse = run_batch(batch, 64, return_lse=True, max_workspace_bytes=max_bytes)
     assert lse.shape == (4, batch.query.shape[0]) and lse.dtype == torch.float32
     from tq_chunked.format import TQConfig, dequantize_reference
     for r in range(3):
@@ -145,8 +151,8 @@ def test_return_lse_matches_float64():
 # --- the schedule -------------------------------------------------------------------------
 
 def test_window_count_follows_the_cached_total_not_the_batch_size():
-    one = plan_windows((0, 512), (512 + 64 * 100,), 1000, 16, torch.device("cpu"))
-    many = plan_windows(tuple(range(0, 8 * 64 + 1, 64)), tuple([64 + 800] * 8), 1000, 16, torch.device("cpu"))
+    one = plan_windows((0, 512), (512 + 64 * 100,), 1000, torch.device("cpu"))
+    many = plan_windows(tuple(range(0, 8 * 64 + 1, 64)), tuple([64 + 800] * 8), 1000, torch.device("cpu"))
     assert len(one.windows) == len(many.windows) == 7  # 6400 cached tokens in windows of 1000
     for p in (one, many):
         assert sum(c.length for c in p.windows) == p.total_cached
@@ -295,6 +301,7 @@ def small():
     (lambda b: dict(workspace=torch.empty(10, dtype=torch.uint8, device=DEVICE)), "workspace must hold"),
     (lambda b: dict(workspace=torch.empty(1 << 22, dtype=torch.uint8, device=DEVICE)[::2]), "workspace must be contig"),
     (lambda b: dict(out=torch.empty(29, 4, 32, dtype=torch.float16, device=DEVICE)), "out must have"),
+    (lambda b: dict(out=b.query), "out must not share memory with query"),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_bad_inputs_raise_value_errors_naming_the_argument(small, override, match):
     _bad(small, match, **override(small))
@@ -305,6 +312,25 @@ def test_block_ids_outside_the_cache_are_refused_by_name(small):
         bt = small.block_table.clone()
         bt[0, 3] = bad_id
         _bad(small, r"block_table\[0, 3\]", block_table=bt)
+
+
+def test_a_bad_block_id_is_named_by_its_row_in_the_batch_before_anything_runs():
+    batch = make_batch([(100, 40), (60, 30), (80, 35)], seed=26)
+    budget = workspace_bytes(40, 4, 2, 64, 64)  # a tile per request
+    bt = batch.block_table.clone()
+    bt[2, 1] = -1
+    out = torch.full_like(batch.query, float("nan"))
+    with pytest.raises(ValueError, match=r"block_table\[2, 1\] = -1"):
+        continuation_prefill_varlen(*batch.args[:4], bt, *batch.args[5:], **batch.kwargs, window=64, out=out,
+                                    backend=BACKEND, max_workspace_bytes=budget)
+    assert out.isnan().all()  # no tile ran
+
+
+def test_requests_without_query_tokens_make_no_tile():
+    batch = make_batch([(100, 40), (50, 0), (100, 40), (0, 0)], seed=27)
+    tiles, _ = schedule(tuple(batch.query_start_loc), tuple(batch.seq_lens), 64, 4, 2, 64, torch.float16,
+                        workspace_bytes(30, 4, 2, 64, 64), torch.device(DEVICE))
+    assert [(t.r0, t.r1) for t in tiles] == [(0, 1), (2, 3)]
 
 
 def test_unread_block_table_columns_are_not_checked(small):

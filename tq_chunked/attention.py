@@ -161,10 +161,12 @@ def _torch_attention(call, q, k, v, scale, out):
 
 
 @functools.cache
-def _vllm_flash():
-    """(vLLM's flash_attn_varlen_func, its FA version) or None if vLLM has none here.
-    Only a missing module means "unavailable"; any other error is a broken install and
-    is raised."""
+def _vllm_flash(head_dim: int):
+    """(vLLM's flash_attn_varlen_func, its FA version for this head size), or None with
+    the reason logged. Only vLLM's own FlashAttention 2 or 3 is taken: the merge relies on
+    its ``return_softmax_lse``/``out`` arguments and its empty-row lse (measured on FA3);
+    ROCm's upstream flash_attn and FA4 have other interfaces. A missing module means
+    "unavailable"; any other error is a broken install and is raised."""
     try:
         from vllm.v1.attention.backends import fa_utils
     except ImportError as e:
@@ -173,19 +175,27 @@ def _vllm_flash():
     if not fa_utils.is_flash_attn_varlen_func_available():
         log.debug("tq_chunked: back end 'flash' unavailable: vLLM reports no flash_attn_varlen_func")
         return None
+    fn = fa_utils.flash_attn_varlen_func
+    if not getattr(fn, "__module__", "").startswith("vllm.vllm_flash_attn"):
+        log.debug("tq_chunked: back end 'flash' unavailable: vLLM's flash_attn_varlen_func is %s's, not "
+                  "vllm.vllm_flash_attn's", getattr(fn, "__module__", "?"))
+        return None
     try:
-        version = fa_utils.get_flash_attn_version(head_size=None)
+        version = fa_utils.get_flash_attn_version(head_size=head_dim)
     except TypeError:  # releases without the head_size argument
         version = fa_utils.get_flash_attn_version()
-    return fa_utils.flash_attn_varlen_func, version
+    if version not in (2, 3):
+        log.debug("tq_chunked: back end 'flash' unavailable: vLLM picks FlashAttention %s for head size %d",
+                  version, head_dim)
+        return None
+    return fn, version
 
 
 def _flash_attention(call, q, k, v, scale, out):
-    fn, version = _vllm_flash()
-    kwargs = {} if version is None else {"fa_version": version}
+    fn, version = _vllm_flash(q.shape[2])
     _, lse = fn(q=q, k=k, v=v, cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k, max_seqlen_q=call.max_q,
                 max_seqlen_k=call.max_k, softmax_scale=scale, causal=call.causal, return_softmax_lse=True, out=out,
-                **kwargs)
+                fa_version=version)
     return lse
 
 
@@ -204,8 +214,8 @@ def backend_available(name: str, device: torch.device, head_dim: int) -> tuple[b
             return False, "FlashAttention needs a CUDA device"
         if head_dim > 256:
             return False, f"FlashAttention supports head sizes up to 256, not {head_dim}"
-        if _vllm_flash() is None:
-            return False, "vLLM's flash_attn_varlen_func is not importable"
+        if _vllm_flash(head_dim) is None:
+            return False, "vLLM's own FlashAttention 2 or 3 is not available for this head size (see the debug log)"
         return True, ""
     raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {name!r}")
 

@@ -92,6 +92,9 @@ def _host_ints(name, cpu, device_tensor, length):
     if src is None:
         raise ValueError(f"{name} or {name}_cpu must be given")
     if isinstance(src, torch.Tensor):
+        if cpu is not None and src.device.type != "cpu":
+            raise ValueError(f"{shown} must be on the CPU (a host copy); a {src.device} tensor would need a "
+                             f"synchronization: pass it as {name} instead")
         if src.ndim != 1 or src.dtype.is_floating_point or src.dtype == torch.bool:
             raise ValueError(f"{shown} must be a 1-D integer tensor, got {src.dtype} of shape {tuple(src.shape)}")
         values = src.tolist()
@@ -133,6 +136,7 @@ def _validate(query, key, value, kv_cache, block_table, cfg, centroids, rotation
             raise ValueError(f"rotation must have shape ({d}, {d}), got {tuple(rotation.shape)}")
 
 
+@functools.lru_cache(maxsize=32)  # every layer of a step passes the same lengths: checked once
 def _validate_lengths(qsl, seq_lens, n, block_size, max_blocks):
     if qsl[0] != 0 or qsl[-1] != n:
         raise ValueError(f"query_start_loc must start at 0 and end at the number of query tokens ({n}), "
@@ -149,18 +153,31 @@ def _validate_lengths(qsl, seq_lens, n, block_size, max_blocks):
                              f"({max_blocks} x block_size {block_size})")
 
 
-def _check_block_ids(block_table, plan, num_blocks):
+def _check_block_ids(block_table, qsl, lens, block_size, num_blocks):
     """Refuse block ids outside [0, num_blocks) among the columns the call reads (one
-    device reduction and one synchronization)."""
-    if plan.max_read_blocks == 0:
+    device reduction and one synchronization, before anything runs)."""
+    reads = [-(-(s - (qsl[r + 1] - qsl[r])) // block_size) if qsl[r + 1] > qsl[r] else 0 for r, s in enumerate(lens)]
+    width = max(reads, default=0)
+    if width == 0:
         return
-    cols = torch.arange(plan.max_read_blocks, device=block_table.device)
-    used = block_table[:, :plan.max_read_blocks]
-    bad = ((used < 0) | (used >= num_blocks)) & (cols[None, :] < plan.read_blocks[:, None])
+    cols = torch.arange(width, device=block_table.device)
+    reads = torch.tensor(reads, device=block_table.device)
+    used = block_table[:, :width]
+    bad = ((used < 0) | (used >= num_blocks)) & (cols[None, :] < reads[:, None])
     if bool(bad.any()):
         r, c = bad.nonzero()[0].tolist()
         raise ValueError(f"block_table[{r}, {c}] = {block_table[r, c].item()} is not a block of kv_cache "
                          f"(num_blocks {num_blocks}); pass check_block_table=False only if your tables are trusted")
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' byte ranges intersect (same storage only)."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    span = lambda t: (t.data_ptr(), t.data_ptr() + t.element_size() * (1 + sum((n - 1) * st for n, st in
+                                                                              zip(t.shape, t.stride()))))
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 # ---------------------------------------------------------------------------
@@ -273,17 +290,26 @@ def _run(query, key, value, kv_cache, block_table, qsl, lens, *, preset, centroi
         _check_tensor("out", out, 3, (query.dtype,), query.device, unit_last=True)
         if out.shape != query.shape:
             raise ValueError(f"out must have the query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
+        for name, t in ((names[0], key), (names[1], value), ("query", query), ("workspace", workspace)):
+            if t is not None and _overlaps(out, t):  # out holds partial results before they are read
+                raise ValueError(f"out must not share memory with {name}")
     lse = torch.empty(hq, n, dtype=torch.float32, device=query.device) if return_lse else None
     if n == 0:
         return (out, lse) if return_lse else out
 
+    if query.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ValueError("continuation_prefill_varlen cannot run inside CUDA graph capture: it plans its windows "
+                         "on the host from the lengths of each batch")
+    if check_block_table:
+        _check_block_ids(block_table, qsl, lens, block_size, num_blocks)
     budget = DEFAULT_WORKSPACE_BYTES if max_workspace_bytes is None else max_workspace_bytes
     if workspace is not None:
         _check_tensor("workspace", workspace, 1, (torch.uint8,), query.device)
         if not workspace.is_contiguous():
             raise ValueError("workspace must be contiguous")
         budget = min(budget, workspace.numel())
-    tiles, need = schedule(qsl, lens, window, block_size, hq, hk, d, query.dtype, budget, query.device)
+    stream = torch.cuda.current_stream(query.device) if query.is_cuda else None
+    tiles, need = schedule(qsl, lens, window, hq, hk, d, query.dtype, budget, query.device, stream)
     reuse = workspace is not None  # the caller's: its views can be kept for the next call
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.uint8, device=query.device)
@@ -291,16 +317,12 @@ def _run(query, key, value, kv_cache, block_table, qsl, lens, *, preset, centroi
         raise ValueError(f"workspace must hold at least workspace_bytes(...) = {need} bytes for this call, "
                          f"got {workspace.numel()}")
     for tile in tiles:
-        if tile.plan.ready is not None:  # the plan's upload, if it ran on another stream
-            torch.cuda.current_stream(query.device).wait_event(tile.plan.ready)
         if len(tiles) == 1:
             rows = (query, key, value, block_table, out, lse)
         else:
             q0, q1 = qsl[tile.r0], qsl[tile.r1]
             rows = (query[q0:q1], key[q0:q1], value[q0:q1], block_table[tile.r0:tile.r1], out[q0:q1],
                     None if lse is None else lse[:, q0:q1])
-        if check_block_table:
-            _check_block_ids(rows[3], tile.plan, num_blocks)
         _attend(*rows, kv_cache, tile.plan, tile.kv_group, cfg, centroids, rotation, scale, backend, workspace, reuse)
     return (out, lse) if return_lse else out
 
@@ -314,10 +336,11 @@ class Tile:
 
 
 @functools.lru_cache(maxsize=32)
-def schedule(qsl, lens, window, block_size, hq, hk, d, dtype, budget, device):
+def schedule(qsl, lens, window, hq, hk, d, dtype, budget, device, stream=None):
     """Tiles of whole requests whose query rows fit the budget with all heads (a request
     too long for one runs alone, its kv heads in groups), their plans, and the workspace
-    bytes the largest needs (workspace.py). Memoized, like the plans: one per step."""
+    bytes the largest needs (workspace.py). Memoized per stream, like the plans: one per
+    step, and a plan's device tensors are only ever read on the stream that wrote them."""
     b, g = len(lens), hq // hk
     cached = sum(s - (qsl[r + 1] - qsl[r]) for r, s in enumerate(lens) if qsl[r + 1] > qsl[r])
     w_eff = max(1, min(window, cached))  # no tile reads a longer window than this
@@ -332,7 +355,9 @@ def schedule(qsl, lens, window, block_size, hq, hk, d, dtype, budget, device):
     tiles, need = [], 0
     for r0, r1 in cuts:
         base = qsl[r0]
-        plan = plan_windows(tuple(q - base for q in qsl[r0:r1 + 1]), lens[r0:r1], window, block_size, device)
+        if qsl[r1] == base:
+            continue  # no query rows: nothing to compute for these requests
+        plan = plan_windows(tuple(q - base for q in qsl[r0:r1 + 1]), lens[r0:r1], window, device, stream)
         if not plan.windows:  # first chunks only: the chunk's attention, all heads, no workspace
             tiles.append(Tile(r0, r1, plan, hk))
             continue

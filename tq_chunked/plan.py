@@ -55,24 +55,23 @@ class WindowPlan:
     window: int  # cached tokens per window (the effective one: at most the total cached)
     total_cached: int
     cached_start: torch.Tensor  # int32 (B + 1,) device: virtual offsets of the cached prefixes
-    read_blocks: torch.Tensor  # int32 (B,) device: block-table columns the call reads per request
     search_steps: int  # binary-search iterations over B + 1 offsets
     windows: tuple[WindowCall, ...]  # over the cached tokens, in order; none if nothing is cached
     chunk: WindowCall  # the chunk's own keys: causal, all requests
-    max_read_blocks: int
     cached_start_host: tuple[int, ...]  # host copy, for the PyTorch path
-    ready: torch.cuda.Event | None  # recorded after the upload (CUDA)
 
 
-def plan_windows(query_start: tuple[int, ...], seq_lens: tuple[int, ...], window: int, block_size: int,
-                 device: torch.device) -> WindowPlan:
-    """The window schedule for these lengths (host ints, already validated). Memoized:
-    a forward step's layers share one plan and its device tensors (read-only)."""
-    return _plan(tuple(query_start), tuple(seq_lens), window, block_size, device)
+def plan_windows(query_start: tuple[int, ...], seq_lens: tuple[int, ...], window: int, device: torch.device,
+                 stream=None) -> WindowPlan:
+    """The window schedule for these lengths (host ints, already validated). Memoized per
+    CUDA stream: a forward step's layers share one plan and its device tensors
+    (read-only), uploaded on that stream and read only there, so no other stream can
+    still be reading them when the cache lets a plan go."""
+    return _plan(tuple(query_start), tuple(seq_lens), window, device, stream)
 
 
-@functools.lru_cache(maxsize=8)
-def _plan(qsl, seq_lens, window, block_size, device):
+@functools.lru_cache(maxsize=32)
+def _plan(qsl, seq_lens, window, device, stream):
     b = len(seq_lens)
     n_tok = qsl[-1]
     q_lens = [qsl[r + 1] - qsl[r] for r in range(b)]
@@ -108,20 +107,17 @@ def _plan(qsl, seq_lens, window, block_size, device):
     max_q = max(q_lens, default=0)
     chunk = dict(start=0, length=0, r0=0, r1=b, q0=0, q1=n_tok, cu_q=i_qsl, cu_k=i_qsl, cu_q_host=tuple(qsl),
                  cu_k_host=tuple(qsl), max_q=max_q, max_k=max_q, causal=True)
-    read_blocks = [-(-c // block_size) for c in cached]
-    i_vstart, i_read = put(vstart), put(read_blocks)
+    i_vstart = put(vstart)
 
     host = torch.tensor(packed, dtype=torch.int32)
-    ready = None
     if device.type == "cuda":  # pinned, so the copy is asynchronous: no host-device sync
-        dev = host.pin_memory().to(device, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream or torch.cuda.current_stream(device)):
+            dev = host.pin_memory().to(device, non_blocking=True)
     else:
         dev = host.to(device)
     view = lambda i: dev[spans[i][0]:spans[i][0] + spans[i][1]]
     call = lambda c: WindowCall(**{**c, "cu_q": view(c["cu_q"]), "cu_k": view(c["cu_k"])})
     return WindowPlan(num_reqs=b, num_tokens=n_tok, window=window, total_cached=total, cached_start=view(i_vstart),
-                      read_blocks=view(i_read), search_steps=max(1, b.bit_length()),
+                      search_steps=max(1, b.bit_length()),
                       windows=tuple(call(c) for c in calls), chunk=call(chunk),
-                      max_read_blocks=max(read_blocks, default=0), cached_start_host=tuple(vstart), ready=ready)
+                      cached_start_host=tuple(vstart))

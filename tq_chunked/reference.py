@@ -35,7 +35,7 @@ def full_buffer_continuation_prefill(query, key_chunk, val_chunk, kv_cache, bloc
     bt = block_table.reshape(1, -1)
     k = torch.empty(cached_len, hk, d, dtype=torch.float16, device=query.device)  # O(cached_len)
     v = torch.empty_like(k)
-    plan = plan_windows((0, lq), (cached_len + lq,), max(cached_len, 1), kv_cache.shape[1], query.device)
+    plan = plan_windows((0, lq), (cached_len + lq,), max(cached_len, 1), query.device)
     for call in plan.windows:  # one window: all of [0, cached_len)
         dequantize_window(kv_cache, bt, cfg, centroids if centroids is not None else kv_cache, plan, call, 0, k, v)
     if not cfg.key_fp8:

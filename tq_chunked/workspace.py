@@ -163,7 +163,7 @@ class Buffers:
     v16: torch.Tensor | None = None
 
 
-_carved: dict = {}  # the last few carvings of caller-owned workspaces: (key) -> Buffers
+_carved: dict = {}  # device -> (buffer key, {layout key: Buffers}): the views of the last caller-owned buffer
 
 
 def carve(buffer: torch.Tensor, regions, rows, group_q_heads, group_kv_heads, head_dim, window, dtype,
@@ -172,18 +172,23 @@ def carve(buffer: torch.Tensor, regions, rows, group_q_heads, group_kv_heads, he
 
     reuse: the buffer is the caller's and lives on (an engine passes the same one to
     every layer): keep its views for the next call with the same layout, which saves
-    the host the views' creation (about 20-60 us). At most two buffers are held so.
+    the host the views' creation (about 20-60 us). One buffer per device is held so; a
+    call with another buffer lets the old views, and the old buffer, go.
     """
-    key = (buffer.data_ptr(), buffer.numel(), regions, rows, group_q_heads, group_kv_heads, head_dim, window, dtype,
-           single)
-    if reuse and key in _carved:
-        return _carved[key]
-    bufs = _carve(buffer, regions, layout(rows, group_q_heads, group_kv_heads, head_dim, window, dtype, single)[0])
-    if reuse:
-        while len(_carved) >= 2:
-            _carved.pop(next(iter(_carved)))
-        _carved[key] = bufs
-    return bufs
+    layout_key = (regions, rows, group_q_heads, group_kv_heads, head_dim, window, dtype, single)
+    offsets = layout(rows, group_q_heads, group_kv_heads, head_dim, window, dtype, single)[0]
+    if not reuse:
+        return _carve(buffer, regions, offsets)
+    buffer_key = (buffer.data_ptr(), buffer.numel())
+    held = _carved.get(buffer.device)
+    if held is None or held[0] != buffer_key:
+        held = _carved[buffer.device] = (buffer_key, {})
+    views = held[1]
+    if layout_key not in views:
+        if len(views) >= 8:  # the layouts of a few tiles; more would be one step's odd batch
+            views.clear()
+        views[layout_key] = _carve(buffer, regions, offsets)
+    return views[layout_key]
 
 
 def _carve(buffer, regions, offsets):
