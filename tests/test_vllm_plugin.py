@@ -20,8 +20,8 @@ Two modes. By default the plugin patches vLLM (``register()``). With
 they are. What runs in which mode is said at each test; in short: in vendored mode
 vLLM's original methods are not there to compare with, so the checks that need them
 (the unpatched answer of issue 46460, the unpatched method on a locked workspace, vLLM's
-own reservation) run with the plugin only, and every check of the answers, of the locked
-workspace and of the reservation runs in both.
+own reservation; and the plugin's loading, off there) run with the plugin only, and every
+check of the answers, of the locked workspace and of the reservation runs in both.
 """
 
 import glob
@@ -41,7 +41,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 # The vLLM tree tests/test_vendor.py vendored tq_chunked into, or None: the plugin's run.
 VENDORED = os.environ.get("TQ_CHUNKED_VENDORED") or None
-plugin_only = pytest.mark.skipif(VENDORED is not None, reason="vendored run: the plugin is off")
 ENVS = sorted(glob.glob(os.path.join(ROOT, ".vllm-envs", "*", "bin", "python")))
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed in this environment")
 WINDOW = 64  # TQ_CHUNKED_WINDOW for these tests: many windows at small sizes
