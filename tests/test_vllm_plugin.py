@@ -12,6 +12,16 @@ encoder (byte-for-byte vLLM's format; shown against vLLM's own store kernel by t
 suite); ``VllmConfig()`` cannot infer a device, so the few config values a class reads
 are given as plain values; FlashAttention does not run on a CPU, so where vLLM's own
 method needs it a float32 PyTorch attention with the same arguments stands in.
+
+Two modes. By default the plugin patches vLLM (``register()``). With
+``TQ_CHUNKED_VENDORED=DIR`` (set by ``tests/test_vendor.py``, which runs this file with
+``DIR``, a copy of vLLM that ``python -m tq_chunked.vendor`` has written into, first on
+``PYTHONPATH`` and the plugin off) the same tests use vLLM's own, vendored, classes as
+they are. What runs in which mode is said at each test; in short: in vendored mode
+vLLM's original methods are not there to compare with, so the checks that need them
+(the unpatched answer of issue 46460, the unpatched method on a locked workspace, vLLM's
+own reservation; and the plugin's loading, off there) run with the plugin only, and every
+check of the answers, of the locked workspace and of the reservation runs in both.
 """
 
 import glob
@@ -29,6 +39,8 @@ from tq_chunked.vllm_plugin import UnsupportedVllm, plan_patches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+# The vLLM tree tests/test_vendor.py vendored tq_chunked into, or None: the plugin's run.
+VENDORED = os.environ.get("TQ_CHUNKED_VENDORED") or None
 ENVS = sorted(glob.glob(os.path.join(ROOT, ".vllm-envs", "*", "bin", "python")))
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed in this environment")
 WINDOW = 64  # TQ_CHUNKED_WINDOW for these tests: many windows at small sizes
@@ -44,6 +56,7 @@ def test_plugin_in_each_vllm_install(python):
         pytest.skip("no .vllm-envs/: run tests/install_vllm_cpu.sh to test against real vLLM")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     env.pop("TQ_CHUNKED_DISABLE", None)
+    env.pop("TQ_CHUNKED_VENDORED", None)
     r = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
                         os.path.abspath(__file__)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     print(r.stdout[-4000:], r.stderr[-2000:])
@@ -80,13 +93,32 @@ def _plain_config(max_model_len=1 << 20, max_num_batched_tokens=8192, num_heads=
                                   max_num_batched_tokens=max_num_batched_tokens))
 
 
+def _check_vendored(tqa):
+    """The vendored run tests what the vendor tool wrote: vLLM's module from the vendored
+    tree, calling the vendored package (not this checkout's), unpatched by the plugin, and
+    reading the window this file's tests are sized for."""
+    from tq_chunked.vllm_plugin import is_patched
+    assert os.path.abspath(tqa.__file__) == os.path.join(
+        os.path.abspath(VENDORED), "vllm", "v1", "attention", "backends", "turboquant_attn.py")
+    assert type(tqa._tq_chunked_prefill).__module__ == "vllm.v1.attention.ops.tq_chunked.vllm_backend"
+    assert not is_patched(tqa)
+    assert tqa._tq_chunked_prefill.window == WINDOW, "set TQ_CHUNKED_WINDOW before vLLM is imported"
+
+
 def _patched_vllm(monkeypatch):
+    """vLLM's TurboQuant module running tq_chunked: patched by the plugin, or, in the
+    vendored run, as the vendor tool wrote it."""
     # vLLM 0.33's WorkspaceManager releases cached memory before it grows a buffer,
     # through torch.accelerator.empty_cache(), which raises on a torch without any
     # accelerator; on a CPU there is nothing to release.
     if hasattr(torch, "accelerator") and not torch.accelerator.is_available():
         monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
     import vllm.v1.attention.backends.turboquant_attn as tqa
+    if VENDORED:
+        monkeypatch.setattr(tqa, "get_current_vllm_config", lambda: _plain_config())
+        monkeypatch.setattr(tqa, "get_flash_attn_version", lambda *a, **k: None)
+        _check_vendored(tqa)
+        return tqa
     from tq_chunked.vllm_plugin import register
     monkeypatch.delenv("TQ_CHUNKED_DISABLE", raising=False)
     monkeypatch.setenv("TQ_CHUNKED_WINDOW", str(WINDOW))  # read once, when the plugin patches
@@ -158,20 +190,27 @@ def _metadata(tqa, b):
         num_decode_tokens=0, **extra)
 
 
-def _errors(out, b):
-    """Per request with query tokens: (error of out, error of the full-buffer path), both
-    relative to the float64 oracle."""
+def _errors(out, b, only=None):
+    """Per request with query tokens (or request ``only`` alone): (error of out, error of
+    the full-buffer path), both relative to the float64 oracle."""
     from conftest import rel_err
     from tq_chunked.reference import full_buffer_continuation_prefill, oracle_continuation_prefill
     res = []
     for r in range(len(b.seq_lens)):
         q0, q1 = b.query_start_loc[r], b.query_start_loc[r + 1]
-        if q1 > q0:
+        if q1 > q0 and only in (None, r):
             args = b.request(r)
             oracle = oracle_continuation_prefill(*args, **b.kwargs)
             full = full_buffer_continuation_prefill(*args, **b.kwargs, backend="torch")
             res.append((rel_err(out[q0:q1], oracle), rel_err(full, oracle)))
     return res
+
+
+def _continuation(impl, layer, b, r):
+    """vLLM's (patched or vendored) _continuation_prefill on request r of b alone."""
+    query, key_chunk, val_chunk, kv_cache, _, cached_len = b.request(r)
+    return impl._continuation_prefill(layer, query, key_chunk, val_chunk, kv_cache, b.block_table[r:r + 1], cached_len,
+                                      cached_len + query.shape[0], layer._tq_Pi, layer._tq_centroids)
 
 
 def _cpu_flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
@@ -198,11 +237,15 @@ def _entry_point_registered():
 
 @needs_vllm
 def test_load_general_plugins_applies_the_patch_and_the_switch_turns_it_off():
+    """Plugin run: loaded by vLLM, it patches; TQ_CHUNKED_DISABLE=1 turns it off. Vendored
+    run: only the switch (the vendored tests run with the plugin off, and this shows it
+    is off there)."""
     if not _entry_point_registered():
         pytest.skip("tq_chunked is not pip-installed here: its vllm.general_plugins entry point is not registered")
     code = ("import vllm.plugins as p; p.load_general_plugins(); "
             "from tq_chunked.vllm_plugin import is_patched; print('PATCHED' if is_patched() else 'UNPATCHED')")
-    for disable, expect in ((None, "PATCHED"), ("1", "UNPATCHED")):
+    cases = (("1", "UNPATCHED"),) if VENDORED else ((None, "PATCHED"), ("1", "UNPATCHED"))
+    for disable, expect in cases:
         env = dict(os.environ)
         env.pop("TQ_CHUNKED_DISABLE", None)
         if disable:
@@ -220,6 +263,10 @@ ISSUE_46460 = [(0, 400), (300, 16), (200, 150), (0, 90)]
 @needs_vllm
 @pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
 def test_prefix_hits_beside_a_longer_first_chunk_lose_their_prefix_unpatched_and_keep_it_patched(preset, monkeypatch):
+    """Plugin run: vLLM's forward unpatched (the hits lose their prefix), then patched
+    (every request as exact as the full-buffer path). Vendored run: vLLM's own forward is
+    the vendored one, so only the second half: every request, the hits included (whose
+    errors exceed 0.1 unpatched), as exact as the full-buffer path."""
     import vllm.v1.attention.backends.turboquant_attn as tqa
     monkeypatch.setattr(tqa, "get_current_vllm_config", lambda: _plain_config())
     monkeypatch.setattr(tqa, "get_flash_attn_version", lambda *a, **k: None)
@@ -232,14 +279,16 @@ def test_prefix_hits_beside_a_longer_first_chunk_lose_their_prefix_unpatched_and
     n = b.query.shape[0]
     forward = lambda: impl.forward(layer, b.query.reshape(n, -1), b.key.reshape(n, -1), b.value.reshape(n, -1),
                                    cache, meta, output=torch.full((n, HQ * D), float("nan"), dtype=torch.float16))
-    unpatched = _errors(forward().view(n, HQ, D), b)
+    if not VENDORED:  # vLLM's own method, before the plugin patches it
+        unpatched = _errors(forward().view(n, HQ, D), b)
+        (first, _), (short_hit, _), (long_hit, _), (other, _) = unpatched
+        print(f"{preset}: unpatched errors {[f'{e:.2e}' for e, _ in unpatched]}")
+        assert short_hit > 0.1 and long_hit > 0.1  # the hits lost their cached prefix
+        assert first < 1e-3 and other < 1e-3  # first chunks are right either way
     _patched_vllm(monkeypatch)
     patched = _errors(forward().view(n, HQ, D), b)
-    (first, _), (short_hit, _), (long_hit, _), (other, _) = unpatched
-    print(f"{preset}: unpatched errors {[f'{e:.2e}' for e, _ in unpatched]}, "
-          f"patched {[f'{e:.2e}' for e, _ in patched]}")
-    assert short_hit > 0.1 and long_hit > 0.1  # the hits lost their cached prefix
-    assert first < 1e-3 and other < 1e-3  # first chunks are right either way
+    print(f"{preset}: {'vendored' if VENDORED else 'patched'} errors {[f'{e:.2e}' for e, _ in patched]}")
+    assert len(patched) == len(ISSUE_46460)
     for e, e_full in patched:
         assert e <= 1.1 * e_full + 1e-4
 
@@ -247,6 +296,11 @@ def test_prefix_hits_beside_a_longer_first_chunk_lose_their_prefix_unpatched_and
 @needs_vllm
 @pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
 def test_a_locked_workspace_holds_the_patched_prefill_through_the_builder_hook(preset, monkeypatch):
+    """An engine's start on a real WorkspaceManager: the builder reserves (the plugin's
+    hook, or the vendored reservation), a short profile, the lock; then a 16-times longer
+    context. Plugin run: vLLM's own continuation method raises on the locked manager.
+    Both runs: the (patched or vendored) prefill and continuation answer within it, as
+    exact as the full-buffer path (0.20.x: without per-layer buffers)."""
     tqa = _patched_vllm(monkeypatch)
     impl, layer = _impl_and_layer(tqa, preset)
     profile_len = 256
@@ -260,6 +314,7 @@ def test_a_locked_workspace_holds_the_patched_prefill_through_the_builder_hook(p
         tqa.TurboQuantMetadataBuilder(spec, ["layer.0"], config, torch.device("cpu"))
         out = impl._prefill_attention(b.query, b.key, b.value, b.kv_cache, meta, layer._tq_Pi, layer._tq_centroids,
                                       layer._tq_PiT, layer)
+        cont = _continuation(impl, layer, b, 1)
         assert not hasattr(layer, "_tq_k_dequant_buf") and not hasattr(layer, "_tq_v_dequant_buf")
     else:
         from vllm.v1.worker import workspace
@@ -271,24 +326,39 @@ def test_a_locked_workspace_holds_the_patched_prefill_through_the_builder_hook(p
             workspace.current_workspace_manager().get_simultaneous(
                 ((1, HK, profile_len, D), torch.float16), ((1, HK, profile_len, D), torch.float16))
             workspace.lock_workspace()
-            # Without a GPU driver vLLM hands its modules a Triton placeholder; the unpatched
-            # method computes triton.next_power_of_2 before it asks the manager for buffers.
-            import triton
-            monkeypatch.setattr(tqa, "triton", triton)
-            original = tqa.TurboQuantAttentionImpl._continuation_prefill.__wrapped__
-            with pytest.raises(AssertionError, match="Workspace is locked but allocation"):
-                original(impl, layer, *b.request(0)[:4], b.block_table[0:1], 16 * profile_len,
-                         16 * profile_len + 129, layer._tq_Pi, layer._tq_centroids)
+            if not VENDORED:  # vLLM's own method is there only under the plugin's wrapper
+                # Without a GPU driver vLLM hands its modules a Triton placeholder; the unpatched
+                # method computes triton.next_power_of_2 before it asks the manager for buffers.
+                import triton
+                monkeypatch.setattr(tqa, "triton", triton)
+                original = tqa.TurboQuantAttentionImpl._continuation_prefill.__wrapped__
+                with pytest.raises(AssertionError, match="Workspace is locked but allocation"):
+                    original(impl, layer, *b.request(0)[:4], b.block_table[0:1], 16 * profile_len,
+                             16 * profile_len + 129, layer._tq_Pi, layer._tq_centroids)
             out = impl._prefill_attention(b.query, b.key, b.value, b.kv_cache, meta, layer._tq_Pi,
                                           layer._tq_centroids, layer._tq_PiT, layer)
+            cont = _continuation(impl, layer, b, 1)
         finally:
             workspace.reset_workspace_manager()
-    for e, e_full in _errors(out, b):
+    errors = _errors(out, b)
+    assert len(errors) == len(requests)
+    for e, e_full in errors:
         assert e <= 1.1 * e_full + 1e-4
+    # _continuation_prefill (no caller left in vLLM's forward once _prefill_attention is
+    # replaced; still rewired): request 1 alone, the same bound.
+    out_1 = torch.full_like(out, float("nan"))
+    out_1[b.query_start_loc[1]:b.query_start_loc[2]] = cont
+    [(e, e_full)] = _errors(out_1, b, only=1)
+    assert e <= 1.1 * e_full + 1e-4
 
 
 @needs_vllm
 def test_the_reservation_drops_exactly_the_continuation_pair(monkeypatch):
+    """vLLM's _reserve_workspace for a 1M-token model. Plugin run: vLLM's own reserves the
+    4 GiB (1, Hk, max_model_len, D) pair; the plugin's, the decode scratch alone (its
+    builder hook reserves the window workspace), and its filter keeps any other fp16
+    pair. Vendored run (vLLM's own is not in the tree): the vendored one reserves the
+    decode scratch and the tq_chunked workspace, and not the pair."""
     tqa = _patched_vllm(monkeypatch)
     builder_cls = tqa.TurboQuantMetadataBuilder
     if not hasattr(builder_cls, "_reserve_workspace"):
@@ -299,20 +369,29 @@ def test_the_reservation_drops_exactly_the_continuation_pair(monkeypatch):
     builder = types.SimpleNamespace(vllm_config=_plain_config(max_model_len=1 << 20, num_heads=32),
                                     kv_cache_spec=types.SimpleNamespace(num_kv_heads=8, head_size=128, block_size=16))
     assert continuation_reservation(builder) == ((1, 8, 1 << 20, 128), torch.float16)
-    sizes = {}
-    for name, method in (("vllm", builder_cls._reserve_workspace.__wrapped__),
-                         ("plugin", builder_cls._reserve_workspace)):
-        workspace.init_workspace_manager(torch.device("cpu"))
-        method(builder)
-        manager = workspace.current_workspace_manager()
-        sizes[name] = manager._workspace_size_bytes(manager._current_workspaces[0])
-        if name == "plugin":  # a same-rank fp16 pair of another shape is not the continuation pair: kept
-            kept = _WithoutContinuationReservation(manager, continuation_reservation(builder)).get_simultaneous(
-                ((1, 8, 17, 128), torch.float16), ((1, 8, 17, 128), torch.float16))
-            assert all(isinstance(t, torch.Tensor) and t.shape == (1, 8, 17, 128) for t in kept)
-        workspace.reset_workspace_manager()
     pair = 2 * 8 * (1 << 20) * 128 * 2  # two (1, Hk, max_model_len, D) fp16 buffers: 4 GiB
-    assert sizes["vllm"] >= pair
-    assert 0 < sizes["plugin"] < 16 << 20  # the decode scratch alone
     window, nbytes = builder_workspace_bytes(builder, None)  # the default window
     assert nbytes <= 128 << 20
+    methods = (("vendored", builder_cls._reserve_workspace),) if VENDORED else \
+        (("vllm", builder_cls._reserve_workspace.__wrapped__), ("plugin", builder_cls._reserve_workspace))
+    sizes = {}
+    for name, method in methods:
+        workspace.init_workspace_manager(torch.device("cpu"))
+        try:
+            method(builder)
+            manager = workspace.current_workspace_manager()
+            sizes[name] = manager._workspace_size_bytes(manager._current_workspaces[0])
+            if name == "plugin":  # a same-rank fp16 pair of another shape is not the continuation pair: kept
+                kept = _WithoutContinuationReservation(manager, continuation_reservation(builder)).get_simultaneous(
+                    ((1, 8, 17, 128), torch.float16), ((1, 8, 17, 128), torch.float16))
+                assert all(isinstance(t, torch.Tensor) and t.shape == (1, 8, 17, 128) for t in kept)
+        finally:
+            workspace.reset_workspace_manager()
+    if VENDORED:
+        _, reserved = builder_workspace_bytes(builder, WINDOW)  # the window the vendored module runs with
+        # One buffer, grown to the larger of the decode scratch (< 16 MiB) and the workspace.
+        assert reserved <= sizes["vendored"] <= max(reserved, 16 << 20)
+        assert sizes["vendored"] < pair
+    else:
+        assert sizes["vllm"] >= pair
+        assert 0 < sizes["plugin"] < 16 << 20  # the decode scratch alone

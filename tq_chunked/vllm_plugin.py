@@ -25,6 +25,10 @@ What it changes, detected by feature, never by version string:
 A vLLM whose classes have another shape is left untouched, with one warning: the
 plugin patches everything or nothing. ``TQ_CHUNKED_DISABLE=1`` turns it off;
 ``TQ_CHUNKED_WINDOW=N`` sets the window (cached tokens per window).
+
+What the replaced methods and the reservation do is ``vllm_backend.py``'s
+``ChunkedPrefill``, which the vendored change (``python -m tq_chunked.vendor``) calls from
+vLLM's own code: this module only decides what to patch and wraps it.
 """
 
 from __future__ import annotations
@@ -37,12 +41,15 @@ import os
 import torch
 
 from . import __version__
-from .chunked import continuation_prefill, continuation_prefill_varlen
-from .workspace import default_window, workspace_bytes
+from .vllm_backend import (  # noqa: F401  (builder_workspace_bytes: re-exported, as before the split)
+    CONTINUATION_PARAMS,
+    PREFILL_PARAMS,
+    ChunkedPrefill,
+    attach_host_lengths,
+    builder_workspace_bytes,
+    window_from_env,
+)
 
-CONTINUATION_PARAMS = ["self", "layer", "query", "key_chunk", "val_chunk", "kv_cache", "block_table", "cached_len",
-                       "seq_len", "Pi", "centroids"]
-PREFILL_PARAMS = ["self", "query", "key", "value", "kv_cache", "attn_metadata", "Pi", "centroids", "PiT", "layer"]
 PATCH_MARK = "__tq_chunked__"
 
 
@@ -58,81 +65,20 @@ class UnsupportedVllm(Exception):
     """The installed vLLM's TurboQuant classes do not have a shape this plugin knows."""
 
 
-def window_from_env() -> int | None:
-    """TQ_CHUNKED_WINDOW as a positive int, or None for the default window."""
-    raw = os.environ.get("TQ_CHUNKED_WINDOW", "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or int(raw) <= 0:
-        raise ValueError(f"TQ_CHUNKED_WINDOW must be a positive number of tokens, got {raw!r}")
-    return int(raw)
-
-
-class Workspaces:
-    """Where the window workspace comes from. With vLLM's WorkspaceManager (0.21 on), the
-    manager's buffer, of the size the builder reserved (the call fits itself into it);
-    without (0.20.x), one growable buffer per device, shared by all layers."""
-
-    def __init__(self, tqa):
-        self.tqa = tqa
-        self.uses_manager = hasattr(tqa, "current_workspace_manager")
-        self.reserved: dict[torch.device, int] = {}  # bytes reserved per device, by the builder hook
-        self.buffers: dict[torch.device, torch.Tensor] = {}
-
-    def _manager_ready(self) -> bool:
-        from vllm.v1.worker import workspace as vllm_workspace
-        return vllm_workspace.is_workspace_manager_initialized()
-
-    def reserve(self, nbytes: int, device: torch.device) -> None:
-        """Before the manager is locked (the builder hook): grow it to hold the workspace."""
-        if self.uses_manager and self._manager_ready() and not self.tqa.current_workspace_manager().is_locked():
-            self.reserved[device] = max(self.reserved.get(device, 0), nbytes)
-            self.tqa.current_workspace_manager().get_simultaneous(((self.reserved[device],), torch.uint8))
-
-    def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        nbytes = max(nbytes, self.reserved.get(device, 0))
-        if self.uses_manager and self._manager_ready():
-            return self.tqa.current_workspace_manager().get_simultaneous(((nbytes,), torch.uint8))[0]
-        buf = self.buffers.get(device)  # no manager (0.20.x), or none initialized (outside an engine)
-        if buf is None or buf.numel() < nbytes:
-            self.buffers.pop(device, None)  # free the old one first
-            buf = self.buffers[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return buf
-
-
-def _window(window, num_kv_heads, head_dim, block_size):
-    return window if window is not None else default_window(num_kv_heads, head_dim, block_size)
-
-
-def _host_lengths(meta):
-    """(query_start_loc, seq_lens) host copies from vLLM's metadata, or (None, None): then
-    the call reads the device tensors once (as vLLM 0.20's own method does)."""
-    return getattr(meta, "query_start_loc_cpu", None), getattr(meta, "seq_lens_cpu", None)
-
-
-def make_prefill_attention(original, workspaces, window):
+def make_prefill_attention(original, prefill: ChunkedPrefill):
     """The replacement ``_prefill_attention``: every request of the prefill part in one call."""
 
     @functools.wraps(original)
     def _prefill_attention(self, query, key, value, kv_cache, attn_metadata, Pi, centroids, PiT=None, layer=None):
         if getattr(self, "_soa_store", False):  # AMD's struct-of-arrays cache: another format
             return original(self, query, key, value, kv_cache, attn_metadata, Pi, centroids, PiT, layer)
-        n, hq, d = query.shape
-        hk = key.shape[1]
-        w = _window(window, hk, d, kv_cache.shape[1])
-        qsl_cpu, seq_lens_cpu = _host_lengths(attn_metadata)
-        ws = workspaces.get(workspace_bytes(n, hq, hk, d, w, query.dtype), query.device)
-        return continuation_prefill_varlen(
-            query, key, value, kv_cache, attn_metadata.block_table, attn_metadata.query_start_loc,
-            attn_metadata.seq_lens, preset=self.kv_cache_dtype, centroids=centroids, rotation=Pi, scale=self.scale,
-            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu, window=w, workspace=ws,
-            check_block_table=False)  # vLLM's block tables index its own cache
+        return prefill.prefill_attention(self, query, key, value, kv_cache, attn_metadata, Pi, centroids)
 
     setattr(_prefill_attention, PATCH_MARK, True)
     return _prefill_attention
 
 
-def make_continuation_prefill(original, workspaces, window):
+def make_continuation_prefill(original, prefill: ChunkedPrefill):
     """The replacement ``_continuation_prefill``: one request, same answer, O(window) memory."""
 
     @functools.wraps(original)
@@ -141,29 +87,11 @@ def make_continuation_prefill(original, workspaces, window):
         if getattr(self, "_soa_store", False):  # AMD's struct-of-arrays cache: another format
             return original(self, layer, query, key_chunk, val_chunk, kv_cache, block_table, cached_len,
                             seq_len, Pi, centroids)
-        q_len, hq, d = query.shape
-        if seq_len != cached_len + q_len:
-            raise ValueError(f"seq_len ({seq_len}) must equal cached_len ({cached_len}) + q_len ({q_len})")
-        hk = key_chunk.shape[1]
-        w = _window(window, hk, d, kv_cache.shape[1])
-        ws = workspaces.get(workspace_bytes(q_len, hq, hk, d, w, query.dtype), query.device)
-        return continuation_prefill(query, key_chunk, val_chunk, kv_cache, block_table, cached_len,
-                                    preset=self.kv_cache_dtype, centroids=centroids, rotation=Pi, scale=self.scale,
-                                    window=w, workspace=ws, check_block_table=False)
+        return prefill.continuation_prefill(self, query, key_chunk, val_chunk, kv_cache, block_table, cached_len,
+                                            seq_len, Pi, centroids)
 
     setattr(_continuation_prefill, PATCH_MARK, True)
     return _continuation_prefill
-
-
-def builder_workspace_bytes(builder, window) -> tuple[int, int]:
-    """(window, workspace bytes) for the largest prefill a builder's engine can schedule:
-    max_num_batched_tokens query tokens."""
-    cfg = builder.vllm_config
-    spec = builder.kv_cache_spec
-    hq = cfg.model_config.get_num_attention_heads(cfg.parallel_config)
-    w = _window(window, spec.num_kv_heads, spec.head_size, spec.block_size)
-    q_tokens = cfg.scheduler_config.max_num_batched_tokens
-    return w, workspace_bytes(q_tokens, hq, spec.num_kv_heads, spec.head_size, w, cfg.model_config.dtype)
 
 
 def continuation_reservation(builder):
@@ -214,17 +142,18 @@ def plan_patches(tqa, window):
     if getattr(prefill, PATCH_MARK, False):
         return []  # already patched in this process
     log = _logger()
-    workspaces = Workspaces(tqa)
-    plan = [(impl_cls, "_prefill_attention", make_prefill_attention(prefill, workspaces, window)),
-            (impl_cls, "_continuation_prefill", make_continuation_prefill(continuation, workspaces, window))]
+    # The same object the vendored change creates in turboquant_attn.py (vllm_backend.py):
+    # the workspace from vLLM's manager where the module takes its buffers from one.
+    chunked = ChunkedPrefill(getattr(tqa, "current_workspace_manager", None), window)
+    plan = [(impl_cls, "_prefill_attention", make_prefill_attention(prefill, chunked)),
+            (impl_cls, "_continuation_prefill", make_continuation_prefill(continuation, chunked))]
 
     original_init = builder_cls.__init__
 
     @functools.wraps(original_init)
     def builder_init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
-        w, nbytes = builder_workspace_bytes(self, window)
-        workspaces.reserve(nbytes, self.device)  # before vLLM locks its manager
+        w, nbytes = chunked.reserve(self)  # before vLLM locks its manager
         _log_active(log, w, nbytes)
     plan.append((builder_cls, "__init__", builder_init))
 
@@ -234,17 +163,12 @@ def plan_patches(tqa, window):
         @functools.wraps(original_build)
         def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
             meta = original_build(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
-            cam = common_attn_metadata
-            seq_lens_cpu = getattr(cam, "seq_lens_cpu_upper_bound", None)  # exact for prefill rows
-            if seq_lens_cpu is None:
-                seq_lens_cpu = getattr(cam, "_seq_lens_cpu", None)  # not the property: it would synchronize
-            if getattr(cam, "query_start_loc_cpu", None) is not None and seq_lens_cpu is not None:
-                meta.query_start_loc_cpu, meta.seq_lens_cpu = cam.query_start_loc_cpu, seq_lens_cpu
+            attach_host_lengths(meta, common_attn_metadata)
             return meta
         plan.append((builder_cls, "build", build))
 
     original_reserve = getattr(builder_cls, "_reserve_workspace", None)
-    if workspaces.uses_manager and original_reserve is not None:
+    if chunked.workspaces.uses_manager and original_reserve is not None:
         @functools.wraps(original_reserve)
         def reserve_workspace(self):
             if getattr(tqa, "is_flydsl_available", lambda: False)():
