@@ -149,7 +149,7 @@ def test_the_tool_rewires_each_release_and_touches_nothing_else(name):
         assert ast.unparse(new[f"{BUILDER}.__init__"].body[-1]) == f"{STATE}.reserve(self)"
     if not host_copies:
         assert [ast.unparse(s) for s in new[f"{BUILDER}.build"].body[-2:]] == [
-            "attach_host_lengths(metadata, common_attn_metadata)", "return metadata"]
+            "attach_host_lengths(metadata, common_attn_metadata, self.vllm_config)", "return metadata"]
     assert any(ast.unparse(s) == f"{STATE} = ChunkedPrefill(current_workspace_manager, window_from_env())"
                if uses_manager else
                ast.unparse(s) == f"{STATE} = ChunkedPrefill(workspace_manager=None, window=window_from_env())"

@@ -1,7 +1,7 @@
 """The vLLM plugin, against real vLLM installs on the CPU.
 
 ``tests/install_vllm_cpu.sh`` builds one virtual environment per vLLM release under
-``.vllm-envs/`` (0.20.2, whose continuation prefill keeps per-layer buffers; 0.22.0,
+``.vllm-envs/`` (0.20.2, whose continuation prefill keeps per-layer buffers; 0.23.0,
 whose buffers come from a WorkspaceManager that nothing reserves for them, the release
 line that crashes; 0.33.0, whose builder reserves a max_model_len-sized pair). Run from
 an environment without vLLM, this file re-runs itself inside each of them; there, the

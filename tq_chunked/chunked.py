@@ -35,7 +35,7 @@ from .format import TQConfig, resolve_config
 from .merge import merge_attn_states
 from .plan import WindowPlan, plan_windows
 from .prepare import prepare
-from .workspace import DEFAULT_WORKSPACE_BYTES, _bytes, carve, default_window, kv_head_group, tile_rows
+from .workspace import DEFAULT_WORKSPACE_BYTES, _bytes, as_int, carve, default_window, kv_head_group, tile_rows
 
 _QUERY_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -55,19 +55,6 @@ def _check_tensor(name, t, ndim, dtypes=None, device=None, unit_last=False):
         raise ValueError(f"{name} must be on {device} (the query's device), got {t.device}")
     if unit_last and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must have unit stride over its last dimension, got strides {t.stride()}")
-
-
-def _as_int(name, value, minimum=None):
-    """operator.index(value) (Python and numpy ints, 0-d integer tensors on the CPU)."""
-    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-        raise ValueError(f"{name} must be a host integer (a CUDA tensor would need a synchronization), got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _as_scale(scale):
@@ -99,7 +86,7 @@ def _host_ints(name, cpu, device_tensor, length):
             raise ValueError(f"{shown} must be a 1-D integer tensor, got {src.dtype} of shape {tuple(src.shape)}")
         values = src.tolist()
     elif isinstance(src, Sequence):
-        values = [_as_int(shown, v) for v in src]
+        values = [as_int(shown, v) for v in src]
     else:
         raise ValueError(f"{shown} must be a tensor or a sequence of ints, got {type(src).__name__}")
     if len(values) != length:
@@ -263,7 +250,7 @@ def continuation_prefill(query: torch.Tensor, key_chunk: torch.Tensor, val_chunk
             (block_table.ndim == 2 and block_table.shape[0] != 1):
         raise ValueError(f"block_table must be a (max_blocks,) or (1, max_blocks) tensor, got "
                          f"{getattr(block_table, 'shape', type(block_table).__name__)}")
-    cached_len = _as_int("cached_len", cached_len, 0)
+    cached_len = as_int("cached_len", cached_len, 0)
     q_len = query.shape[0]
     return _run(query, key_chunk, val_chunk, kv_cache, block_table.reshape(1, -1), (0, q_len), (cached_len + q_len,),
                 preset=preset, centroids=centroids, rotation=rotation, scale=scale, window=window,
@@ -280,9 +267,9 @@ def _run(query, key, value, kv_cache, block_table, qsl, lens, *, preset, centroi
     scale = _as_scale(scale)
     num_blocks, block_size, hk = kv_cache.shape[0], kv_cache.shape[1], key.shape[1]
     _validate_lengths(qsl, lens, n, block_size, block_table.shape[1])
-    window = default_window(hk, d, block_size) if window is None else _as_int("window", window, 1)
+    window = default_window(hk, d, block_size) if window is None else as_int("window", window, 1)
     if max_workspace_bytes is not None:
-        max_workspace_bytes = _as_int("max_workspace_bytes", max_workspace_bytes, 1)
+        max_workspace_bytes = as_int("max_workspace_bytes", max_workspace_bytes, 1)
     backend = resolve_backend(backend, query.device, d)
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)

@@ -5,8 +5,9 @@
 
 A side with lse = -inf (no keys) contributes nothing and its output is not read, so an
 unwritten state may hold anything; two empty sides give out = 0, lse = -inf, never NaN.
-FlashAttention marks a query that saw no key with lse = +inf (and a zero output): that
-side is empty too. One function, a Triton kernel and a PyTorch fallback behind it.
+FlashAttention marks a query that saw no key with lse = +inf (and a zero output): side
+b, the fresh partial result, is read as empty then too (side a, the running state,
+never holds +inf). One function, a Triton kernel and a PyTorch fallback behind it.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ import torch
 from einops import rearrange
 
 from .attention import resolve_backend, varlen_attention
-from .chunked import _as_int, _check_tensor, _QUERY_DTYPES
+from .chunked import _QUERY_DTYPES, _check_tensor
+from .workspace import as_int
 from .dequant import dequantize_window
 from .format import dequantize_reference, resolve_config
 from .plan import WindowCall, plan_windows
@@ -29,7 +30,7 @@ def full_buffer_continuation_prefill(query, key_chunk, val_chunk, kv_cache, bloc
     _check_tensor("query", query, 3, _QUERY_DTYPES)
     lq, hq, d = query.shape
     cfg = resolve_config(preset, d)
-    cached_len = _as_int("cached_len", cached_len, 0)
+    cached_len = as_int("cached_len", cached_len, 0)
     backend = resolve_backend(backend, query.device, d)
     hk = key_chunk.shape[1]
     bt = block_table.reshape(1, -1)

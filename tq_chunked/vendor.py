@@ -470,7 +470,7 @@ def plan_edits(text: str) -> Plan:
         cam = build.args.args[2].arg
         edits.append(Edit(end, end, [*_comment(indent, "tq_chunked: vLLM's host copies of the lengths, so that "
                                                        "prefill reads no device tensor back."),
-                                     f"{indent}attach_host_lengths(metadata, {cam})",
+                                     f"{indent}attach_host_lengths(metadata, {cam}, self.vllm_config)",
                                      f"{indent}return metadata"], "TurboQuantMetadataBuilder.build"))
     return Plan(edits, notes)
 

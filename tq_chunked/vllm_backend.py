@@ -77,7 +77,10 @@ class Workspaces:
     def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
         manager = self._manager()
         if manager is not None:
-            nbytes = max(nbytes, self.reserved.get(manager, 0))
+            # Exactly what was reserved, never more (a locked manager cannot grow): the call
+            # fits itself into any workspace that holds its smallest layout, and says so
+            # if one does not.
+            nbytes = self.reserved.get(manager) or nbytes
             return manager.get_simultaneous(((nbytes,), torch.uint8))[0]
         buf = self.buffers.get(device)  # no manager (0.20.x), or none initialized (outside an engine)
         if buf is None or buf.numel() < nbytes:
@@ -114,15 +117,20 @@ def builder_workspace_bytes(builder, window) -> tuple[int, int]:
     return w, workspace_bytes(q_tokens, hq, spec.num_kv_heads, spec.head_size, w, cfg.model_config.dtype)
 
 
-def attach_host_lengths(meta, common_attn_metadata) -> None:
+def attach_host_lengths(meta, common_attn_metadata, vllm_config=None) -> None:
     """For a vLLM whose TurboQuantMetadata has no host copies of the lengths (0.20.x):
     attach vLLM's own (``query_start_loc_cpu``, ``seq_lens_cpu``) to the metadata its
     builder made, so that prefill reads no device tensor back. Where the common metadata
-    has none, nothing is attached (prefill then reads the device tensors once)."""
+    has none, nothing is attached (prefill then reads the device tensors once).
+
+    vLLM's ``seq_lens_cpu_upper_bound`` is exact for prefill rows but optimistic for the
+    rows of speculative decoding, which TurboQuant sends to prefill (q_len 1 + drafts):
+    with a speculative config (``vllm_config``) only an exact copy is attached."""
     cam = common_attn_metadata
-    seq_lens_cpu = getattr(cam, "seq_lens_cpu_upper_bound", None)  # exact for prefill rows
-    if seq_lens_cpu is None:
-        seq_lens_cpu = getattr(cam, "_seq_lens_cpu", None)  # not the property: it would synchronize
+    seq_lens_cpu = getattr(cam, "_seq_lens_cpu", None)  # exact; not the property: it would synchronize
+    speculative = getattr(vllm_config, "speculative_config", None) is not None
+    if seq_lens_cpu is None and not speculative:
+        seq_lens_cpu = getattr(cam, "seq_lens_cpu_upper_bound", None)
     if getattr(cam, "query_start_loc_cpu", None) is not None and seq_lens_cpu is not None:
         meta.query_start_loc_cpu, meta.seq_lens_cpu = cam.query_start_loc_cpu, seq_lens_cpu
 

@@ -163,7 +163,7 @@ def plan_patches(tqa, window):
         @functools.wraps(original_build)
         def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
             meta = original_build(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
-            attach_host_lengths(meta, common_attn_metadata)
+            attach_host_lengths(meta, common_attn_metadata, self.vllm_config)
             return meta
         plan.append((builder_cls, "build", build))
 

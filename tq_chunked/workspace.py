@@ -111,12 +111,16 @@ def tile_rows(q_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
     return lo if fits(lo) else 0
 
 
-def _count(name, value, minimum):
+def as_int(name, value, minimum=None):
+    """operator.index(value) (Python and numpy ints, 0-d integer tensors on the CPU), or a
+    ValueError naming the argument."""
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        raise ValueError(f"{name} must be a host integer (a CUDA tensor would need a synchronization), got {value!r}")
     try:
         value = operator.index(value)
     except TypeError:
-        raise ValueError(f"{name} must be an int, got {value!r}") from None
-    if value < minimum:
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
 
@@ -131,17 +135,22 @@ def workspace_bytes(q_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim
     buffer of at least this many bytes on the query's device may be passed as
     ``workspace=``; pass the same budget to the call (``max_workspace_bytes``).
     """
-    q_tokens = _count("q_tokens", q_tokens, 0)
-    num_q_heads = _count("num_q_heads", num_q_heads, 1)
-    num_kv_heads = _count("num_kv_heads", num_kv_heads, 1)
-    head_dim = _count("head_dim", head_dim, 1)
-    window = _count("window", window, 1)
+    q_tokens = as_int("q_tokens", q_tokens, 0)
+    num_q_heads = as_int("num_q_heads", num_q_heads, 1)
+    num_kv_heads = as_int("num_kv_heads", num_kv_heads, 1)
+    head_dim = as_int("head_dim", head_dim, 1)
+    window = as_int("window", window, 1)
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16 (the query's), got {dtype}")
     if max_bytes is not None:
-        max_bytes = _count("max_bytes", max_bytes, 1)
+        max_bytes = as_int("max_bytes", max_bytes, 1)
+    return _workspace_bytes(q_tokens, num_q_heads, num_kv_heads, head_dim, window, dtype, max_bytes)
+
+
+@functools.lru_cache(maxsize=64)  # an engine asks once per layer with the same numbers
+def _workspace_bytes(q_tokens, num_q_heads, num_kv_heads, head_dim, window, dtype, max_bytes):
     rows = tile_rows(q_tokens, num_q_heads, num_kv_heads, head_dim, window, dtype, max_bytes)
     if rows == q_tokens:
         return _bytes(q_tokens, num_q_heads, num_kv_heads, head_dim, window, dtype)
