@@ -66,6 +66,31 @@ def test_batch_matches_each_requests_full_buffer(preset, head_dim, dtype):
             assert e <= factor * e_full + 1e-4, (backend, r, e, e_full)
 
 
+@pytest.mark.parametrize("budget", ["tiles", "groups"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tiles_and_kv_head_groups_with_flash_attention(budget, dtype):
+    """Under a small workspace budget: tiles of whole requests, and a request too long for
+    any tile in kv-head groups (head-sliced, non-contiguous inputs to FlashAttention)."""
+    b = build_batch("turboquant_4bit_nc", BATCH, 16, 4, 128, 16, dtype, "cuda", seed=41)
+    max_bytes = workspace_bytes(800, 16, 4, 128, 4096, dtype) if budget == "tiles" else 1
+    qsl = b["query_start_loc"]
+    for backend in _backends():
+        out, lse = continuation_prefill_varlen(b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"],
+                                               None, None, **b["kwargs"], query_start_loc_cpu=qsl,
+                                               seq_lens_cpu=b["seq_lens"], window=4096, backend=backend,
+                                               max_workspace_bytes=max_bytes, return_lse=True)
+        for r, (cached, q_len) in enumerate(BATCH):
+            if q_len < 4:
+                continue
+            rows = slice(qsl[r], qsl[r + 1])
+            args = (b["query"][rows], b["key"][rows], b["value"][rows], b["kv_cache"], b["block_table"][r], cached)
+            oracle = oracle_continuation_prefill(*args, **b["kwargs"])
+            e_full = rel_err(full_buffer_continuation_prefill(*args, **b["kwargs"], backend=backend), oracle)
+            e = rel_err(out[rows], oracle)
+            assert e <= 1.1 * e_full + 1e-4, (budget, dtype, backend, r, e, e_full)
+        assert torch.isfinite(lse).all()
+
+
 def test_no_host_device_synchronization():
     """With the host copies of the lengths and the block-table check off, a call, the
     planning of new lengths included, never synchronizes."""
