@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# What ran on the H200 machine for the figures in benchmarks/NOTES.md, in two calls (each
-# under the machine's 10-minute limit; the carries are built by ../shared/gpu/make-vllm-carry.sh):
-#   bash benchmarks/run_on_device.sh checks   # carry .gpu-carry, .gpu-carry-0.21.0
-#   bash benchmarks/run_on_device.sh bench    # carry .gpu-carry, .gpu-carry-0.26.0
+# What ran on the H200 machine for the figures in benchmarks/NOTES.md, in calls that each fit
+# under the machine's 10-minute limit (the carries are built by ../shared/gpu/make-vllm-carry.sh):
+#   bash benchmarks/run_on_device.sh checks    # carry .gpu-carry: GPU suite, soak, sanitizer
+#   bash benchmarks/run_on_device.sh forward   # carry .gpu-carry, .gpu-carry-0.21.0 (0.26.0 likewise)
+#   bash benchmarks/run_on_device.sh stack     # carry .gpu-carry: layer stacks, stage breakdown
+#   bash benchmarks/run_on_device.sh serving   # carry .gpu-carry: serving batches
 # Logs, JSON, Markdown and plots land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -13,17 +15,19 @@ case "${1:-}" in
   checks)
     carry .gpu-carry timeout 200 python3 -m pytest -q -s -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 \
       | tee "$OUT/gpu-tests.log" | grep -E "MiB|1M|passed|failed|Error|assert" | tail -12
-    carry .gpu-carry timeout 150 python3 benchmarks/soak.py 300 2>&1 | tee "$OUT/soak.log" | tail -3
-    carry .gpu-carry timeout 30 compute-sanitizer --tool memcheck python3 benchmarks/sanitize.py 2>&1 | tail -1
-    carry .gpu-carry timeout 30 compute-sanitizer --tool racecheck python3 benchmarks/sanitize.py 2>&1 | tail -1
-    carry .gpu-carry timeout 90 python3 benchmarks/vllm_forward.py "$OUT" 2>&1 | grep -v "^INFO\|^WARNING"
-    carry .gpu-carry-0.21.0 timeout 90 python3 benchmarks/vllm_forward.py "$OUT" 2>&1 | grep -v "^INFO\|^WARNING" ;;
-  bench)
-    carry .gpu-carry timeout 150 python3 benchmarks/soak.py 300 2>&1 | tee "$OUT/soak.log" | tail -3
-    carry .gpu-carry-0.26.0 timeout 90 python3 benchmarks/vllm_forward.py "$OUT" 2>&1 | grep -v "^INFO\|^WARNING"
-    carry .gpu-carry timeout 240 python3 -m tq_chunked.bench --serving --repeats 3 --methods latest,vllm,patched \
+    carry .gpu-carry timeout 300 python3 benchmarks/soak.py 300 2>&1 | tee "$OUT/soak.log" | tail -3
+    carry .gpu-carry timeout 40 compute-sanitizer --tool memcheck python3 benchmarks/sanitize.py 2>&1 | tail -1
+    carry .gpu-carry timeout 40 compute-sanitizer --tool racecheck python3 benchmarks/sanitize.py 2>&1 | tail -1 ;;
+  forward)
+    for c in .gpu-carry .gpu-carry-0.21.0 .gpu-carry-0.26.0; do
+      [ -d "$c" ] && carry "$c" timeout 90 python3 benchmarks/vllm_forward.py "$OUT" 2>&1 | grep -v "^INFO\|^WARNING"
+    done ;;
+  stack)
+    carry .gpu-carry timeout 240 python3 -m tq_chunked.bench --stack --repeats 3 --methods latest,tq_chunked \
       --out "$OUT" 2>&1 | grep "^|"
-    carry .gpu-carry timeout 200 python3 -m tq_chunked.bench --stack --repeats 3 --methods latest,tq_chunked \
+    carry .gpu-carry timeout 120 python3 benchmarks/breakdown.py 2>&1 | tee "$OUT/breakdown.md" ;;
+  serving)
+    carry .gpu-carry timeout 240 python3 -m tq_chunked.bench --serving --repeats 3 --methods latest,vllm,patched \
       --out "$OUT" 2>&1 | grep "^|" ;;
-  *) echo "usage: $0 checks|bench" >&2; exit 2 ;;
+  *) echo "usage: $0 checks|forward|stack|serving" >&2; exit 2 ;;
 esac
