@@ -5,6 +5,7 @@
 #   bash benchmarks/run_on_device.sh forward   # carry .gpu-carry, .gpu-carry-0.21.0 (0.26.0 likewise)
 #   bash benchmarks/run_on_device.sh stack     # carry .gpu-carry: layer stacks, stage breakdown
 #   bash benchmarks/run_on_device.sh serving   # carry .gpu-carry: serving batches
+#   bash benchmarks/run_on_device.sh crossover # carry .gpu-carry: short continuations, host profile
 # Logs, JSON, Markdown and plots land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -16,8 +17,10 @@ case "${1:-}" in
     carry .gpu-carry timeout 200 python3 -m pytest -q -s -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 \
       | tee "$OUT/gpu-tests.log" | grep -E "MiB|1M|passed|failed|Error|assert" | tail -12
     carry .gpu-carry timeout 300 python3 benchmarks/soak.py 300 2>&1 | tee "$OUT/soak.log" | tail -3
-    carry .gpu-carry timeout 40 compute-sanitizer --tool memcheck python3 benchmarks/sanitize.py 2>&1 | tail -1
-    carry .gpu-carry timeout 40 compute-sanitizer --tool racecheck python3 benchmarks/sanitize.py 2>&1 | tail -1 ;;
+    carry .gpu-carry timeout 40 compute-sanitizer --tool memcheck python3 benchmarks/sanitize.py 2>&1 \
+      | tee "$OUT/sanitizer-memcheck.log" | tail -1
+    carry .gpu-carry timeout 40 compute-sanitizer --tool racecheck python3 benchmarks/sanitize.py 2>&1 \
+      | tee "$OUT/sanitizer-racecheck.log" | tail -1 ;;
   forward)
     for c in .gpu-carry .gpu-carry-0.21.0 .gpu-carry-0.26.0; do
       [ -d "$c" ] && carry "$c" timeout 90 python3 benchmarks/vllm_forward.py "$OUT" 2>&1 | grep -v "^INFO\|^WARNING"
@@ -29,5 +32,9 @@ case "${1:-}" in
   serving)
     carry .gpu-carry timeout 240 python3 -m tq_chunked.bench --serving --repeats 3 --methods latest,vllm,patched \
       --out "$OUT" 2>&1 | grep "^|" ;;
-  *) echo "usage: $0 checks|forward|stack|serving" >&2; exit 2 ;;
+  crossover)
+    carry .gpu-carry timeout 240 python3 -m tq_chunked.bench --crossover --repeats 3 --methods latest,tq_chunked \
+      --out "$OUT" 2>&1 | grep "^|"
+    carry .gpu-carry timeout 120 python3 benchmarks/host_profile.py 2>&1 | tee "$OUT/host-profile.txt" | grep "==" ;;
+  *) echo "usage: $0 checks|forward|stack|serving|crossover" >&2; exit 2 ;;
 esac

@@ -254,6 +254,32 @@ def test_load_general_plugins_applies_the_patch_and_the_switch_turns_it_off():
         assert r.stdout.strip().splitlines()[-1] == expect, r.stderr[-2000:]
 
 
+@needs_vllm
+def test_the_active_line_goes_through_vllms_logger():
+    """The start-up line (docs/integration.md, "Is it active?") is logged under vLLM's
+    "vllm" logger, the one vLLM gives its handler and level: a logger outside it has its
+    INFO lines dropped in a vLLM process."""
+    import logging
+
+    from tq_chunked import __version__, vllm_plugin
+    log = vllm_plugin._logger()  # imports vllm.logger, which (0.20) configures vLLM's logging
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    vllm_logger = logging.getLogger("vllm")
+    level = vllm_logger.level
+    vllm_logger.addHandler(handler)
+    vllm_logger.setLevel(logging.INFO)  # vLLM's default level
+    try:
+        vllm_plugin._log_active.__wrapped__(log, 12288, 128 << 20)
+    finally:
+        vllm_logger.removeHandler(handler)
+        vllm_logger.setLevel(level)
+    assert [r.getMessage() for r in records] == [
+        f"tq_chunked {__version__} active: prefill attention batched and windowed (windows of 12288 tokens), "
+        "workspace 128.0 MiB per ubatch"]
+
+
 # A prefix-cache hit shorter than a first chunk in the same batch: the first chunk (400
 # tokens) is the longest request, so vLLM's max_query_len == max_seq_len fast path runs
 # and attends every request to its raw K/V only (vllm-project/vllm issue 46460).

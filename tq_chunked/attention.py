@@ -29,7 +29,7 @@ import triton.language as tl
 from .dequant import interpreter_rounds_bf16, round_bf16, use_triton
 
 BACKENDS = ("flash", "triton", "torch")
-log = logging.getLogger("tq_chunked")
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------

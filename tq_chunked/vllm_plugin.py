@@ -53,12 +53,16 @@ from .vllm_backend import (  # noqa: F401  (builder_workspace_bytes: re-exported
 PATCH_MARK = "__tq_chunked__"
 
 
+LOGGER_NAME = "vllm.tq_chunked"  # vLLM configures only its "vllm" logger: under it, vLLM's handler,
+# format and VLLM_LOGGING_LEVEL apply; a top-level "tq_chunked" logger's INFO lines are dropped.
+
+
 def _logger():
     try:
         from vllm.logger import init_logger
-        return init_logger("tq_chunked")
+        return init_logger(LOGGER_NAME)
     except Exception:  # vLLM's logger is a nicety: the standard one says the same
-        return logging.getLogger("tq_chunked")
+        return logging.getLogger(LOGGER_NAME)
 
 
 class UnsupportedVllm(Exception):
