@@ -170,6 +170,13 @@ def scenario_46460(result):
     result["issue_46460"] = dict(requests=reqs, unpatched=unpatched, patched=patched)
 
 
+def manager_bytes():
+    """Bytes of vLLM's WorkspaceManager's buffers (0.21 onwards; its private list, read only)."""
+    from vllm.v1.worker import workspace as ws_mod
+    manager = ws_mod.current_workspace_manager()
+    return sum(w.numel() * w.element_size() for w in manager._current_workspaces if w is not None)
+
+
 def scenario_long(result, long_cached):
     has_manager = hasattr(tqa, "current_workspace_manager")
     if has_manager:
@@ -193,6 +200,12 @@ def scenario_long(result, long_cached):
             before = torch.cuda.memory_allocated()
             with config():  # the builder as vLLM creates it (the plugin's hook, if patched, reserves)
                 tqa.TurboQuantMetadataBuilder(spec, ["layers.0"], plain_config(8192), torch.device("cuda"))
+            torch.cuda.synchronize()
+            # What the builder reserved: the manager's buffers where there is one (a difference of
+            # allocated memory would count the release of a buffer an earlier object still held),
+            # else what the builder allocated.
+            row[f"{mode}_reserved_mib"] = (manager_bytes() if has_manager
+                                           else torch.cuda.memory_allocated() - before) / 2**20
             if has_manager:  # a short profile (decode scratch for 8 sequences, a 256-token continuation), the lock
                 manager = ws_mod.current_workspace_manager()
                 manager.get_simultaneous(((8, HQ, 32, D + 1), torch.float32), ((8, HQ, D), torch.float16),
@@ -200,7 +213,6 @@ def scenario_long(result, long_cached):
                 manager.get_simultaneous(((1, HK, 256, D), torch.float16), ((1, HK, 256, D), torch.float16))
                 ws_mod.lock_workspace()
             torch.cuda.synchronize()
-            row[f"{mode}_reserved_mib"] = (torch.cuda.memory_allocated() - before) / 2**20
             q, k, v, cache, cache_in, meta, qsl = mixed_batch(impl, layer, reqs, num_decodes=2, seed=2)
             forward(impl, layer, q, k, v, cache_in, meta)  # warm-up (fails the same way if it fails)
             torch.cuda.synchronize()
