@@ -6,6 +6,7 @@
 #   bash benchmarks/run_on_device.sh stack     # carry .gpu-carry: layer stacks, stage breakdown
 #   bash benchmarks/run_on_device.sh serving   # carry .gpu-carry: serving batches
 #   bash benchmarks/run_on_device.sh crossover # carry .gpu-carry: short continuations, host profile
+#   bash benchmarks/run_on_device.sh grid      # carry .gpu-carry: the rest of the single-request grid
 # Logs, JSON, Markdown and plots land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -36,5 +37,7 @@ case "${1:-}" in
     carry .gpu-carry timeout 240 python3 -m tq_chunked.bench --crossover --repeats 3 --methods latest,tq_chunked \
       --out "$OUT" 2>&1 | grep "^|"
     carry .gpu-carry timeout 120 python3 benchmarks/host_profile.py 2>&1 | tee "$OUT/host-profile.txt" | grep "==" ;;
-  *) echo "usage: $0 checks|forward|stack|serving|crossover" >&2; exit 2 ;;
+  grid)
+    carry .gpu-carry timeout 540 python3 benchmarks/stack_grid.py "$OUT" --parts q,presets,d256 2>&1 | grep -E "^grid-|Error" ;;
+  *) echo "usage: $0 checks|forward|stack|serving|crossover|grid" >&2; exit 2 ;;
 esac
