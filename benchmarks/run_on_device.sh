@@ -7,6 +7,7 @@
 #   bash benchmarks/run_on_device.sh serving   # carry .gpu-carry: serving batches
 #   bash benchmarks/run_on_device.sh crossover # carry .gpu-carry: short continuations, host profile
 #   bash benchmarks/run_on_device.sh grid      # carry .gpu-carry: the rest of the single-request grid
+#   bash benchmarks/run_on_device.sh bigq      # carry .gpu-carry: stages of long queries, by workspace budget
 # Logs, JSON, Markdown and plots land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -39,5 +40,10 @@ case "${1:-}" in
     carry .gpu-carry timeout 120 python3 benchmarks/host_profile.py 2>&1 | tee "$OUT/host-profile.txt" | grep "==" ;;
   grid)
     carry .gpu-carry timeout 540 python3 benchmarks/stack_grid.py "$OUT" --parts q,presets,d256 2>&1 | grep -E "^grid-|Error" ;;
-  *) echo "usage: $0 checks|forward|stack|serving|crossover|grid" >&2; exit 2 ;;
+  bigq)
+    for sq in llama3-8b:8192 70b-tp1:8192 d256:8192 d256:2048; do
+      carry .gpu-carry timeout 60 python3 benchmarks/breakdown.py --shape "${sq%:*}" --q-len "${sq#*:}" \
+        --cached-lens 8192 --windows "" --presets turboquant_3bit_nc --budgets-mib 128,512 2>&1 | grep -E "^\||^[a-z0-9-]+ \(|Error"
+    done | tee "$OUT/bigq.md" ;;
+  *) echo "usage: $0 checks|forward|stack|serving|crossover|grid|bigq" >&2; exit 2 ;;
 esac
