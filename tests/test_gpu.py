@@ -42,6 +42,20 @@ def test_long_context_matches_full_buffer(preset, cached_len):
 BATCH = [(3000, 700), (0, 512), (5000, 16), (0, 0), (12000, 1), (700, 3), (20000, 300), (100, 0)]
 
 
+def _request_errors(b, out, backend, min_q_len):
+    """(request, cached, q_len, error of out, error of the full-buffer path), both against
+    the float64 oracle, for each request of BATCH with at least min_q_len query tokens."""
+    qsl = b["query_start_loc"]
+    for r, (cached, q_len) in enumerate(BATCH):
+        if q_len < min_q_len:
+            continue
+        rows = slice(qsl[r], qsl[r + 1])
+        args = (b["query"][rows], b["key"][rows], b["value"][rows], b["kv_cache"], b["block_table"][r], cached)
+        oracle = oracle_continuation_prefill(*args, **b["kwargs"])
+        e_full = rel_err(full_buffer_continuation_prefill(*args, **b["kwargs"], backend=backend), oracle)
+        yield r, cached, q_len, rel_err(out[rows], oracle), e_full
+
+
 @pytest.mark.parametrize("preset,head_dim", [("turboquant_3bit_nc", 128), ("turboquant_4bit_nc", 64),
                                              ("turboquant_k8v4", 96), ("turboquant_k3v4_nc", 256)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -53,14 +67,7 @@ def test_batch_matches_each_requests_full_buffer(preset, head_dim, dtype):
         out = continuation_prefill_varlen(b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"], None,
                                           None, **b["kwargs"], query_start_loc_cpu=qsl, seq_lens_cpu=lens,
                                           window=4096, backend=backend)
-        for r, (cached, q_len) in enumerate(BATCH):
-            if q_len == 0:
-                continue
-            rows = slice(qsl[r], qsl[r + 1])
-            args = (b["query"][rows], b["key"][rows], b["value"][rows], b["kv_cache"], b["block_table"][r], cached)
-            oracle = oracle_continuation_prefill(*args, **b["kwargs"])
-            e_full = rel_err(full_buffer_continuation_prefill(*args, **b["kwargs"], backend=backend), oracle)
-            e = rel_err(out[rows], oracle)
+        for r, cached, q_len, e, e_full in _request_errors(b, out, backend, min_q_len=1):
             factor = 1.1 if q_len >= 4 else 1.6  # see tests/test_varlen.py
             print(f"{preset} D{head_dim} {dtype} {backend} request {r} ({cached}, {q_len}): {e:.3e} full {e_full:.3e}")
             assert e <= factor * e_full + 1e-4, (backend, r, e, e_full)
@@ -79,14 +86,7 @@ def test_tiles_and_kv_head_groups_with_flash_attention(budget, dtype):
                                                None, None, **b["kwargs"], query_start_loc_cpu=qsl,
                                                seq_lens_cpu=b["seq_lens"], window=4096, backend=backend,
                                                max_workspace_bytes=max_bytes, return_lse=True)
-        for r, (cached, q_len) in enumerate(BATCH):
-            if q_len < 4:
-                continue
-            rows = slice(qsl[r], qsl[r + 1])
-            args = (b["query"][rows], b["key"][rows], b["value"][rows], b["kv_cache"], b["block_table"][r], cached)
-            oracle = oracle_continuation_prefill(*args, **b["kwargs"])
-            e_full = rel_err(full_buffer_continuation_prefill(*args, **b["kwargs"], backend=backend), oracle)
-            e = rel_err(out[rows], oracle)
+        for r, _, _, e, e_full in _request_errors(b, out, backend, min_q_len=4):
             assert e <= 1.1 * e_full + 1e-4, (budget, dtype, backend, r, e, e_full)
         assert torch.isfinite(lse).all()
 
