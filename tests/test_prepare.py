@@ -32,7 +32,7 @@ def _poisoned(shape, dtype):
     return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("rotation_kind", ["hadamard", "random-float32", "random-bfloat16"])
 def test_rotated_query_is_the_float64_product_rounded_once(dtype, d, rotation_kind):
