@@ -95,6 +95,18 @@ def make_case(preset="turboquant_3bit_nc", dtype=torch.float16, head_dim=64, num
                 cached_len, kwargs)
 
 
+def strided(t, dim=-1):
+    """The same values, with stride 2 along ``dim`` (every other element of a wider tensor)."""
+    shape = list(t.shape)
+    shape[dim] *= 2
+    wide = torch.full(shape, float("nan"), dtype=t.dtype, device=t.device) if t.is_floating_point() else \
+        torch.full(shape, -7, dtype=t.dtype, device=t.device)
+    idx = [slice(None)] * t.ndim
+    idx[dim] = slice(0, None, 2)
+    wide[tuple(idx)] = t
+    return wide[tuple(idx)]
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     x = x.double()
     assert torch.isfinite(x).all(), "non-finite output"

@@ -9,7 +9,7 @@ from tq_chunked.format import hadamard
 from tq_chunked.prepare import prepare
 from tq_chunked.workspace import Buffers
 
-from conftest import DEVICE, TRITON_OK, random_rotation
+from conftest import DEVICE, TRITON_OK, random_rotation, strided
 
 pytestmark = pytest.mark.skipif(not TRITON_OK, reason="the Triton kernel needs a GPU or TRITON_INTERPRET=1")
 
@@ -22,10 +22,9 @@ def _half_ulp_fp16(x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.full_like(x, 0.5), exponent - 11)
 
 
-def _strided(shape, dtype, gen):
-    """A tensor of ``shape`` whose storage is in reversed dimension order: no unit strides."""
-    t = torch.randn(tuple(reversed(shape)), generator=gen, dtype=torch.float64) * 3
-    return t.to(DEVICE, dtype).permute(*reversed(range(len(shape))))
+def _random(shape, dtype, gen):
+    """Random values (seeded) with stride 2 along D: read through their strides."""
+    return strided((torch.randn(shape, generator=gen, dtype=torch.float64) * 3).to(DEVICE, dtype))
 
 
 def _poisoned(shape, dtype):
@@ -38,7 +37,7 @@ def _poisoned(shape, dtype):
 def test_rotated_query_is_the_float64_product_rounded_once(dtype, d, rotation_kind):
     seed = d + 7 * (dtype == torch.bfloat16)
     gen = torch.Generator().manual_seed(seed)
-    query, key, value = (_strided((N, h, d), dtype, gen) for h in (HQ, HK, HK))
+    query, key, value = (_random((N, h, d), dtype, gen) for h in (HQ, HK, HK))
     if rotation_kind == "hadamard":
         rotation = hadamard(d)
     else:
@@ -73,7 +72,7 @@ def test_rotated_query_is_the_float64_product_rounded_once(dtype, d, rotation_ki
 
 def test_without_rotation_the_query_is_converted_only():
     gen = torch.Generator().manual_seed(3)
-    query, key, value = (_strided((N, h, 128), torch.bfloat16, gen) for h in (HQ, HK, HK))
+    query, key, value = (_random((N, h, 128), torch.bfloat16, gen) for h in (HQ, HK, HK))
     bufs = Buffers(k_buf=_poisoned((1, HK, 128), torch.float16), q_buf=_poisoned((N, HQ, 128), torch.float16),
                    state_lse=_poisoned((HQ, N), torch.float32))
     prepare(query, key, value, None, 0, 0, bufs, init_lse=False, chunk16=False)

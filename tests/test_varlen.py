@@ -12,7 +12,7 @@ from tq_chunked.plan import plan_windows
 from tq_chunked.reference import full_buffer_continuation_prefill, oracle_continuation_prefill
 from tq_chunked.chunked import schedule
 
-from conftest import DEVICE, TRITON_OK, make_batch, rel_err
+from conftest import DEVICE, TRITON_OK, make_batch, rel_err, strided
 
 BACKEND = "triton" if TRITON_OK else "torch"
 MIXED = [(150, 65), (0, 24), (40, 8), (0, 0), (90, 1), (130, 0), (17, 70), (33, 33)]
@@ -225,27 +225,15 @@ def test_no_query_tokens_gives_an_empty_output():
 
 # --- inputs honoured through their strides ------------------------------------------------
 
-def _strided(t, dim=-1):
-    """The same values, with stride 2 along ``dim`` (every other element of a wider tensor)."""
-    shape = list(t.shape)
-    shape[dim] *= 2
-    wide = torch.full(shape, float("nan"), dtype=t.dtype, device=t.device) if t.is_floating_point() else \
-        torch.full(shape, -7, dtype=t.dtype, device=t.device)
-    idx = [slice(None)] * t.ndim
-    idx[dim] = slice(0, None, 2)
-    wide[tuple(idx)] = t
-    return wide[tuple(idx)]
-
-
 def test_strided_inputs_give_the_contiguous_answer():
     batch = make_batch([(120, 33), (0, 20), (40, 9)], "turboquant_4bit_nc", seed=21)
     q, k, v, cache, bt, qsl, lens = batch.args
     ref = run_batch(batch, 64)
-    kwargs = dict(batch.kwargs, centroids=_strided(batch.kwargs["centroids"], 0),
+    kwargs = dict(batch.kwargs, centroids=strided(batch.kwargs["centroids"], 0),
                   rotation=batch.kwargs["rotation"].T.contiguous().T)  # same values, strides (1, D)
     out = torch.full_like(q, float("nan"))
-    strided_out = _strided(out, 0)
-    res = continuation_prefill_varlen(_strided(q), _strided(k), _strided(v, 0), cache, _strided(bt, 0), qsl, lens,
+    strided_out = strided(out, 0)
+    res = continuation_prefill_varlen(strided(q), strided(k), strided(v, 0), cache, strided(bt, 0), qsl, lens,
                                       **kwargs, window=64, backend=BACKEND, out=strided_out)
     assert res is strided_out
     assert torch.allclose(res.float(), ref.float(), rtol=0, atol=2e-3)
