@@ -2,10 +2,11 @@
 
     python benchmarks/host_profile.py
 
-For a single request (Hq 32, Hk 8, q 512, 8K cached) and a batch of 16 prefix-cache
-hits: the host time per call with the GPU kept busy (so the host never waits), each
-piece of the call timed alone the same way, and a cProfile of 30 calls (top functions
-by own time).
+For a single request (Hq 32, Hk 8, q 512, 8K cached: one window), a long one (q 2048,
+128K: 11 windows) and a batch of 16 prefix-cache hits: the host time per call with the
+GPU kept busy (so the host never waits), per window, each piece of the call timed alone
+the same way (a Triton launch through Triton's own path and through the project's
+launcher), and a cProfile of 30 calls (top functions by own time).
 """
 
 import cProfile
@@ -17,12 +18,12 @@ import torch
 
 from tq_chunked import continuation_prefill_varlen, workspace_bytes
 from tq_chunked.attention import varlen_attention
-from tq_chunked.chunked import schedule
+from tq_chunked.chunked import _check_overlaps, schedule
 from tq_chunked.demo import build_batch
-from tq_chunked.dequant import dequantize_window
+from tq_chunked import dequant
+from tq_chunked.dequant import fill_window
 from tq_chunked.format import TQConfig
-from tq_chunked.merge import merge_attn_states
-from tq_chunked.prepare import prepare
+from tq_chunked.plan import LongRequest
 from tq_chunked.workspace import carve, default_window
 
 
@@ -33,7 +34,7 @@ def host_us(fn, n=200):
     torch.cuda.synchronize()
     times = []
     for _ in range(n):
-        torch.cuda._sleep(2_000_000)  # ~1 ms of GPU work ahead of the call
+        torch.cuda._sleep(4_000_000)  # ~2 ms of GPU work ahead of the call
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
@@ -42,8 +43,10 @@ def host_us(fn, n=200):
 
 
 def main():
-    for name, requests in [("1 hit q512 8K", [(8192, 512)]), ("16 hits q256 1K-8K", [(1024 + 448 * i, 256)
-                                                                                  for i in range(16)])]:
+    launcher = dequant._fill
+    cases = [("1 hit q512 8K", [(8192, 512)]), ("1 hit q2048 128K", [(131072, 2048)]),
+             ("16 hits q256 1K-8K", [(1024 + 448 * i, 256) for i in range(16)])]
+    for name, requests in cases:
         b = build_batch("turboquant_3bit_nc", requests, 32, 8, 128, 16, torch.float16, "cuda")
         n = b["query"].shape[0]
         window = default_window(8, 128, 16)
@@ -54,40 +57,44 @@ def main():
         call = lambda: continuation_prefill_varlen(*args, **b["kwargs"], query_start_loc_cpu=qsl_cpu,
                                                    seq_lens_cpu=lens_cpu, window=window, workspace=ws,
                                                    check_block_table=False)
-        print(f"== {name}: whole call {host_us(call):.0f} us host")
-        tiles, _ = schedule(tuple(b["query_start_loc"]), tuple(b["seq_lens"]), window, 32, 8, 128,
-                            torch.float16, 128 << 20, torch.device("cuda"))
-        plan = tiles[0].plan  # the first tile's pieces
-        n, g = plan.num_tokens, tiles[0].kv_group
+        steps, _, cap, _ = schedule(tuple(b["query_start_loc"]), tuple(b["seq_lens"]), window, 32, 8, 128,
+                                    torch.float16, 128 << 20, torch.device("cuda"), torch.cuda.current_stream())
+        windows = [w for s in steps for w in (s.windows if isinstance(s, LongRequest) else (s,))]
+        whole = host_us(call)
+        print(f"== {name}: whole call {whole:.0f} us host, {len(windows)} windows, {whole / len(windows):.0f} us "
+              f"per window")
         cfg = TQConfig.from_preset("turboquant_3bit_nc", 128)
-        single = len(plan.windows) == 1
-        regions = ("k_buf", "v_buf", "q_buf") + (("part",) if single else ("state_out", "state_lse"))
-        bufs = carve(ws, regions, n, 4 * g, g, 128, plan.window, torch.float16, single=single)
-        out = torch.empty_like(b["query"][:n])
-        call0 = plan.windows[0]
-        part = (bufs.part if single else out)[call0.q0:call0.q1]
-        lse = varlen_attention(call0, bufs.q_buf[call0.q0:call0.q1], bufs.k_buf, bufs.v_buf, 0.1, part, "flash")
+        w = windows[0]
+        bufs = carve(ws, "batch", 0, 32, 8, 128, cap, torch.float16, True)
+        out = torch.empty_like(b["query"])
+        q, o = b["query"][w.q0:w.q1], out[w.q0:w.q1]
+        fill = lambda: fill_window(b["kv_cache"], b["block_table"], cfg, b["kwargs"]["centroids"],
+                                   b["kwargs"]["rotation"], b["key"], b["value"], w, 0, bufs.k_buf, bufs.v_buf)
+        fill()
+        seen = {}  # the fill's launch arguments, to launch them through Triton's own path too
+        dequant._fill = lambda grid, *a, **k: seen.update(grid=grid, args=a, opts=k)
+        try:
+            fill()
+        finally:
+            dequant._fill = launcher
         pieces = {
-            "schedule (cached)": lambda: schedule(tuple(b["query_start_loc"]), tuple(b["seq_lens"]), window, 32, 8, 128,
-                                                  torch.float16, 128 << 20, torch.device("cuda"),
+            "schedule (cached)": lambda: schedule(tuple(b["query_start_loc"]), tuple(b["seq_lens"]), window, 32, 8,
+                                                  128, torch.float16, 128 << 20, torch.device("cuda"),
                                                   torch.cuda.current_stream()),
-            "carve": lambda: carve(ws, regions, n, 4 * g, g, 128, plan.window, torch.float16, single=single),
+            "overlap checks": lambda: _check_overlaps(
+                [("out", out), ("lse", None), ("workspace", ws)],
+                [("query", b["query"]), ("key", b["key"]), ("value", b["value"]), ("kv_cache", b["kv_cache"]),
+                 ("block_table", b["block_table"]), ("rotation", b["kwargs"]["rotation"]),
+                 ("centroids", b["kwargs"]["centroids"])]),
+            "carve (kept)": lambda: carve(ws, "batch", 0, 32, 8, 128, cap, torch.float16, True),
             "torch.empty_like(query)": lambda: torch.empty_like(b["query"]),
-            "slice": lambda: bufs.q_buf[call0.q0:call0.q1],
-            "prepare (Triton)": lambda: prepare(b["query"], b["key"], b["value"], b["kwargs"]["rotation"], 0, 0, bufs,
-                                                init_lse=not single, chunk16=False),
-            "dequantize_window (Triton)": lambda: dequantize_window(b["kv_cache"], b["block_table"], cfg,
-                                                                    b["kwargs"]["centroids"], plan, call0, 0,
-                                                                    bufs.k_buf, bufs.v_buf),
-            "FlashAttention, a window": lambda: varlen_attention(call0, bufs.q_buf[call0.q0:call0.q1], bufs.k_buf,
-                                                                 bufs.v_buf, 0.1, part, "flash"),
-            "FlashAttention, the chunk": lambda: varlen_attention(plan.chunk, b["query"][:n], b["key"][:n],
-                                                                  b["value"][:n], 0.1, out, "flash"),
-            "merge (Triton)": lambda: merge_attn_states(out, lse, part, lse, out, None, row0=call0.q0),
+            "fill_window (launcher)": fill,
+            "fill kernel (Triton's launch path)": lambda: launcher.kernel[seen["grid"]](*seen["args"],
+                                                                                         **seen["opts"]),
+            "FlashAttention, a window": lambda: varlen_attention(w, q, bufs.k_buf, bufs.v_buf, 0.1, o, "flash"),
         }
-        print(f"   {len(plan.windows)} windows, {len(tiles)} tiles")
         for piece, fn in pieces.items():
-            print(f"   {piece:32} {host_us(fn):7.1f} us")
+            print(f"   {piece:36} {host_us(fn):7.1f} us")
         prof = cProfile.Profile()
         torch.cuda._sleep(400_000_000)  # ~200 ms of GPU work: the host never waits
         prof.enable()
@@ -95,7 +102,7 @@ def main():
             call()
         prof.disable()
         torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":

@@ -4,20 +4,11 @@ empty query and key segments, causal and not."""
 import pytest
 import torch
 
-from tq_chunked.attention import BACKENDS, backend_available, resolve_backend, varlen_attention
-from tq_chunked.plan import WindowCall
+from tq_chunked.attention import BACKENDS, backend_available, make_call, resolve_backend, varlen_attention
 
 from conftest import DEVICE, rel_err
 
 AVAILABLE = [b for b in BACKENDS if backend_available(b, torch.device(DEVICE), 128)[0]]
-
-
-def make_call(q_lens, k_lens, causal):
-    cu = lambda lens: [sum(lens[:i]) for i in range(len(lens) + 1)]
-    cq, ck = cu(q_lens), cu(k_lens)
-    t = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)
-    return WindowCall(start=0, length=ck[-1], r0=0, r1=len(q_lens), q0=0, q1=cq[-1], cu_q=t(cq), cu_k=t(ck),
-                      cu_q_host=tuple(cq), cu_k_host=tuple(ck), max_q=max(q_lens), max_k=max(k_lens), causal=causal)
 
 
 def reference(call, q, k, v, scale):
@@ -62,7 +53,7 @@ def test_backend_matches_float64(backend, dtype, case):
         pytest.skip(f"{backend} does not take D {d}")
     gen = torch.Generator().manual_seed(len(case) * 7 + d)
     hk = 2
-    call = make_call(q_lens, k_lens, causal)
+    call = make_call(q_lens, k_lens, causal, DEVICE)
     q = (torch.randn(sum(q_lens), hk * group, d, generator=gen) * 1.5).to(DEVICE, dtype)
     k = torch.randn(sum(k_lens), hk, d, generator=gen).to(DEVICE, dtype)
     v = torch.randn(sum(k_lens), hk, d, generator=gen).to(DEVICE, dtype)

@@ -15,7 +15,8 @@ from tq_chunked.format import TQConfig, encode_reference, unpack_bits
 from tq_chunked.reference import full_buffer_continuation_prefill, oracle_continuation_prefill
 from tq_chunked.vllm_harness import build_vllm_tq, vllm_available, vllm_continuation_prefill, vllm_store
 
-from conftest import rel_err
+from conftest import make_batch, rel_err
+from test_promises import NONFINITE_CASES, REQUESTS, WINDOW, check_against_oracle, poison
 
 pytestmark = pytest.mark.gpu
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not importable")
@@ -73,17 +74,16 @@ def test_batch_matches_each_requests_full_buffer(preset, head_dim, dtype):
             assert e <= factor * e_full + 1e-4, (backend, r, e, e_full)
 
 
-@pytest.mark.parametrize("budget", ["tiles", "groups"])
+@pytest.mark.parametrize("budget", ["all heads", "groups"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_tiles_and_kv_head_groups_with_flash_attention(budget, dtype):
-    """Under a small workspace budget: tiles of whole requests, and a request too long for
-    any tile in kv-head groups (head-sliced, non-contiguous inputs to FlashAttention)."""
+def test_long_requests_and_kv_head_groups_with_flash_attention(budget, dtype):
+    """Requests longer than a window (part windows, the last one with the chunk, merged),
+    all kv heads at once or one at a time (head-sliced, non-contiguous inputs to FA)."""
     b = build_batch("turboquant_4bit_nc", BATCH, 16, 4, 128, 16, dtype, "cuda", seed=41)
-    max_bytes = workspace_bytes(800, 16, 4, 128, 4096, dtype) if budget == "tiles" else 1
-    qsl = b["query_start_loc"]
+    max_bytes = None if budget == "all heads" else 1
     for backend in _backends():
         out, lse = continuation_prefill_varlen(b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"],
-                                               None, None, **b["kwargs"], query_start_loc_cpu=qsl,
+                                               None, None, **b["kwargs"], query_start_loc_cpu=b["query_start_loc"],
                                                seq_lens_cpu=b["seq_lens"], window=4096, backend=backend,
                                                max_workspace_bytes=max_bytes, return_lse=True)
         for r, _, _, e, e_full in _request_errors(b, out, backend, min_q_len=4):
@@ -91,17 +91,20 @@ def test_tiles_and_kv_head_groups_with_flash_attention(budget, dtype):
         assert torch.isfinite(lse).all()
 
 
-def test_no_host_device_synchronization():
-    """With the host copies of the lengths and the block-table check off, a call, the
-    planning of new lengths included, never synchronizes."""
-    b = build_batch("turboquant_3bit_nc", [(20000, 300), (0, 64), (9000, 16)], 32, 8, 128, 16, torch.float16,
-                    "cuda", seed=3)
+@pytest.mark.parametrize("check", [True, False])
+def test_no_host_device_synchronization(check):
+    """With the host copies of the lengths, a call, the planning of new lengths and the
+    block-id check included, never synchronizes (torch's sync debug mode), and in steady
+    state calls no CUDA runtime function that synchronizes or allocates (profiler)."""
+    b = build_batch("turboquant_3bit_nc", [(20000, 300), (0, 64), (9000, 16), (500, 40)], 32, 8, 128, 16,
+                    torch.float16, "cuda", seed=3)
     args = (b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"], None, None)
-    ws = torch.empty(workspace_bytes(380, 32, 8, 128, 8192), dtype=torch.uint8, device="cuda")
+    ws = torch.empty(workspace_bytes(420, 32, 8, 128, 8192), dtype=torch.uint8, device="cuda")
     call = lambda lens: continuation_prefill_varlen(*args, **b["kwargs"], query_start_loc_cpu=b["query_start_loc"],
                                                    seq_lens_cpu=lens, window=8192, workspace=ws,
-                                                   check_block_table=False)
+                                                   check_block_table=check)
     ref = call(b["seq_lens"])  # compiles the kernels
+    call(b["seq_lens"])
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -110,30 +113,59 @@ def test_no_host_device_synchronization():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(out).all() and not torch.equal(out, ref)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            call(b["seq_lens"])
+        torch.cuda.synchronize()
+    runtime = [e.name for e in prof.events() if e.name.startswith("cuda") and e.name != "cudaDeviceSynchronize"]
+    print(check, sorted(set(runtime)))
+    forbidden = [n for n in runtime if "Synchronize" in n or "Malloc" in n or n in ("cudaMemcpy", "cudaFree")]
+    assert not forbidden, forbidden
 
 
-def test_peak_memory_is_flat_in_cached_length_and_batch_size():
-    """Beyond one window, peak memory does not grow with the cached length; a batch of many
-    requests holding as many query tokens needs no more; all stay within the workspace,
-    the output and FlashAttention's own scratch."""
-    peaks = {}
-    for name, requests in [("32K", [(32768, 2048)]), ("128K", [(131072, 2048)]), ("16x8K", [(8192, 128)] * 16)]:
+def test_a_bad_block_id_is_reported_at_the_next_call_and_its_request_is_nan():
+    from tq_chunked import check_block_tables
+    b = build_batch("turboquant_3bit_nc", [(3000, 64), (2000, 32)], 16, 4, 128, 16, torch.float16, "cuda", seed=5)
+    bt = b["block_table"].clone()
+    bt[1, 7] = 10**6
+    call = lambda table: continuation_prefill_varlen(b["query"], b["key"], b["value"], b["kv_cache"], table, None,
+                                                     None, **b["kwargs"], query_start_loc_cpu=b["query_start_loc"],
+                                                     seq_lens_cpu=b["seq_lens"])
+    out = call(bt)
+    assert out[64:].isnan().all() and torch.isfinite(out[:64]).all()
+    with pytest.raises(ValueError, match=r"block_table\[1, 7\]"):
+        check_block_tables()
+    call(b["block_table"])
+    check_block_tables()  # reported once, then clear
+
+
+def test_peak_memory_is_output_plus_workspace():
+    """Beyond the output and the workspace (workspace_bytes), a call allocates at most
+    8 MiB (FlashAttention's log-sum-exp and scheduler metadata), over batches of
+    several kinds; and the workspace is flat in the cached length and the batch size."""
+    batches = {"1 x 32K q2048": [(32768, 2048)], "1 x 128K q2048": [(131072, 2048)], "16 x 8K q128": [(8192, 128)] * 16,
+               "24 hits q384": [(512 + 240 * i, 384) for i in range(24)], "first chunks + hits":
+               [(0, 2048), (0, 1024)] + [(4096, 256)] * 8, "32 hits q16": [(1024 + 200 * i, 16) for i in range(32)]}
+    extra = {}
+    for name, requests in batches.items():
         b = build_batch("turboquant_3bit_nc", requests, 32, 8, 128, 16, torch.float16, "cuda")
+        n = b["query"].shape[0]
+        ws = torch.empty(workspace_bytes(n, 32, 8, 128, default_window(8, 128, 16)), dtype=torch.uint8, device="cuda")
         call = lambda: continuation_prefill_varlen(b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"],
                                                    None, None, **b["kwargs"], query_start_loc_cpu=b["query_start_loc"],
-                                                   seq_lens_cpu=b["seq_lens"], check_block_table=False)
+                                                   seq_lens_cpu=b["seq_lens"], workspace=ws)
         call()  # warm-up
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         out = call()
         torch.cuda.synchronize()
-        peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
-        del out, b
-    ws = workspace_bytes(2048, 32, 8, 128, default_window(8, 128, 16)) / 2**20
-    print({k: f"{v:.1f} MiB" for k, v in peaks.items()}, f"workspace {ws:.1f} MiB")
-    assert abs(peaks["128K"] - peaks["32K"]) < 1
-    assert all(p < ws + 16 + 24 for p in peaks.values())  # + the 16 MiB output + FlashAttention's scratch
+        extra[name] = (torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()) / 2**20
+        del out, b, ws
+    print({k: f"{v:.2f} MiB" for k, v in extra.items()})
+    assert all(v <= 8 for v in extra.values()), extra
 
 
 def test_one_million_cached_tokens():
@@ -148,6 +180,48 @@ def test_one_million_cached_tokens():
     e = rel_err(out, oracle)
     print(f"1M cached, q 64: chunked {e:.3e}, full {e_full:.3e}, peak extra {peak:.1f} MiB")
     assert e <= 1.1 * e_full + 1e-4 and peak < 128
+
+
+@pytest.mark.parametrize("where,value,token", NONFINITE_CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_non_finite_values_propagate_with_flash_attention(where, value, token, dtype):
+    """tests/test_promises.py's cases with FlashAttention (num_splits=1, its NaN marks)."""
+    if "flash" not in _backends(64):
+        pytest.skip("FlashAttention is not available")
+    seed = 31 + len(where) + token
+    batch = make_batch(REQUESTS, "turboquant_3bit_nc", dtype, num_q_heads=4, num_kv_heads=2, seed=seed, device="cuda")
+    batch.query.mul_(0.2)
+    allowed = poison(batch, where, value, token)
+    q, k, v, cache, bt, qsl, lens = batch.args
+    out = continuation_prefill_varlen(q, k, v, cache, bt, qsl, lens, **batch.kwargs, window=WINDOW, backend="flash",
+                                      query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens)
+    check_against_oracle(batch, out, allowed)
+
+
+@pytest.mark.parametrize("preset,head_dim", [("turboquant_3bit_nc", 64), ("turboquant_4bit_nc", 128),
+                                             ("turboquant_k3v4_nc", 256), ("turboquant_3bit_nc", 128)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_unrotation_on_tensor_cores_is_within_half_an_fp16_ulp(preset, head_dim, dtype):
+    """tests/test_dequant.py's bound, on the H200's tensor cores (fp16 MMA, float32 sums)."""
+    from test_dequant import check
+    batch = make_batch([(700, 1), (0, 3), (550, 2), (400, 1)], preset, dtype, head_dim=head_dim, num_q_heads=2,
+                       num_kv_heads=2, seed=head_dim, device="cuda")
+    check(batch, 480, unrotate=True, dtype=dtype, tag=f"seed {head_dim}")
+
+
+def test_kernels_launch_through_the_direct_launcher():
+    """After the first launch of a specialization, the compiled kernel is called directly."""
+    from tq_chunked._utils import Launcher
+    from tq_chunked.dequant import _fill
+    from tq_chunked.merge import _merge
+    b = build_batch("turboquant_3bit_nc", [(30000, 300), (2000, 40)], 32, 8, 128, 16, torch.float16, "cuda", seed=7)
+    call = lambda: continuation_prefill_varlen(b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"], None,
+                                               None, **b["kwargs"], query_start_loc_cpu=b["query_start_loc"],
+                                               seq_lens_cpu=b["seq_lens"], window=8192)
+    first = call()
+    second = call()
+    assert Launcher.direct is not None and _fill.compiled and _merge.compiled
+    assert torch.equal(first, second)
 
 
 def _vllm_cache(tq, preset, total, layout, block_size=16, hk=8, d=128, seed=0):

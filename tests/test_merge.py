@@ -1,5 +1,5 @@
-"""The log-sum-exp merge against float64, empty sides (-inf, and FlashAttention's +inf),
-row offsets, and in-place use; each implementation named explicitly."""
+"""The log-sum-exp merge against float64, in place and across dtypes, and its rules for
+empty and non-finite sides (merge.py's docstring); each implementation named explicitly."""
 
 import pytest
 import torch
@@ -9,75 +9,128 @@ from tq_chunked.merge import merge_attn_states
 from conftest import DEVICE, TRITON_OK, rel_err
 
 IMPLS = ["torch"] + (["triton"] if TRITON_OK else [])
+INF, NAN = float("inf"), float("nan")
 
 
-def _ref(oa, la, ob, lb):
-    la, lb = la.double(), lb.double()
-    lb = torch.where(lb == float("inf"), float("-inf"), lb)
-    lse = torch.logaddexp(la, lb)
-    wa = torch.where(torch.isinf(la), 0.0, torch.exp(la - lse))
-    wb = torch.where(torch.isinf(lb), 0.0, torch.exp(lb - lse))
-    return wa.T[..., None] * oa.double() + wb.T[..., None] * ob.double(), lse
+def _ref(op, lp, os, ls):
+    """float64 merge of finite or empty (-inf) sides."""
+    lp, ls = lp.double(), ls.double()
+    lse = torch.logaddexp(lp, ls)
+    wp = torch.where(torch.isinf(lp), 0.0, torch.exp(lp - lse))
+    ws = torch.where(torch.isinf(ls), 0.0, torch.exp(ls - lse))
+    return wp.T[..., None] * op.double().nan_to_num() + ws.T[..., None] * os.double(), lse
+
+
+def _sides(seed, n=24, h=3, d=64):
+    gen = torch.Generator().manual_seed(seed)
+    op = torch.randn(n, h, d, generator=gen).to(DEVICE)  # float32 state
+    lp = (torch.randn(h, n, generator=gen) * 5).to(DEVICE)
+    os = torch.randn(n, h, d, generator=gen).to(DEVICE, torch.float16)
+    ls = (torch.randn(h, n, generator=gen) * 5).to(DEVICE)
+    return op, lp, os, ls
+
+
+def _merge(impl, op, lp, os, ls, out_dtype=torch.float32):
+    out = torch.full(os.shape, NAN, dtype=out_dtype, device=DEVICE)
+    lse = torch.full(ls.shape, NAN, device=DEVICE)
+    merge_attn_states(out, op, lp, os, ls, lse, impl=impl)
+    return out, lse
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("d", [64, 80, 128, 256])
 def test_merge_matches_float64(impl, d):
-    gen = torch.Generator().manual_seed(d)
-    n, h, row0, rows = 40, 3, 5, 30
-    oa = torch.randn(n, h, d, generator=gen).to(DEVICE)  # float32 state
-    la = (torch.randn(h, n, generator=gen) * 5).to(DEVICE)
-    ob = torch.randn(rows, h, d, generator=gen).to(DEVICE, torch.float16).transpose(0, 1).contiguous().transpose(0, 1)
-    lb = (torch.randn(h, rows, generator=gen) * 5).to(DEVICE)
-    out = torch.full((n, h, d), float("nan"), device=DEVICE)
-    lse = torch.full((h, n), float("nan"), device=DEVICE)
-    merge_attn_states(oa, la, ob, lb, out, lse, row0=row0, impl=impl)
-    o_ref, l_ref = _ref(oa[row0:row0 + rows], la[:, row0:row0 + rows], ob, lb)
-    assert rel_err(out[row0:row0 + rows], o_ref) < 1e-6
-    assert rel_err(lse[:, row0:row0 + rows], l_ref) < 1e-6
-    assert out[:row0].isnan().all() and out[row0 + rows:].isnan().all()  # only its rows
+    op, lp, os, ls = _sides(d, d=d)
+    os = os.transpose(0, 1).contiguous().transpose(0, 1)  # a token stride that is not H * D
+    out, lse = _merge(impl, op, lp, os, ls)
+    o_ref, l_ref = _ref(op, lp, os, ls)
+    assert rel_err(out, o_ref) < 1e-6, f"seed {d}"
+    assert rel_err(lse, l_ref) < 1e-6, f"seed {d}"
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_empty_sides_contribute_nothing_and_never_nan(impl):
-    gen = torch.Generator().manual_seed(1)
-    n, h, d = 20, 3, 64
-    oa = torch.randn(n, h, d, generator=gen).to(DEVICE)
-    ob = torch.randn(n, h, d, generator=gen).to(DEVICE)
-    la, lb = torch.randn(h, n, generator=gen).to(DEVICE), torch.randn(h, n, generator=gen).to(DEVICE)
-    la[0] = float("-inf")  # head 0: side a empty, and its output unwritten (NaN)
-    oa[:, 0] = float("nan")
-    lb[1, :5] = float("inf")  # head 1, tokens 0-4: side b saw no key (FlashAttention's mark)
-    la[1, :2] = float("-inf")  # head 1, tokens 0-1: both empty
-    oa[:2, 1] = float("nan")
-    before = oa.clone()
-    merge_attn_states(oa, la, ob, lb, oa, la, impl=impl)  # in place
-    assert not oa.isnan().any() and not la.isnan().any()
-    assert torch.equal(oa[:, 0], ob[:, 0])
-    assert torch.allclose(oa[2:5, 1], before[2:5, 1])
-    assert (oa[:2, 1] == 0).all() and torch.isneginf(la[1, :2]).all()
+def test_empty_sides_contribute_nothing(impl):
+    op, lp, os, ls = _sides(1)
+    lp[0] = -INF  # head 0: no prefix keys; its state was never written (NaN) and is not read
+    op[:, 0] = NAN
+    ls[1, :5] = -INF  # head 1, rows 0-4: no suffix keys (a zero row, as attention writes it)
+    os[:5, 1] = 0
+    ls[2, :3] = INF  # head 2, rows 0-2: FlashAttention's +inf with a zero row: no keys too
+    os[:3, 2] = 0
+    lp[2, :2] = -INF  # head 2, rows 0-1: both sides empty
+    out, lse = _merge(impl, op, lp, os, ls)
+    assert torch.equal(out[:, 0], os[:, 0].float()) and torch.equal(lse[0], ls[0])
+    assert torch.equal(out[:5, 1], op[:5, 1]) and torch.equal(lse[1, :5], lp[1, :5])
+    assert torch.equal(out[2:3, 2], op[2:3, 2])
+    assert (out[:2, 2] == 0).all() and torch.isneginf(lse[2, :2]).all()
+    assert not out.isnan().any() and not lse.isnan().any()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_side_whose_sum_is_not_a_number_makes_the_row_nan(impl):
+    op, lp, os, ls = _sides(2)
+    lp[0, 3] = NAN  # the state: a NaN lse
+    ls[1, 4] = NAN  # our kernels' mark
+    ls[2, 5] = INF  # FlashAttention's mark, told from "no keys" by its NaN row
+    os[5, 2] = NAN
+    ls[2, 6] = -INF  # a later release's mark for the same
+    os[6, 2] = NAN
+    out, lse = _merge(impl, op, lp, os, ls)
+    for h, r in [(0, 3), (1, 4), (2, 5), (2, 6)]:
+        assert out[r, h].isnan().all() and lse[h, r].isnan(), (h, r)
+    bad = torch.zeros_like(lse, dtype=torch.bool)
+    bad[0, 3] = bad[1, 4] = bad[2, 5] = bad[2, 6] = True
+    assert torch.isfinite(out[~bad.T]).all() and torch.isfinite(lse[~bad]).all()  # every other row finite
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_non_finite_output_elements_propagate_even_with_a_vanishing_weight(impl):
+    op, lp, os, ls = _sides(3)
+    os[0, 0, 7] = INF  # weight about 1
+    ls[1, 1] = lp[1, 1] - 200  # the suffix's weight underflows to 0 in float32...
+    os[1, 1, 9] = -INF  # ...but a tiny positive weight times -inf is -inf
+    os[1, 1, 10] = NAN
+    op[2, 2, 11] = INF
+    out, lse = _merge(impl, op, lp, os, ls)
+    assert out[0, 0, 7] == INF and out[1, 1, 9] == -INF and out[1, 1, 10].isnan() and out[2, 2, 11] == INF
+    assert torch.isfinite(lse).all()
+    nonfinite = ~torch.isfinite(out)
+    assert nonfinite.sum() == 4  # nothing else spread
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_without_a_prefix_the_suffix_is_converted(impl):
+    _, _, os, ls = _sides(4)
+    os[2, 1, 3] = NAN
+    out = torch.full(os.shape, NAN, device=DEVICE)
+    lse = torch.full(ls.shape, NAN, device=DEVICE)
+    merge_attn_states(out, None, None, os, ls, lse, impl=impl)
+    assert torch.equal(out.nan_to_num(7.0), os.float().nan_to_num(7.0)) and out[2, 1, 3].isnan()
+    assert torch.allclose(lse, ls)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_in_place_over_a_partial_kept_in_the_outputs_bytes(impl, dtype):
-    """The final merge reads a fp16 partial from the output's own bytes and writes the
-    result there in the output's dtype."""
-    gen = torch.Generator().manual_seed(2)
-    n, h, d = 16, 2, 64
-    out = torch.empty(n, h, d, dtype=dtype, device=DEVICE)
+    """The final merge reads an fp16 partial from the output's own bytes and writes the
+    result there in the output's dtype; the state is merged in place."""
+    op, lp, _, ls = _sides(5, n=16, h=2)
+    out = torch.empty(16, 2, 64, dtype=dtype, device=DEVICE)
     part = out.view(torch.float16)
-    part.copy_(torch.randn(n, h, d, generator=gen))
+    part.copy_(torch.randn(16, 2, 64, generator=torch.Generator().manual_seed(6)))
     part_copy = part.clone()
-    state = torch.randn(n, h, d, generator=gen).to(DEVICE)
-    ls, lp = torch.randn(h, n, generator=gen).to(DEVICE), torch.randn(h, n, generator=gen).to(DEVICE)
-    merge_attn_states(state, ls, part, lp, out, impl=impl)
-    o_ref, _ = _ref(state, ls, part_copy, lp)
+    merge_attn_states(out, op, lp, part, ls, impl=impl)
+    o_ref, _ = _ref(op, lp, part_copy, ls)
     assert rel_err(out, o_ref) < (1e-3 if dtype == torch.float16 else 8e-3)
+    state, state_lse = op.clone(), lp.clone()
+    merge_attn_states(state, state, state_lse, part_copy, ls, state_lse, impl=impl)
+    assert rel_err(state, o_ref) < 1e-6
 
 
-def test_unknown_impl_is_refused():
+def test_unknown_impl_and_half_a_prefix_are_refused():
     x = torch.zeros(1, 1, 64, device=DEVICE)
     l = torch.zeros(1, 1, device=DEVICE)
     with pytest.raises(ValueError, match="impl"):
-        merge_attn_states(x, l, x, l, x, impl="cuda")
+        merge_attn_states(x, x, l, x, l, impl="cuda")
+    with pytest.raises(ValueError, match="prefix_output and prefix_lse"):
+        merge_attn_states(x, x, None, x, l)

@@ -1,6 +1,6 @@
 """continuation_prefill_varlen: every request of a batch exact against its own full-buffer
-path and the float64 oracle, launches independent of the batch size, bounded memory,
-inputs honoured through their strides or refused by name."""
+path and the float64 oracle, the window schedule, bounded memory, inputs honoured
+through their strides or refused by name."""
 
 import numpy as np
 import pytest
@@ -8,9 +8,9 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tq_chunked import PRESETS, continuation_prefill, continuation_prefill_varlen, workspace_bytes
-from tq_chunked.plan import plan_windows
-from tq_chunked.reference import full_buffer_continuation_prefill, oracle_continuation_prefill
 from tq_chunked.chunked import schedule
+from tq_chunked.plan import LongRequest, plan
+from tq_chunked.reference import full_buffer_continuation_prefill, oracle_continuation_prefill
 
 from conftest import DEVICE, TRITON_OK, make_batch, rel_err, strided
 
@@ -81,25 +81,17 @@ def test_gqa_groups(group):
                 window=96)
 
 
-def test_a_batch_over_the_budget_runs_in_tiles_of_whole_requests_with_all_heads():
-    batch = make_batch([(200, 40), (90, 30), (0, 25), (150, 35)], "turboquant_k3v4_nc", num_q_heads=8,
+def test_long_requests_run_in_windows_and_kv_head_groups_under_a_budget():
+    batch = make_batch([(200, 40), (70, 30), (0, 25), (350, 35)], "turboquant_k3v4_nc", num_q_heads=8,
                        num_kv_heads=4, seed=14)
-    budget = workspace_bytes(60, 8, 4, 64, 64)  # about 60 query rows with all heads
-    tiles, need = schedule(tuple(batch.query_start_loc), tuple(batch.seq_lens), 64, 8, 4, 64, torch.float16,
-                           budget, torch.device(DEVICE))
-    assert [(t.r0, t.r1) for t in tiles] == [(0, 1), (1, 3), (3, 4)]
-    assert all(t.kv_group == 4 for t in tiles) and need <= budget
-    assert workspace_bytes(130, 8, 4, 64, 64, max_bytes=budget) <= budget
-    check_batch(batch, window=64, max_workspace_bytes=budget)
-
-
-def test_a_request_too_long_for_any_tile_runs_its_kv_heads_in_groups():
-    batch = make_batch([(200, 120), (30, 8)], "turboquant_3bit_nc", num_q_heads=8, num_kv_heads=4, seed=25)
-    budget = workspace_bytes(60, 8, 4, 64, 64)
-    tiles, need = schedule(tuple(batch.query_start_loc), tuple(batch.seq_lens), 64, 8, 4, 64, torch.float16,
-                           budget, torch.device(DEVICE))
-    assert [(t.r0, t.r1, t.kv_group) for t in tiles] == [(0, 1, 2), (1, 2, 4)]
-    assert need <= workspace_bytes(128, 8, 4, 64, 64, max_bytes=budget)
+    budget = 180_000  # room for a window with all kv heads, not with a long request's state too
+    steps, groups, cap, need = schedule(tuple(batch.query_start_loc), tuple(batch.seq_lens), 64, 8, 4, 64,
+                                        torch.float16, budget, torch.device(DEVICE))
+    assert cap == 131  # the window holds more than the batch's 130 query tokens
+    kinds = [("long", s.request, len(s.windows)) if isinstance(s, LongRequest) else ("batch", s.requests)
+             for s in steps]
+    assert kinds == [("long", 0, 2), ("batch", (1,)), ("batch", (2,)), ("long", 3, 3)]  # 1 and 2: no room for the gap
+    assert groups == (2, 4, 4, 2) and need <= budget
     check_batch(batch, window=64, max_workspace_bytes=budget)
 
 
@@ -150,31 +142,34 @@ def test_return_lse_matches_float64(dtype, budget):
 
 # --- the schedule -------------------------------------------------------------------------
 
-def test_window_count_follows_the_cached_total_not_the_batch_size():
-    one = plan_windows((0, 512), (512 + 64 * 100,), 1000, torch.device("cpu"))
-    many = plan_windows(tuple(range(0, 8 * 64 + 1, 64)), tuple([64 + 800] * 8), 1000, torch.device("cpu"))
-    assert len(one.windows) == len(many.windows) == 7  # 6400 cached tokens in windows of 1000
-    for p in (one, many):
-        assert sum(c.length for c in p.windows) == p.total_cached
-        assert all(c.cu_k_host[-1] == c.length for c in p.windows)
-        assert p.chunk.causal and not any(c.causal for c in p.windows)
+def test_requests_that_fit_share_causal_windows_and_long_ones_run_alone():
+    qsl, lens = (0, 64, 128, 192, 256, 320), (300, 64 + 500, 64 + 70, 64 + 2000, 64)
+    p = plan(qsl, lens, 1600, torch.device("cpu"))
+    assert [type(s).__name__ for s in p.steps] == ["Window", "LongRequest", "Window"]
+    first, long, last = p.steps
+    assert first.requests == (0, 1, 2) and first.causal  # 300 + 564 + 134 keys, 256 zero rows between two
+    assert first.cu_k_host == (0, 300, 556, 1120, 1376, 1510) and first.cu_q_host == (0, 64, 64, 128, 128, 192)
+    assert last.requests == (4,) and last.cu_k_host == last.cu_q_host == (0, 64)  # a first chunk
+    assert [w.kind for w in long.windows] == ["part", "last"]
+    assert [w.causal for w in long.windows] == [False, True]
+    assert sum(w.rows for w in long.windows) == 2064 and long.windows[-1].rows == 1600
+    assert all(w.max_q == 64 for w in long.windows)
 
 
-def test_launches_do_not_grow_with_the_batch(monkeypatch):
+def test_a_batch_of_short_hits_is_one_fill_and_one_attention_call_without_merges(monkeypatch):
     import tq_chunked.chunked as chunked
     counts = {}
-    for name in ("dequantize_window", "varlen_attention", "merge_attn_states", "prepare"):
+    for name in ("fill_window", "varlen_attention", "merge_attn_states"):
         real = getattr(chunked, name)
         monkeypatch.setattr(chunked, name, lambda *a, _real=real, _n=name, **k: (
             counts.__setitem__(_n, counts.get(_n, 0) + 1), _real(*a, **k))[1])
     seen = []
-    for b in (1, 6):
+    for batch, window in ((make_batch([(60, 8)] * 6, seed=17), 2048), (make_batch([(400, 8)], seed=17), 128)):
         counts.clear()
-        batch = make_batch([(360 // b, 8)] * b, seed=17)  # the same 360 cached tokens over b requests
-        run_batch(batch, 128, backend="torch")
+        run_batch(batch, window, backend="torch")
         seen.append(dict(counts))
-    assert seen[0] == seen[1] == {"prepare": 1, "dequantize_window": 3, "varlen_attention": 4,
-                                  "merge_attn_states": 4}
+    assert seen[0] == {"fill_window": 1, "varlen_attention": 1}  # 6 x 68 keys and 5 gaps: one window
+    assert seen[1] == {"fill_window": 4, "varlen_attention": 4, "merge_attn_states": 4}  # 3 parts and the last
 
 
 # --- memory ---------------------------------------------------------------------------------
@@ -182,10 +177,11 @@ def test_launches_do_not_grow_with_the_batch(monkeypatch):
 def test_workspace_bytes_is_the_documented_layout():
     up = lambda x: -(-x // 256) * 256
     n, hq, hk, d, w = 60, 4, 2, 64, 64
-    fp16 = 2 * up(w * hk * d * 2) + up(n * hq * d * 2) + up(n * hq * d * 4) + up(hq * n * 4) + 256
-    bf16 = fp16 + up(n * hq * d * 2) + 2 * up(n * hk * d * 2)  # the chunk's fp16 Q/K/V
-    assert workspace_bytes(n, hq, hk, d, w) == fp16
-    assert workspace_bytes(n, hq, hk, d, w, torch.bfloat16) == bf16
+    batch = 2 * up(w * hk * d * 2) + 256  # k_buf, v_buf
+    long = 2 * up(w * hk * d * 2) + up(n * hq * d * 4) + up(hq * n * 4) + 256  # + the float32 state
+    assert workspace_bytes(n, hq, hk, d, w) == max(batch, long)
+    assert workspace_bytes(n, hq, hk, d, w, torch.bfloat16) == long + up(n * hq * d * 2)  # + the query in fp16
+    assert workspace_bytes(100, hq, hk, d, w) == 2 * up(101 * hk * d * 2) + up(100 * hq * d * 4) + up(hq * 100 * 4) + 256
 
 
 @pytest.mark.parametrize("requests", [[(400, 60)], [(100, 20), (0, 20), (700, 20)], [(64, 30), (64, 30)]])
@@ -262,9 +258,9 @@ def small():
     (lambda b: dict(query=b.query.float()), "query.*dtype"),
     (lambda b: dict(key=b.key.float()), "key.*dtype"),
     (lambda b: dict(key=b.key[:, :, :32]), "key must have shape"),
-    (lambda b: dict(key=b.key[:, :0]), "key must have shape.*Hk >= 1"),
+    (lambda b: dict(key=b.key[:, :0]), r"key must have shape \(29, 2, 64\).*kv_cache's 2 kv heads"),
     (lambda b: dict(value=b.value[:-1]), "value"),
-    (lambda b: dict(query=b.query[:, :3]), "multiple of key heads"),
+    (lambda b: dict(query=b.query[:, :3]), r"query heads \(3\) must be a multiple of kv_cache's kv heads"),
     (lambda b: dict(kv_cache=b.kv_cache[..., :-2]), "kv_cache must have shape"),
     (lambda b: dict(kv_cache=b.kv_cache.view(torch.int8)), "kv_cache.*dtype"),
     (lambda b: dict(kv_cache=b.kv_cache.transpose(0, 3).contiguous().transpose(0, 3)), "kv_cache must have unit"),
@@ -272,10 +268,10 @@ def small():
     (lambda b: dict(block_table=b.block_table[0]), "block_table must have 2"),
     (lambda b: dict(block_table=b.block_table[:, :2]), "block_table has columns"),
     (lambda b: dict(query_start_loc=torch.tensor([0, 20, 28], dtype=torch.int32)), "query_start_loc.*end"),
-    (lambda b: dict(query_start_loc=torch.tensor([0, 20], dtype=torch.int32)), "query_start_loc must have 3"),
+    (lambda b: dict(query_start_loc=torch.tensor([0, 20], dtype=torch.int32)), "seq_lens must have one entry per"),
     (lambda b: dict(seq_lens=torch.tensor([120, 5], dtype=torch.int32)), r"seq_lens\[1\]"),
     (lambda b: dict(seq_lens=None), "seq_lens or seq_lens_cpu"),
-    (lambda b: dict(seq_lens_cpu=[120.5, 9]), "seq_lens_cpu must be an int"),
+    (lambda b: dict(seq_lens_cpu=[120.5, 9]), r"seq_lens_cpu\[0\] must be an int"),
     (lambda b: dict(window=0), "window must be >= 1"),
     (lambda b: dict(window=64.0), "window must be an int"),
     (lambda b: dict(centroids=b.kwargs["centroids"][:4]), "centroids"),
@@ -304,21 +300,20 @@ def test_block_ids_outside_the_cache_are_refused_by_name(small):
 
 def test_a_bad_block_id_is_named_by_its_row_in_the_batch_before_anything_runs():
     batch = make_batch([(100, 40), (60, 30), (80, 35)], seed=26)
-    budget = workspace_bytes(40, 4, 2, 64, 64)  # a tile per request
+    budget = workspace_bytes(40, 4, 2, 64, 64)
     bt = batch.block_table.clone()
     bt[2, 1] = -1
     out = torch.full_like(batch.query, float("nan"))
     with pytest.raises(ValueError, match=r"block_table\[2, 1\] = -1"):
         continuation_prefill_varlen(*batch.args[:4], bt, *batch.args[5:], **batch.kwargs, window=64, out=out,
                                     backend=BACKEND, max_workspace_bytes=budget)
-    assert out.isnan().all()  # no tile ran
+    assert out.isnan().all()  # nothing ran
 
 
-def test_requests_without_query_tokens_make_no_tile():
-    batch = make_batch([(100, 40), (50, 0), (100, 40), (0, 0)], seed=27)
-    tiles, _ = schedule(tuple(batch.query_start_loc), tuple(batch.seq_lens), 64, 4, 2, 64, torch.float16,
-                        workspace_bytes(30, 4, 2, 64, 64), torch.device(DEVICE))
-    assert [(t.r0, t.r1) for t in tiles] == [(0, 1), (2, 3)]
+def test_requests_without_query_tokens_take_no_window():
+    p = plan((0, 40, 40, 80, 80), (140, 50, 140, 0), 1000, torch.device(DEVICE))
+    (w,) = p.steps
+    assert w.requests == (0, 2) and w.nseg == 3  # and the gap between them
 
 
 def test_unread_block_table_columns_are_not_checked(small):
@@ -329,7 +324,7 @@ def test_unread_block_table_columns_are_not_checked(small):
 
 
 @pytest.mark.parametrize("bad_id", [-1, "num_blocks", "num_blocks+5", 10**6])
-def test_unchecked_bad_block_ids_read_nothing_outside_the_cache(bad_id):
+def test_unchecked_bad_block_ids_read_nothing_and_make_their_request_nan(bad_id):
     batch = make_batch([(100, 20), (60, 9)], seed=23)
     nb = batch.kv_cache.shape[0]
     bad_id = {"num_blocks": nb, "num_blocks+5": nb + 5}.get(bad_id, bad_id)
@@ -338,7 +333,7 @@ def test_unchecked_bad_block_ids_read_nothing_outside_the_cache(bad_id):
     bt[0, 2] = bad_id
     batch.block_table = bt
     out = run_batch(batch, 64, check_block_table=False)
-    assert torch.isfinite(out).all()
+    assert out[:20].isnan().all()  # visibly invalid, never finite and wrong
     assert torch.equal(out[20:], good[20:])  # the other request is untouched
 
 

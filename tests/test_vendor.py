@@ -42,7 +42,7 @@ ENVS = {Path(p).parents[1].name: p for p in sorted(glob.glob(str(ROOT / ".vllm-e
 CI_ENVS = ("vllm-0.33.0",)
 WINDOW = "64"  # tests/test_vllm_plugin.py's WINDOW (its vendored mode checks the module read this one)
 RUNTIME_MODULES = {"__init__.py", "attention.py", "chunked.py", "dequant.py", "format.py", "merge.py", "plan.py",
-                   "prepare.py", "vllm_backend.py", "workspace.py"}
+                   "_utils.py", "vllm_backend.py", "workspace.py"}
 IMPL, BUILDER = "TurboQuantAttentionImpl", "TurboQuantMetadataBuilder"
 
 

@@ -7,8 +7,13 @@ key sets can be merged exactly. One call covers many sequences (requests):
     -> out (Nq, Hq, D) in q's dtype (written in place), lse (Hq, Nq) float32, natural log
 
 ``causal=True`` masks bottom-right aligned per sequence: query i sees keys
-j <= i + Lk - Lq. A query that sees no key gets out = 0 and lse = -inf (FlashAttention
-reports +inf there; merge.py reads both as empty).
+j <= i + Lk - Lq. A query that sees no key gets out = 0 and lse = -inf; a query whose
+softmax sum is not a number (a NaN or +inf score) gets a NaN row and lse NaN (the
+"triton" and "torch" back ends). FlashAttention marks both with lse = +inf or -inf (by
+release) and writes a zero or a NaN row: merge.py tells them apart by the row.
+FlashAttention-3 runs with ``num_splits=1``: its split-KV combine gives a split whose
+sum is not a number the weight 0 (flash_fwd_combine_kernel.h), which would turn a NaN
+answer into a finite, wrong one.
 
 Back ends (``resolve_backend`` picks the first available for "auto"):
   "flash"  vLLM's flash_attn_varlen_func (FlashAttention-3 on Hopper, FA2 elsewhere)
@@ -21,15 +26,37 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .dequant import interpreter_rounds_bf16, round_bf16, use_triton
+from ._utils import interpreter_rounds_bf16, round_bf16, use_triton
 
 BACKENDS = ("flash", "triton", "torch")
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Call:
+    """The sequences of one varlen call (plan.Window has the same fields)."""
+
+    cu_q: torch.Tensor  # int32 (B + 1,) on the device
+    cu_k: torch.Tensor
+    cu_q_host: tuple[int, ...]
+    cu_k_host: tuple[int, ...]
+    max_q: int
+    max_k: int
+    causal: bool
+
+
+def make_call(q_lens, k_lens, causal, device) -> Call:
+    """A Call for sequences of these query and key lengths, packed in order."""
+    cu = lambda lens: tuple(sum(lens[:i]) for i in range(len(lens) + 1))
+    cq, ck = cu(list(q_lens)), cu(list(k_lens))
+    t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
+    return Call(t(cq), t(ck), cq, ck, max(q_lens, default=0), max(k_lens, default=0), causal)
 
 
 # ---------------------------------------------------------------------------
@@ -98,9 +125,9 @@ def _attention_kernel(
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        has_keys = l_i > 0
-        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-        lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        empty = l_i == 0  # no key (a sum that is not a number stays NaN: out and lse)
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
         out = round_bf16(out, ROUND_BF16).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + q_rows[:, None] * s_o_tok + head * s_o_head + offs_d[None, :], out,
                  mask=m_mask[:, None] & d_mask[None, :])
@@ -153,10 +180,10 @@ def _torch_attention(call, q, k, v, scale, out):
             i = torch.arange(lq, device=q.device)[:, None]
             j = torch.arange(lk, device=q.device)[None, :]
             s = s.masked_fill(j > i + (lk - lq), float("-inf"))
-        l = torch.logsumexp(s, -1)  # -inf where no key
-        p = torch.exp(s - torch.where(torch.isinf(l), 0.0, l)[..., None])
+        l = torch.logsumexp(s, -1)  # -inf where no key; +inf or NaN where the sum is not a number
+        p = torch.exp(s - torch.where(l == float("-inf"), 0.0, l)[..., None])
         out[q0:q1] = (p @ vv).transpose(0, 1)
-        lse[:, q0:q1] = l
+        lse[:, q0:q1] = torch.where(l == float("inf"), float("nan"), l)
     return lse
 
 
@@ -191,11 +218,11 @@ def _vllm_flash(head_dim: int):
     return fn, version
 
 
-def _flash_attention(call, q, k, v, scale, out):
+def _flash_attention(call, q, k, v, scale, out, splits=1):
     fn, version = _vllm_flash(q.shape[2])
     _, lse = fn(q=q, k=k, v=v, cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k, max_seqlen_q=call.max_q,
                 max_seqlen_k=call.max_k, softmax_scale=scale, causal=call.causal, return_softmax_lse=True, out=out,
-                fa_version=version)
+                fa_version=version, num_splits=splits if version == 3 else 0)
     return lse
 
 
@@ -244,8 +271,11 @@ def resolve_backend(backend: str, device: torch.device, head_dim: int) -> str:
 
 
 def varlen_attention(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor,
-                     backend: str) -> torch.Tensor:
-    """Attention of the sequences of ``call`` (a ``plan.WindowCall``; see the module
+                     backend: str, flash_splits: int = 1) -> torch.Tensor:
+    """Attention of the sequences of ``call`` (a ``Call`` or a ``plan.Window``; see the module
     docstring for shapes); writes ``out`` and returns lse (Hq, Nq). ``backend`` must be
-    resolved (``resolve_backend``)."""
+    resolved (``resolve_backend``). flash_splits: FlashAttention-3's num_splits (0: its
+    own choice, as vLLM calls it; the full-buffer reference path does)."""
+    if backend == "flash":
+        return _flash_attention(call, q, k, v, scale, out, flash_splits)
     return _IMPLS[backend](call, q, k, v, scale, out)

@@ -36,20 +36,30 @@ SHAPES = {  # per-GPU-shard head shapes of real models: (Hq, Hk, D)
     "llama3-8b": (32, 8, 128),
     "70b-tp1": (64, 8, 128),
     "70b-tp8": (8, 1, 128),
+    "70b-tp4": (16, 2, 128),
+    "qwen2-7b": (28, 4, 128),
+    "mha-d64": (16, 16, 64),
     "d256": (16, 4, 256),
 }
 SHAPE_NOTES = {  # what each shape stands for, for --help and docs/benchmarks.md
     "llama3-8b": "Llama-3-8B on one GPU",
     "70b-tp1": "a 70B model (Llama-3-70B) on one GPU",
     "70b-tp8": "the same 70B model's per-GPU shard at tensor parallel 8",
+    "70b-tp4": "the same 70B model's per-GPU shard at tensor parallel 4",
+    "qwen2-7b": "Qwen2-7B on one GPU (28 query heads, 4 kv heads)",
+    "mha-d64": "multi-head attention at head size 64 (16 heads, no grouping)",
     "d256": "a head size 256 shape",
+}
+LAYER_GEMMS = {  # (hidden, MLP intermediate) per GPU shard: the weights of one layer, for the model-shaped step
+    "llama3-8b": (4096, 14336), "70b-tp1": (8192, 28672), "70b-tp8": (8192, 3584), "70b-tp4": (8192, 7168),
+    "qwen2-7b": (3584, 18944), "mha-d64": (1024, 4096), "d256": (4096, 14336),
 }
 K = 1024
 BLOCK_SIZE = 16  # cache block size of every case (vLLM's default)
 # Default sizes of the three modes. Each applies only to the options not given.
 SIZES = {
     "full": dict(presets=["turboquant_3bit_nc", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc"],
-                 shapes=list(SHAPES), q_lens=[512, 2048, 8192], cached_lens=[8 * K, 16 * K, 32 * K, 64 * K, 128 * K],
+                 shapes=["llama3-8b", "70b-tp1", "70b-tp8", "d256"], q_lens=[512, 2048, 8192], cached_lens=[8 * K, 16 * K, 32 * K, 64 * K, 128 * K],
                  memory_lens=[256 * K, 512 * K, 1024 * K], windows=[]),
     "quick": dict(presets=["turboquant_3bit_nc"], shapes=["llama3-8b"], q_lens=[2048],
                   cached_lens=[8 * K, 32 * K, 128 * K], memory_lens=[], windows=[]),
@@ -464,7 +474,7 @@ def run_engine(args):
     stem = output_stem(result, args) + f"-{args.engine_mode}"
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump(result, f, indent=1)
-    md = be.markdown(result)
+    md = be.markdown(result) + "\n" + be.summary(result)
     with open(os.path.join(args.out, stem + ".md"), "w") as f:
         f.write(md)
     png = be.plot(result, os.path.join(args.out, stem + ".png"))

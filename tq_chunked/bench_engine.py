@@ -1,7 +1,9 @@
-"""Continuation prefill timed as an engine runs it, side by side with the latest vLLM.
+"""Continuation prefill timed as an engine runs it, side by side with the latest vLLM and
+with the floor, in one run.
 
     tq-chunked bench --stack       single requests: head shapes x q_len x cached_len
-    tq-chunked bench --serving     serving-shaped batches: prefix-cache hits, first chunks
+    tq-chunked bench --serving     serving-shaped batches: prefix-cache hits, first chunks,
+                                   head shapes, dtypes and presets of the serving grid
     tq-chunked bench --crossover   one short continuation (q_len <= 128): vLLM's decode
                                    replay against the windowed path
 
@@ -14,17 +16,26 @@ over repeats (median reported):
   host ms/call   CPU time until a call returns, with the GPU kept busy by a spin kernel
                  (so the host never waits for it)
   GPU ms/call    GPU time of the same calls (CUDA events; the host ran ahead)
+  kernel ms/call the sum of the GPU kernels' own durations over a stack (profiler), per
+                 call: what the call costs the GPU, host gaps excluded
+  step ms        a model-shaped step: per layer the attention call between GEMMs of that
+                 layer's weights (QKV, output, MLP; bench.LAYER_GEMMS), L layers
 
 Methods: ``latest``: the latest vLLM release's ``_prefill_attention`` with its own
 ``_continuation_prefill`` (run in the installed runtime through .gpu-carry/latest/
-vllm_latest.py), the strongest baseline; ``tq_chunked``: one ``continuation_prefill_varlen``
-call per layer with the host copies of the lengths and a preallocated workspace;
-``vllm-<version>``: the installed release's real ``forward``, unpatched; ``patched``: the
-same ``forward`` with the plugin's replacements. Needs a CUDA GPU.
+vllm_latest.py), the strongest baseline; ``floor``: one FlashAttention varlen call per
+layer over fp16/bf16 K/V of the same lengths (causal, no dequantization): what a BF16
+cache costs; ``tq_chunked``: one ``continuation_prefill_varlen`` call per layer with the
+host copies of the lengths and a preallocated workspace (the plugin's way);
+``tq_chunked-default``: the same with every default (its own workspace per call, the
+block-id check on); ``vllm-<version>``: the installed release's real ``forward``,
+unpatched; ``patched``: the same ``forward`` with the plugin's replacements. Needs a CUDA
+GPU.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 import time
@@ -47,6 +58,7 @@ class Workload:
     shape: str  # a key of bench.SHAPES
     requests: list  # [(cached_len, q_len)]
     preset: str = "turboquant_3bit_nc"
+    dtype: str = "float16"
 
 
 def _hits(rng, n, q_len, lo, hi):
@@ -56,26 +68,45 @@ def _hits(rng, n, q_len, lo, hi):
 
 def stack_workloads():
     return [Workload(f"{shape} q{q} {c // K}K", shape, [(c, q)]) for shape in ("llama3-8b", "70b-tp8", "70b-tp1")
-            for q in (512, 2048) for c in (8 * K, 32 * K, 128 * K)]
+            for q in (512, 2048) for c in (8 * K, 32 * K, 128 * K)] + \
+        [Workload(f"d256 q{q} {c // K}K", "d256", [(c, q)]) for q in (2048, 8192) for c in (8 * K, 128 * K)] + \
+        [Workload(f"llama3-8b q8192 {c // K}K", "llama3-8b", [(c, 8192)]) for c in (16 * K, 128 * K)]
 
 
 def serving_workloads():
+    """The serving grid: B 1-64, q 16-8192, cached 0-128K mixed, the head shapes of
+    bench.SHAPES, fp16 and bf16, every preset."""
     rng = random.Random(0)
+    W = Workload
     return [
-        Workload("1 hit q512 8K", "llama3-8b", [(8 * K, 512)]),
-        Workload("16 hits q512 2K-16K", "llama3-8b", _hits(rng, 16, 512, 2 * K, 16 * K)),
-        Workload("16 hits q256 1K-8K", "llama3-8b", _hits(rng, 16, 256, 1 * K, 8 * K)),
-        Workload("4 chunks q2048 16K-64K", "llama3-8b", _hits(rng, 4, 2048, 16 * K, 64 * K)),
-        Workload("32 hits q200 1K-4K", "llama3-8b", _hits(rng, 32, 200, 1 * K, 4 * K)),
-        Workload("32 hits q16 1K-8K", "llama3-8b", _hits(rng, 32, 16, 1 * K, 8 * K)),
-        Workload("8 hits q64-128 4K-32K", "llama3-8b",
-                 [(c, rng.randrange(64, 129)) for c, _ in _hits(rng, 8, 0, 4 * K, 32 * K)]),
-        Workload("2 first chunks q2048 + 8 hits q256 2K-16K", "llama3-8b",
-                 [(0, 2048), (0, 2048)] + _hits(rng, 8, 256, 2 * K, 16 * K)),
-        Workload("8 hits q1024 4K-32K", "70b-tp8", _hits(rng, 8, 1024, 4 * K, 32 * K)),
-        Workload("32 hits q128 1K-8K", "70b-tp8", _hits(rng, 32, 128, 1 * K, 8 * K)),
-        Workload("16 hits q512 2K-16K", "70b-tp1", _hits(rng, 16, 512, 2 * K, 16 * K)),
-        Workload("4 chunks q2048 16K-64K", "70b-tp1", _hits(rng, 4, 2048, 16 * K, 64 * K)),
+        W("1 hit q512 8K", "llama3-8b", [(8 * K, 512)]),
+        W("16 hits q512 2K-16K", "llama3-8b", _hits(rng, 16, 512, 2 * K, 16 * K)),
+        W("16 hits q256 1K-8K", "llama3-8b", _hits(rng, 16, 256, 1 * K, 8 * K)),
+        W("24 hits q384 0.5K-6K", "llama3-8b", _hits(rng, 24, 384, K // 2, 6 * K)),
+        W("4 chunks q2048 16K-64K", "llama3-8b", _hits(rng, 4, 2048, 16 * K, 64 * K)),
+        W("32 hits q200 1K-4K", "llama3-8b", _hits(rng, 32, 200, 1 * K, 4 * K)),
+        W("64 hits q16 1K-8K", "llama3-8b", _hits(rng, 64, 16, 1 * K, 8 * K)),
+        W("8 hits q64-128 4K-32K", "llama3-8b",
+          [(c, rng.randrange(64, 129)) for c, _ in _hits(rng, 8, 0, 4 * K, 32 * K)]),
+        W("2 first chunks q2048 + 8 hits q256 2K-16K", "llama3-8b",
+          [(0, 2048), (0, 2048)] + _hits(rng, 8, 256, 2 * K, 16 * K)),
+        W("first chunk q4096 + 4 hits q1024 (bf16)", "llama3-8b", [(0, 4096)] + _hits(rng, 4, 1024, 4 * K, 32 * K),
+          dtype="bfloat16"),
+        W("16 hits q512 2K-16K (bf16, k8v4)", "llama3-8b", _hits(rng, 16, 512, 2 * K, 16 * K), "turboquant_k8v4",
+          "bfloat16"),
+        W("16 hits q512 2K-16K (4bit_nc)", "llama3-8b", _hits(rng, 16, 512, 2 * K, 16 * K), "turboquant_4bit_nc"),
+        W("16 hits q512 2K-16K (k3v4_nc)", "llama3-8b", _hits(rng, 16, 512, 2 * K, 16 * K), "turboquant_k3v4_nc"),
+        W("1 long hit q2048 128K", "llama3-8b", [(128 * K, 2048)]),
+        W("2 long hits q1024 64K-128K + 8 hits q128", "llama3-8b",
+          _hits(rng, 2, 1024, 64 * K, 128 * K) + _hits(rng, 8, 128, 1 * K, 8 * K)),
+        W("8 hits q1024 4K-32K", "70b-tp8", _hits(rng, 8, 1024, 4 * K, 32 * K)),
+        W("32 hits q128 1K-8K", "70b-tp8", _hits(rng, 32, 128, 1 * K, 8 * K)),
+        W("16 hits q512 2K-16K", "70b-tp4", _hits(rng, 16, 512, 2 * K, 16 * K)),
+        W("16 hits q512 2K-16K", "70b-tp1", _hits(rng, 16, 512, 2 * K, 16 * K)),
+        W("16 hits q512 2K-16K", "qwen2-7b", _hits(rng, 16, 512, 2 * K, 16 * K)),
+        W("16 hits q256 1K-8K", "mha-d64", _hits(rng, 16, 256, 1 * K, 8 * K)),
+        W("1 hit q2048 8K", "d256", [(8 * K, 2048)]),
+        W("1 hit q8192 16K", "llama3-8b", [(16 * K, 8192)]),
     ]
 
 
@@ -96,7 +127,8 @@ class Layers:
         from .bench import SHAPES
         hq, hk, d = SHAPES[workload.shape]
         self.hq, self.hk, self.d, self.tq = hq, hk, d, tq
-        b = build_batch(workload.preset, workload.requests, hq, hk, d, 16, torch.float16, device, vllm_tq=tq)
+        self.dtype = getattr(torch, workload.dtype)
+        b = build_batch(workload.preset, workload.requests, hq, hk, d, 16, self.dtype, device, vllm_tq=tq)
         self.kwargs = b["kwargs"]
         self.block_table = b["block_table"]
         self.qsl, self.seq_lens = b["query_start_loc"], b["seq_lens"]
@@ -125,10 +157,46 @@ class Layers:
         return meta
 
 
+def method_floor(layers: Layers, max_bytes=8 << 30):
+    """One FlashAttention varlen call per layer over K/V of the query's dtype with the same
+    lengths (cached + new per request, causal): prefill over a BF16/FP16 cache. Layers
+    share K/V buffers cyclically beyond max_bytes (far more than the L2 holds)."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+    from .attention import _vllm_flash
+    version = _vllm_flash(layers.d)[1]
+    dev = layers.block_table.device
+    total = sum(layers.seq_lens)
+    one = 2 * total * layers.hk * layers.d * layers.dtype.itemsize
+    count = max(1, min(len(layers.caches), max_bytes // max(one, 1)))
+    gen = torch.Generator(dev).manual_seed(2)
+    kv = [tuple(torch.randn(total, layers.hk, layers.d, generator=gen, device=dev, dtype=layers.dtype)
+                for _ in range(2)) for _ in range(count)]
+    cu_k = torch.tensor([0] + list(itertools.accumulate(layers.seq_lens)), dtype=torch.int32, device=dev)
+    max_q = max(layers.qsl[i + 1] - layers.qsl[i] for i in range(len(layers.seq_lens)))
+
+    def layer_call(i):
+        q = layers.qkv[i][0]
+        k, v = kv[i % count]
+        return lambda: flash_attn_varlen_func(q, k, v, max_q, layers.qsl_dev, max(layers.seq_lens), cu_k,
+                                              softmax_scale=layers.d**-0.5, causal=True, fa_version=version)
+    return [layer_call(i) for i in range(len(layers.caches))]
+
+
+def method_tq_chunked_default(layers: Layers):
+    """continuation_prefill_varlen with every default: a workspace of its own per call, the
+    block-id check on."""
+    def layer_call(i):
+        q, k, v = layers.qkv[i]
+        return lambda: continuation_prefill_varlen(
+            q, k, v, layers.caches[i], layers.block_table, layers.qsl_dev, layers.seq_lens_dev, **layers.kwargs,
+            query_start_loc_cpu=layers.qsl_cpu, seq_lens_cpu=layers.seq_lens_cpu)
+    return [layer_call(i) for i in range(len(layers.caches))]
+
+
 def method_tq_chunked(layers: Layers):
     n = layers.qsl[-1]
     window = default_window(layers.hk, layers.d, 16)
-    ws = torch.empty(workspace_bytes(n, layers.hq, layers.hk, layers.d, window), dtype=torch.uint8,
+    ws = torch.empty(workspace_bytes(n, layers.hq, layers.hk, layers.d, window, layers.dtype), dtype=torch.uint8,
                      device=layers.block_table.device)
 
     def layer_call(i):
@@ -206,19 +274,59 @@ def _spin_cycles_per_ms():
     return 20_000_000 / s.elapsed_time(e)
 
 
-def measure(calls, cycles_per_ms, head_start_ms):
-    """(stack ms, host ms per call, GPU ms per call, whether the host stayed ahead).
+def kernel_ms_per_call(calls):
+    """The GPU kernels' own time per call over the stack (profiler), host gaps excluded."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for f in calls:
+            f()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
+    return total_us / 1e3 / len(calls)
+
+
+class Step:
+    """A model-shaped step's GEMMs around each layer's attention: QKV projection, output
+    projection and the MLP (gate+up, down) of one layer's weights (bench.LAYER_GEMMS), on
+    N tokens; the weights are shared by the layers (they are far larger than the L2)."""
+
+    def __init__(self, shape, n, dtype, device):
+        from .bench import LAYER_GEMMS, SHAPES
+        hq, hk, d = SHAPES[shape]
+        hidden, inter = LAYER_GEMMS[shape]
+        gen = torch.Generator(device).manual_seed(3)
+        r = lambda *s: torch.randn(*s, generator=gen, device=device, dtype=dtype) * 0.02
+        self.x, self.attn = r(n, hidden), r(n, hq * d)
+        self.w_qkv, self.w_o = r(hidden, (hq + 2 * hk) * d), r(hq * d, hidden)
+        self.w_gu, self.w_d = r(hidden, 2 * inter), r(inter, hidden)
+
+    def around(self, attention):
+        def layer():
+            self.x @ self.w_qkv
+            attention()
+            h = self.attn @ self.w_o
+            gu = h @ self.w_gu
+            gu[:, :self.w_d.shape[0]] @ self.w_d
+        return layer
+
+
+def measure(calls, cycles_per_ms, head_start_ms, step=None):
+    """(stack ms, host ms per call, GPU ms per call, whether the host stayed ahead, model
+    step ms or None).
 
     Host and GPU time are taken one call at a time: a spin kernel keeps the GPU busy
     while the host enqueues the call, so the host never waits, and the queue is empty
     before each call (a whole stack would fill CUDA's launch queue and make the host
     wait for the GPU)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for f in calls:
-        f()
-    torch.cuda.synchronize()
-    stack = (time.perf_counter() - t0) * 1e3
+    def wall(fs):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for f in fs:
+            f()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+    stack = wall(calls)
+    step_ms = wall([step.around(f) for f in calls]) if step is not None else None
     host, events = [], []
     for f in calls:
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -231,7 +339,7 @@ def measure(calls, cycles_per_ms, head_start_ms):
         e.synchronize()
         events.append((s, e))
     gpu = [s.elapsed_time(e) for s, e in events]
-    return stack, statistics.mean(host), statistics.mean(gpu), max(host) < head_start_ms
+    return stack, statistics.mean(host), statistics.mean(gpu), max(host) < head_start_ms, step_ms
 
 
 def run_workloads(workloads, methods, layers=LAYERS, repeats=5, progress=True):
@@ -244,6 +352,7 @@ def run_workloads(workloads, methods, layers=LAYERS, repeats=5, progress=True):
         tq = build_vllm_tq(w.preset, hq, hk, d)
         inputs = Layers(w, layers, tq, torch.device("cuda"))
         calls = {name: make(inputs) for name, make in methods.items()}
+        step = Step(w.shape, inputs.qsl[-1], inputs.dtype, torch.device("cuda"))
         outs = {}
         for name, fs in calls.items():  # warm-up (compilation), and layer 0's answer
             outs[name] = fs[0]().float()
@@ -251,37 +360,45 @@ def run_workloads(workloads, methods, layers=LAYERS, repeats=5, progress=True):
                 f()
         torch.cuda.synchronize()
         ref = outs.get("latest")
+        kernel = {name: kernel_ms_per_call(fs) for name, fs in calls.items()}
         head_start = {name: 2.0 for name in calls}
         samples = {name: [] for name in calls}
         for _ in range(repeats):  # interleaved: the machine's drift hits every method alike
             for name, fs in calls.items():
-                sample = measure(fs, cycles, head_start[name])
+                sample = measure(fs, cycles, head_start[name], step)
                 head_start[name] = max(head_start[name], 3 * sample[1])
                 samples[name].append(sample)
         for name, ss in samples.items():
             med = lambda i: statistics.median(s[i] for s in ss)
-            rows.append(dict(workload=w.name, shape=w.shape, preset=w.preset, requests=len(w.requests),
+            rows.append(dict(workload=w.name, shape=w.shape, preset=w.preset, dtype=w.dtype, requests=len(w.requests),
                              q_tokens=sum(q for _, q in w.requests), cached_tokens=sum(c for c, _ in w.requests),
                              method=name, stack_ms=med(0), stack_ms_all=[s[0] for s in ss],
-                             host_ms_per_call=med(1), gpu_ms_per_call=med(2),
-                             host_ahead=all(s[3] for s in ss),
+                             host_ms_per_call=med(1), gpu_ms_per_call=med(2), kernel_ms_per_call=kernel[name],
+                             step_ms=med(4), host_ahead=all(s[3] for s in ss),
                              diff_to_latest=None if ref is None or name == "latest" else
                              ((outs[name] - ref).norm() / ref.norm()).item()))
         mine = rows[-len(samples):]
         base = next((r for r in mine if r["method"] == "latest"), None)
+        floor = next((r for r in mine if r["method"] == "floor"), None)
         for r in mine:
             r["ratio"] = r["stack_ms"] / base["stack_ms"] if base else None
-        del inputs, calls, outs, tq
+            r["kernel_to_floor"] = r["kernel_ms_per_call"] / floor["kernel_ms_per_call"] if floor else None
+            r["step_to_floor"] = r["step_ms"] / floor["step_ms"] if floor else None
+        del inputs, calls, outs, tq, step
         torch.cuda.empty_cache()
     return rows
 
 
 def methods_available():
+    from .attention import backend_available
     from .vllm_harness import latest_available, vllm_available
     ms = {}
     if latest_available():
         ms["latest"] = method_latest
+    if backend_available("flash", torch.device("cuda"), 128)[0]:
+        ms["floor"] = method_floor
     ms["tq_chunked"] = method_tq_chunked
+    ms["tq_chunked-default"] = method_tq_chunked_default
     if vllm_available():
         import vllm
         ms[f"vllm-{vllm.__version__}"] = method_vllm
@@ -293,47 +410,78 @@ def markdown(result) -> str:
     lines = [f"# {result['mode']}: continuation prefill as an engine runs it, {result['device']}, {result['date']}",
              "", f"{result['layers']} layers back to back, median of {result['repeats']} interleaved repeats. "
              "stack: first enqueue to end of GPU work; host: CPU time per call with the GPU kept busy; "
-             "GPU: GPU time per call. ratio: stack time / latest stack time (lower is better).", "",
-             "| workload | shape | B | q tokens | cached | method | stack ms | host ms/call | GPU ms/call | ratio |"
-             " vs latest |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "GPU: GPU time per call; kernel: the GPU kernels' own time per call (profiler); step: the "
+             "layers with GEMMs of their weights around each attention call. vs latest: stack time / the "
+             "latest vLLM's; vs floor: kernel time and step time / the floor's (FlashAttention over K/V of "
+             "the query's dtype, what a BF16 cache costs). Lower is better.", "",
+             "| workload | shape | dtype | preset | B | q tokens | cached | method | stack ms | host ms/call | "
+             "GPU ms/call | kernel ms/call | step ms | vs latest | kernel vs floor | step vs floor | diff to latest |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda x, p: "" if x is None else f"{x:.{p}f}"
     e = lambda x: "" if x is None else f"{x:.1e}"
     for r in result["rows"]:
-        lines.append(f"| {r['workload']} | {r['shape']} | {r['requests']} | {r['q_tokens']} | "
+        lines.append(f"| {r['workload']} | {r['shape']} | {r.get('dtype', 'float16')} | "
+                     f"{r['preset'].replace('turboquant_', '')} | {r['requests']} | {r['q_tokens']} | "
                      f"{r['cached_tokens'] / K:.0f}K | {r['method']} | {f(r['stack_ms'], 1)} | "
-                     f"{f(r['host_ms_per_call'], 3)} | {f(r['gpu_ms_per_call'], 3)} | {f(r.get('ratio'), 2)} | "
+                     f"{f(r['host_ms_per_call'], 3)} | {f(r['gpu_ms_per_call'], 3)} | "
+                     f"{f(r.get('kernel_ms_per_call'), 3)} | {f(r.get('step_ms'), 1)} | {f(r.get('ratio'), 2)} | "
+                     f"{f(r.get('kernel_to_floor'), 2)} | {f(r.get('step_to_floor'), 2)} | "
                      f"{e(r['diff_to_latest'])} |")
     return "\n".join(lines) + "\n"
 
 
+def summary(result) -> str:
+    """Geometric means and worst cases of the ratios, per method (the issue's targets)."""
+    import math
+    out = []
+    for m in dict.fromkeys(r["method"] for r in result["rows"]):
+        rows = [r for r in result["rows"] if r["method"] == m]
+        parts = [m]
+        for key, name in (("ratio", "stack/latest"), ("kernel_to_floor", "kernel/floor"),
+                          ("step_to_floor", "step/floor")):
+            xs = [r[key] for r in rows if r.get(key)]
+            if xs:
+                g = math.exp(sum(math.log(x) for x in xs) / len(xs))
+                worst = max(rows, key=lambda r: r.get(key) or 0)
+                parts.append(f"{name} geomean {g:.2f}, max {worst[key]:.2f} ({worst['workload']}, {worst['shape']})")
+        out.append("; ".join(parts))
+    return "\n".join(out) + "\n"
+
+
 def plot(result, path):
-    """Stack-time ratio to the latest vLLM per workload and method (bars, log scale)."""
+    """Per workload and method, the stack-time ratio to the latest vLLM and the kernel-time
+    ratio to the floor (bars, log scale, one panel each)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = [r for r in result["rows"] if r["method"] != "latest" and r.get("ratio")]
-    if not rows:
+    panels = [(key, label, base) for key, label, base in
+              (("ratio", "stack time / latest vLLM", "latest"), ("kernel_to_floor", "GPU kernel time / floor", "floor"))
+              if any(r.get(key) for r in result["rows"])]
+    if not panels:
         return None
-    names = list(dict.fromkeys(f"{r['workload']} ({r['shape']})" for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(names) * len(methods) + 1.5))
-    height = 0.8 / len(methods)
-    for j, m in enumerate(methods):
-        ys, xs = [], []
-        for i, n in enumerate(names):
-            r = next((r for r in rows if f"{r['workload']} ({r['shape']})" == n and r["method"] == m), None)
-            if r:
-                ys.append(i + j * height)
-                xs.append(r["ratio"])
-        ax.barh(ys, xs, height=height, label=m)
-    ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(names))], names, fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xscale("log")
-    ax.set_xlabel(f"stack time / latest vLLM stack time ({result['layers']} layers; lower is faster)")
-    ax.set_title(f"{result['mode']}: {result['device']}")
-    ax.grid(True, axis="x", which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    names = list(dict.fromkeys(f"{r['workload']} ({r['shape']})" for r in result["rows"]))
+    methods = [m for m in dict.fromkeys(r["method"] for r in result["rows"]) if m not in ("latest", "floor")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 0.3 * len(names) * len(methods) + 1.5),
+                             sharey=True, squeeze=False)
+    height = 0.8 / max(len(methods), 1)
+    for ax, (key, label, base) in zip(axes[0], panels):
+        for j, m in enumerate(methods):
+            ys, xs = [], []
+            for i, n in enumerate(names):
+                r = next((r for r in result["rows"] if f"{r['workload']} ({r['shape']})" == n and r["method"] == m),
+                         None)
+                if r and r.get(key):
+                    ys.append(i + j * height)
+                    xs.append(r[key])
+            ax.barh(ys, xs, height=height, label=m)
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{label} ({result['layers']} layers; lower is faster)")
+        ax.grid(True, axis="x", which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_yticks([i + 0.4 - height / 2 for i in range(len(names))], names, fontsize=7)
+    axes[0][0].invert_yaxis()
+    fig.suptitle(f"{result['mode']}: {result['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

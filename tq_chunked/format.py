@@ -227,11 +227,12 @@ def encode_reference(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Ten
     kv_cache[slots // block_size, slots % block_size, :, : slot.shape[-1]] = slot
 
 
-def gather_slots(kv_cache: torch.Tensor, block_table: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """Raw slots of tokens [start, start + length): (length, Hk, slot_bytes) uint8.
+def gather_slots(kv_cache: torch.Tensor, block_table: torch.Tensor, start: int, length: int):
+    """Raw slots of tokens [start, start + length): (length, Hk, slot_bytes) uint8, and
+    which positions have a block (length,) bool.
 
     A position whose block id is outside [0, num_blocks), or whose block-table column is
-    past the table, reads as zero bytes (as the dequant kernel masks it)."""
+    past the table, reads as zero bytes and has no block: nothing outside the cache is read."""
     block_size, num_blocks = kv_cache.shape[1], kv_cache.shape[0]
     table = block_table.reshape(-1).long()
     col = torch.arange(start, start + length, device=kv_cache.device) // block_size
@@ -239,7 +240,7 @@ def gather_slots(kv_cache: torch.Tensor, block_table: torch.Tensor, start: int, 
     ok = (blocks >= 0) & (blocks < num_blocks)
     slots = kv_cache[blocks.clamp(0, num_blocks - 1), torch.arange(start, start + length, device=kv_cache.device)
                      % block_size]
-    return torch.where(ok[:, None, None], slots, torch.zeros((), dtype=slots.dtype, device=slots.device))
+    return torch.where(ok[:, None, None], slots, torch.zeros((), dtype=slots.dtype, device=slots.device)), ok
 
 
 def dequantize_reference(kv_cache: torch.Tensor, block_table: torch.Tensor, start: int, length: int,
@@ -247,10 +248,12 @@ def dequantize_reference(kv_cache: torch.Tensor, block_table: torch.Tensor, star
     """Decode tokens [start, start + length) to float32 K and V of shape (Hk, length, D).
 
     MSE keys stay in the rotated space. Every operation is exactly rounded, in the
-    order the Triton kernel uses, so ``.half()`` of the result is bit-identical to it.
+    order the Triton kernel uses, so ``.half()`` of the result is bit-identical to it. A
+    token without a block (an id outside [0, num_blocks)) decodes to NaN, as in the kernel.
     """
     d = cfg.head_dim
-    slots = gather_slots(kv_cache, block_table, start, length).transpose(0, 1)  # (Hk, n, slot)
+    slots, ok = gather_slots(kv_cache, block_table, start, length)
+    slots = slots.transpose(0, 1)  # (Hk, n, slot)
     kb = slots[..., : cfg.key_bytes]
     if cfg.key_fp8:
         raw = kb[..., :d]
@@ -272,4 +275,5 @@ def dequantize_reference(kv_cache: torch.Tensor, block_table: torch.Tensor, star
     vscale = _bytes_fp16(vb[..., cfg.value_index_bytes: cfg.value_index_bytes + 2].unsqueeze(-2))
     vzero = _bytes_fp16(vb[..., cfg.value_index_bytes + 2: cfg.value_index_bytes + 4].unsqueeze(-2))
     v = vidx * vscale + vzero
-    return k, v
+    missing = ~ok[None, :, None]
+    return k.masked_fill(missing, float("nan")), v.masked_fill(missing, float("nan"))

@@ -1,113 +1,166 @@
-"""The host-side schedule of a batched continuation prefill: which cached tokens each
-window holds, and the sequence lengths each attention call needs.
+"""The host-side schedule of a batched continuation prefill: which keys each window
+holds, and the attention calls that read them.
 
-All requests' cached prefixes are laid end to end on one *virtual* token axis
-(request r owns ``[cached_start[r], cached_start[r + 1])``; a request with no query
-tokens owns nothing, since nothing attends to it). Windows of ``window`` tokens stream
-over that axis, so the number of windows, and of kernel launches, depends on the total
-cached length, not on the number of requests:
+Request r has ``q_r`` new tokens over ``c_r`` cached ones: its keys are
+``[c_r cached | q_r new]``, ``L_r = c_r + q_r`` of them, and its query i (position
+``c_r + i``) sees keys ``j <= c_r + i``: bottom-right causal attention over ``L_r``
+keys, exactly FlashAttention's ``causal=True`` with ``seqlen_k > seqlen_q``. A window
+holds at most ``capacity`` key rows, filled by one launch (dequant.py): cached tokens
+dequantized, new tokens copied after them.
 
-    virtual axis  | r0 cached ........ | r1 cached .. | r2 cached ............... |
-    windows       [ window 0        ][ window 1        ][ window 2             ]
+* A request that fits a window (``L_r <= capacity``) is one segment of a **batch
+  window**: consecutive such requests share windows (``GAP`` zero rows apart), and each
+  batch window is one causal attention call whose answer is final (no log-sum-exp, no
+  merge). First chunks are copied in like any other request.
+* A **long request** (``L_r > capacity``) runs alone: its first cached tokens in **part
+  windows** (one attention call each, not causal, every query sees every key), then a
+  **last window** with the rest of its cached tokens and all its new ones (causal); the
+  partial results are merged exactly (merge.py). ``capacity > N`` (the batch's query
+  tokens) so that the new tokens and at least one cached token always fit the last window.
 
-Each window is one attention call without a mask over the requests it touches (every
-query of a request sees all of its cached keys). The chunk's own keys are one more
-call, causal, over all requests on the raw K/V: ``cu_q = cu_k = query_start_loc``,
-exactly a first-chunk prefill.
+    requests   | A: 900 + 40 | B: 300 + 20 | C: 30000 cached + 600 new          | D: 0 + 64 |
+    windows    [ batch: A, B ][ part: C     ][ part: C    ][ last: C ...+ new ][ batch: D ]
 
-A plan depends only on host integers (the lengths and the window), so one plan serves
-every layer of a forward step; ``plan_windows`` memoizes the last few. Its device
-tensors are uploaded in one asynchronous copy and never written again.
+A plan depends only on host integers (the lengths and the capacity), so one plan serves
+every layer of a forward step; ``plan`` memoizes the last few. Its device integers are
+uploaded in one asynchronous copy and never written again.
 """
 
 from __future__ import annotations
 
-import bisect
 import functools
 from dataclasses import dataclass
 
 import torch
 
+from .dequant import GAP_ROW, SEG_FIELDS
+
+# Zero key rows between two requests of a batch window, as a sequence of no queries. A
+# FlashAttention-3 tile reads past the end of its sequence (up to its key-tile size, at
+# most 256 rows) and weighs those keys by 0, and 0 * inf or 0 * NaN is NaN: without the
+# gap a non-finite value of one request would reach its neighbour's answer (seen on the
+# H200 machine; benchmarks/NOTES.md). Past a window's last row the buffer handed to
+# attention ends, and the tile reads zeros.
+GAP = 256
+
 
 @dataclass(frozen=True)
-class WindowCall:
-    """One attention call over a window: query rows [q0, q1) of requests [r0, r1)."""
+class Window:
+    """One fill and one attention call: query rows [q0, q1) against the window's keys.
 
-    start: int  # first virtual cached token of the window
-    length: int  # cached tokens dequantized for it
-    r0: int
-    r1: int
+    Attention reads it as a varlen call: sequence b has queries cu_q[b]:cu_q[b+1] (relative
+    to q0) and keys cu_k[b]:cu_k[b+1] of the window."""
+
+    kind: str  # "batch", "part" or "last"
     q0: int
     q1: int
-    cu_q: torch.Tensor  # int32 (r1 - r0 + 1,) on the device, relative to q0
-    cu_k: torch.Tensor  # int32 (r1 - r0 + 1,) on the device
+    rows: int  # key rows filled
+    nseg: int
+    steps: int  # binary-search iterations over nseg segments
+    segs: torch.Tensor  # int32 device: nseg + 1 starts, then SEG_FIELDS - 1 arrays of nseg (dequant.py)
+    segs_host: tuple[int, ...]
+    cu_q: torch.Tensor  # int32 (nseg + 1,) device
+    cu_k: torch.Tensor
     cu_q_host: tuple[int, ...]
     cu_k_host: tuple[int, ...]
     max_q: int
     max_k: int
-    causal: bool  # True for the chunk's own keys
+    causal: bool
+    has_chunk: bool  # some rows are the chunk's new tokens
+    requests: tuple[int, ...]  # the requests whose queries it answers, in order
+
+    def segment(self, s):
+        """(start row, request, first cached position, cached rows, first new row in key/value;
+        GAP_ROW for a gap)."""
+        n = self.nseg
+        h = self.segs_host
+        return h[s], h[n + 1 + s], h[2 * n + 1 + s], h[3 * n + 1 + s], h[4 * n + 1 + s]
+
+    def segment_end(self, s):
+        return self.segs_host[s + 1]
 
 
 @dataclass(frozen=True)
-class WindowPlan:
-    num_reqs: int
+class LongRequest:
+    request: int
+    q0: int
+    q1: int
+    windows: tuple[Window, ...]  # parts, then the last
+
+
+@dataclass(frozen=True)
+class Plan:
     num_tokens: int  # N, query rows
-    window: int  # cached tokens per window (the effective one: at most the total cached)
-    total_cached: int
-    cached_start: torch.Tensor  # int32 (B + 1,) device: virtual offsets of the cached prefixes
-    search_steps: int  # binary-search iterations over B + 1 offsets
-    windows: tuple[WindowCall, ...]  # over the cached tokens, in order; none if nothing is cached
-    chunk: WindowCall  # the chunk's own keys: causal, all requests
-    cached_start_host: tuple[int, ...]  # host copy, for the PyTorch path
+    capacity: int  # key rows per window
+    steps: tuple  # Window (batch) or LongRequest, in order of their query rows
+    max_window_rows: int  # the most rows any window fills
 
 
-def plan_windows(query_start: tuple[int, ...], seq_lens: tuple[int, ...], window: int, device: torch.device,
-                 stream=None) -> WindowPlan:
-    """The window schedule for these lengths (host ints, already validated). Memoized per
-    CUDA stream: a forward step's layers share one plan and its device tensors
-    (read-only), uploaded on that stream and read only there, so no other stream can
-    still be reading them when the cache lets a plan go."""
-    return _plan(tuple(query_start), tuple(seq_lens), window, device, stream)
+def plan(query_start: tuple[int, ...], seq_lens: tuple[int, ...], capacity: int, device: torch.device,
+         stream=None) -> Plan:
+    """The windows for these lengths (host ints, already validated), ``capacity`` key rows
+    each (> the batch's query tokens). Memoized per CUDA stream: a forward step's layers
+    share one plan and its device tensors (read-only), uploaded on that stream and read
+    only there, so no other stream can still be reading them when the cache lets a plan go."""
+    return _plan(tuple(query_start), tuple(seq_lens), capacity, device, stream)
 
 
 @functools.lru_cache(maxsize=32)
-def _plan(qsl, seq_lens, window, device, stream):
+def _plan(qsl, seq_lens, capacity, device, stream):
     b = len(seq_lens)
     n_tok = qsl[-1]
-    q_lens = [qsl[r + 1] - qsl[r] for r in range(b)]
-    cached = [seq_lens[r] - q_lens[r] if q_lens[r] > 0 else 0 for r in range(b)]
-    vstart = [0]
-    for c in cached:
-        vstart.append(vstart[-1] + c)
-    total = vstart[-1]
-    window = max(1, min(window, total))  # never larger than what the call reads
-
+    if capacity <= n_tok:
+        raise AssertionError("capacity must exceed the query tokens (workspace.capacity)")
     packed: list[int] = []  # every device int32 array of the plan, uploaded in one copy
+    windows = []  # (kind, segments [(req, pos0, cached, qrow, new rows, query rows)], causal) before upload
+
+    def window(kind, segs, causal):
+        windows.append((kind, segs, causal))
+        return len(windows) - 1
+
+    steps, batch, batch_rows = [], [], 0
+
+    def flush():
+        nonlocal batch, batch_rows
+        if batch:
+            steps.append(window("batch", batch[:-1], True))  # the last request's gap is not needed
+        batch, batch_rows = [], 0
+
+    for r in range(b):
+        q = qsl[r + 1] - qsl[r]
+        if q == 0:
+            continue  # nothing to compute, and no rows: batch windows stay contiguous
+        c = seq_lens[r] - q
+        if c + q <= capacity:
+            if batch and batch_rows + c + q > capacity:
+                flush()
+            batch += [(r, 0, c, qsl[r], q, q), (r, 0, 0, GAP_ROW, GAP, 0)]
+            batch_rows += c + q + GAP
+            continue
+        flush()
+        tail = capacity - q  # cached tokens in the last window (>= 1: capacity > N >= q)
+        head = c - tail  # cached tokens before it (> 0: c + q > capacity)
+        parts = -(-head // capacity)
+        bounds = [head * i // parts for i in range(parts + 1)]  # balanced
+        ids = [window("part", [(r, bounds[i], bounds[i + 1] - bounds[i], qsl[r], 0, q)], False)
+               for i in range(parts)]
+        ids.append(window("last", [(r, head, tail, qsl[r], q, q)], True))
+        steps.append((r, qsl[r], qsl[r + 1], ids))
+    flush()
+
     spans = []
-
-    def put(values):
-        spans.append((len(packed), len(values)))
-        packed.extend(values)
-        return len(spans) - 1
-
-    calls = []
-    for s in range(0, total, window):
-        e = min(s + window, total)
-        r0 = bisect.bisect_right(vstart, s) - 1  # the request owning virtual token s (never an empty one)
-        r1 = bisect.bisect_left(vstart, e, lo=r0 + 1)  # requests [r0, r1) intersect [s, e)
-        keys = [max(0, min(vstart[r + 1], e) - max(vstart[r], s)) for r in range(r0, r1)]
-        cu_k = [0]
-        for k in keys:
-            cu_k.append(cu_k[-1] + k)
-        cu_q = [qsl[r] - qsl[r0] for r in range(r0, r1 + 1)]
-        calls.append(dict(start=s, length=e - s, r0=r0, r1=r1, q0=qsl[r0], q1=qsl[r1], cu_q=put(cu_q),
-                          cu_k=put(cu_k), cu_q_host=tuple(cu_q), cu_k_host=tuple(cu_k),
-                          max_q=max(q_lens[r0:r1]), max_k=max(keys), causal=False))
-    i_qsl = put(list(qsl))
-    max_q = max(q_lens, default=0)
-    chunk = dict(start=0, length=0, r0=0, r1=b, q0=0, q1=n_tok, cu_q=i_qsl, cu_k=i_qsl, cu_q_host=tuple(qsl),
-                 cu_k_host=tuple(qsl), max_q=max_q, max_k=max_q, causal=True)
-    i_vstart = put(vstart)
+    for kind, segs, causal in windows:
+        starts = [0]
+        for _, _, c, _, new, _ in segs:
+            starts.append(starts[-1] + c + new)
+        cu_q = [0]
+        for *_, q in segs:
+            cu_q.append(cu_q[-1] + q)
+        fields = starts + [s[0] for s in segs] + [s[1] for s in segs] + [s[2] for s in segs] + [s[3] for s in segs]
+        assert len(fields) == SEG_FIELDS * len(segs) + 1
+        spans.append((len(packed), len(fields), len(packed) + len(fields), len(cu_q)))
+        packed.extend(fields)
+        packed.extend(cu_q)
 
     host = torch.tensor(packed, dtype=torch.int32)
     if device.type == "cuda":  # pinned, so the copy is asynchronous: no host-device sync
@@ -115,9 +168,35 @@ def _plan(qsl, seq_lens, window, device, stream):
             dev = host.pin_memory().to(device, non_blocking=True)
     else:
         dev = host.to(device)
-    view = lambda i: dev[spans[i][0]:spans[i][0] + spans[i][1]]
-    call = lambda c: WindowCall(**{**c, "cu_q": view(c["cu_q"]), "cu_k": view(c["cu_k"])})
-    return WindowPlan(num_reqs=b, num_tokens=n_tok, window=window, total_cached=total, cached_start=view(i_vstart),
-                      search_steps=max(1, b.bit_length()),
-                      windows=tuple(call(c) for c in calls), chunk=call(chunk),
-                      cached_start_host=tuple(vstart))
+
+    made = []
+    for (kind, segs, causal), (s0, ns, c0, nc) in zip(windows, spans):
+        nseg = len(segs)
+        segs_host = tuple(packed[s0:s0 + ns])
+        starts = segs_host[:nseg + 1]
+        cu_q_host = tuple(packed[c0:c0 + nc])
+        made.append(Window(
+            kind=kind, q0=segs[0][3], q1=segs[0][3] + cu_q_host[-1], rows=starts[-1], nseg=nseg,
+            steps=max(1, nseg.bit_length()), segs=dev[s0:s0 + ns], segs_host=segs_host,
+            cu_q=dev[c0:c0 + nc], cu_k=dev[s0:s0 + nseg + 1], cu_q_host=cu_q_host, cu_k_host=starts,
+            max_q=max(seg[5] for seg in segs), max_k=max(seg[2] + seg[4] for seg in segs), causal=causal,
+            has_chunk=any(seg[4] > 0 for seg in segs), requests=tuple(seg[0] for seg in segs if seg[5])))
+    out = []
+    for s in steps:
+        if isinstance(s, int):
+            out.append(made[s])
+        else:
+            r, q0, q1, ids = s
+            out.append(LongRequest(r, q0, q1, tuple(made[i] for i in ids)))
+    return Plan(num_tokens=n_tok, capacity=capacity, steps=tuple(out),
+                max_window_rows=max((w.rows for w in made), default=0))
+
+
+def cached_window(request: int, start: int, length: int, device: torch.device) -> Window:
+    """A window of one request's cached tokens [start, start + length) and nothing else
+    (the full-buffer reference path dequantizes a whole prefix with it)."""
+    segs = (0, length, request, start, length, 0)
+    dev = torch.tensor(segs, dtype=torch.int32, device=device)
+    return Window(kind="part", q0=0, q1=0, rows=length, nseg=1, steps=1, segs=dev, segs_host=segs, cu_q=dev[:2],
+                  cu_k=dev[:2], cu_q_host=(0, 0), cu_k_host=(0, length), max_q=0, max_k=length, causal=False,
+                  has_chunk=False, requests=(request,))

@@ -11,23 +11,23 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from .attention import resolve_backend, varlen_attention
-from .chunked import _QUERY_DTYPES, _check_tensor
-from .workspace import as_int
-from .dequant import dequantize_window
+from ._utils import as_int, check_tensor
+from .attention import make_call, resolve_backend, varlen_attention
+from .dequant import fill_window
 from .format import dequantize_reference, resolve_config
-from .plan import WindowCall, plan_windows
+from .plan import cached_window
 
 
 def full_buffer_continuation_prefill(query, key_chunk, val_chunk, kv_cache, block_table, cached_len, *,
                                      preset, centroids, rotation, scale, backend="auto"):
     """Same arguments and result as ``continuation_prefill`` (no window, no workspace).
 
-    Dequantizes [0, cached_len) with the window kernel into fp16 buffers, rotates keys
-    back in float32 and rounds them to fp16 (as vLLM does), then attends causally over
-    (cached_len + q_len) keys in the query's dtype with the chosen back end.
+    Dequantizes [0, cached_len) with the window kernel into fp16 buffers (keys in the
+    rotated space), rotates keys back in float32 and rounds them to fp16 (as vLLM does),
+    then attends causally over (cached_len + q_len) keys in the query's dtype with the
+    chosen back end.
     """
-    _check_tensor("query", query, 3, _QUERY_DTYPES)
+    check_tensor("query", query, 3, (torch.float16, torch.bfloat16))
     lq, hq, d = query.shape
     cfg = resolve_config(preset, d)
     cached_len = as_int("cached_len", cached_len, 0)
@@ -36,19 +36,15 @@ def full_buffer_continuation_prefill(query, key_chunk, val_chunk, kv_cache, bloc
     bt = block_table.reshape(1, -1)
     k = torch.empty(cached_len, hk, d, dtype=torch.float16, device=query.device)  # O(cached_len)
     v = torch.empty_like(k)
-    plan = plan_windows((0, lq), (cached_len + lq,), max(cached_len, 1), query.device)
-    for call in plan.windows:  # one window: all of [0, cached_len)
-        dequantize_window(kv_cache, bt, cfg, centroids if centroids is not None else kv_cache, plan, call, 0, k, v)
+    fill_window(kv_cache, bt, cfg, centroids, rotation, key_chunk, val_chunk,
+                cached_window(0, 0, cached_len, query.device), 0, k, v, unrotate=False)
     if not cfg.key_fp8:
         k = (k.float() @ rotation.float()).half()  # k = k_rot @ rotation: back to the original space
     k_full = torch.cat([k.to(query.dtype), key_chunk], 0)  # (cached_len + q_len, Hk, D)
     v_full = torch.cat([v.to(query.dtype), val_chunk], 0)
-    lk = cached_len + lq
-    cu = lambda n: torch.tensor([0, n], dtype=torch.int32, device=query.device)
-    call = WindowCall(start=0, length=0, r0=0, r1=1, q0=0, q1=lq, cu_q=cu(lq), cu_k=cu(lk), cu_q_host=(0, lq),
-                      cu_k_host=(0, lk), max_q=lq, max_k=lk, causal=True)
     out = torch.empty_like(query)
-    varlen_attention(call, query.contiguous(), k_full, v_full, scale, out, backend)
+    call = make_call([lq], [cached_len + lq], True, query.device)
+    varlen_attention(call, query.contiguous(), k_full, v_full, scale, out, backend, flash_splits=0)  # as vLLM
     return out
 
 
@@ -75,5 +71,12 @@ def oracle_continuation_prefill(query, key_chunk, val_chunk, kv_cache, block_tab
     for h in range(hk):  # one kv head at a time: bounded memory at long context
         q = rearrange(query[:, h * g:(h + 1) * g].double(), "l g d -> g l d")
         s = (q @ k[h].T * scale).masked_fill(hidden, float("-inf"))  # (G, Lq, Lk)
-        out[:, h * g:(h + 1) * g] = rearrange(torch.softmax(s, -1) @ v[h], "g l d -> l g d")
+        p = torch.softmax(s, -1)
+        new = v[h][cached_len:]
+        if torch.isfinite(new).all():
+            o = p @ v[h]
+        else:  # a key a query does not see adds nothing, even an inf or NaN value (a matmul would add 0 * it)
+            o = p[..., :cached_len] @ v[h][:cached_len] + torch.where(
+                ~hidden[:, cached_len:, None], p[..., cached_len:, None] * new, 0.0).sum(-2)
+        out[:, h * g:(h + 1) * g] = rearrange(o, "g l d -> l g d")
     return out

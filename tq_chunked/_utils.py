@@ -1,0 +1,204 @@
+"""Helpers shared by the kernel and argument modules: where Triton runs, bf16 rounding
+under the interpreter, argument checks that raise ValueError naming the argument, byte
+ranges of tensors, and a launcher that calls a compiled Triton kernel without the
+per-call work of Triton's own launch path.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+# ---------------------------------------------------------------------------
+# Where Triton runs
+# ---------------------------------------------------------------------------
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Triton kernels run on CUDA tensors, and on CPU under TRITON_INTERPRET=1."""
+    return t.is_cuda or interpreting()
+
+
+def interpreter_rounds_bf16(dtype: torch.dtype) -> bool:
+    """Triton's CPU interpreter (3.9) converts float32 to bf16 by truncation; kernels that
+    store bf16 round to nearest even themselves there (``round_bf16``)."""
+    return dtype == torch.bfloat16 and interpreting()
+
+
+@triton.jit
+def round_bf16(x, ROUND: tl.constexpr):
+    """x (float32), rounded to the nearest bf16 (ties to even) when ROUND, so that a
+    truncating conversion to bf16 afterwards is exact. NaN and inf pass unchanged."""
+    if ROUND:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        x = tl.where((x == x) & (tl.abs(x) < float("inf")), rounded, x)
+    return x
+
+
+# ---------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------
+
+def as_int(name, value, minimum=None, maximum=None):
+    """operator.index(value) (Python and numpy ints, 0-d integer tensors on the CPU), or a
+    ValueError naming the argument."""
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        raise ValueError(f"{name} must be a host integer (a {value.device} tensor would need a synchronization), "
+                         f"got {value!r}")
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got bool {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def check_tensor(name, t, ndim, dtypes=None, device=None, unit_last=False):
+    """A ValueError naming the argument unless ``t`` is a tensor of that rank, dtype and
+    device (and, with unit_last, unit stride over its last dimension)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} (the query's device), got {t.device}")
+    if unit_last and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride over its last dimension, got strides {t.stride()}")
+
+
+def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """[first, last + 1) bytes a tensor's elements occupy, or None when it has none."""
+    if t.numel() == 0:
+        return None
+    start = end = t.data_ptr()
+    for n, s in zip(t.shape, t.stride()):
+        if s >= 0:
+            end += (n - 1) * s * t.element_size()
+        else:
+            start += (n - 1) * s * t.element_size()
+    return start, end + t.element_size()
+
+
+def self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (a stride-0 or interleaved layout):
+    true unless, dimension by dimension in order of stride, each stride clears the span
+    of the smaller ones."""
+    dims = sorted((abs(s), n) for n, s in zip(t.shape, t.stride()) if n > 1)
+    reach = 0  # elements spanned by the dimensions so far, minus one
+    for s, n in dims:
+        if s <= reach:
+            return True
+        reach += (n - 1) * s
+    return False
+
+
+# ---------------------------------------------------------------------------
+# Launching Triton kernels
+# ---------------------------------------------------------------------------
+
+def _passes_constexprs() -> bool | None:
+    """Whether this Triton's CompiledKernel.run takes the constexpr arguments too (3.3 on)
+    or only the others (earlier); None if the launch path has another shape."""
+    try:
+        src = inspect.getsource(triton.runtime.jit.JITFunction.run)
+    except (OSError, TypeError, AttributeError):
+        return None
+    if "kernel.run(" not in src:
+        return None
+    if "non_constexpr_vals" in src:
+        return False
+    return True if "bound_args.values()" in src else None
+
+
+def _hooks_set() -> bool:
+    """Whether a launch hook (a profiler's) is installed: Triton's own path calls it."""
+    knobs = getattr(triton, "knobs", None)
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "launch_enter_hook"):
+        return True  # unknown: take Triton's own path
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and (not hasattr(hook, "calls") or hook.calls):  # a hook, or a HookChain with some
+            return True
+    return False
+
+
+class Launcher:
+    """Calls a ``@triton.jit`` kernel as ``kernel[grid](*args, **options)`` does, keeping
+    the compiled kernel of each specialization and launching it directly next time.
+
+    Triton's launch path binds and specializes every argument, builds a cache key string
+    and checks globals on each call: 33-48 us of host per launch on the H200 machine
+    (Triton 3.6, 25-40 arguments; benchmarks/NOTES.md), where the launch itself is a few.
+    The key here is at least as fine as Triton's specialization (each tensor's dtype and
+    16-byte alignment, each specialized int's value class, the constexprs and options),
+    so a kept kernel is the one Triton would pick. Used on CUDA only, with Triton's
+    launch hooks unset and a launch path of the known shape; otherwise every call goes
+    through ``kernel[grid]``. ``args`` are all of the kernel's parameters, in order,
+    constexprs included.
+    """
+
+    direct = None  # decided on first use: _passes_constexprs(), None if unusable
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.compiled: dict = {}
+        params = getattr(kernel, "params", None)
+        self._kinds = None
+        if params is not None and all(hasattr(p, "do_not_specialize") for p in params):
+            self._kinds = tuple(
+                "constexpr" if p.is_constexpr else
+                ("free" if p.do_not_specialize else "int") + ("" if getattr(p, "do_not_specialize_on_alignment",
+                                                                            False) else "+align")
+                for p in params)
+            self._constexpr = tuple(i for i, k in enumerate(self._kinds) if k == "constexpr")
+
+    def _key(self, args, options):
+        key = [torch.cuda.current_device(), options]
+        for a, kind in zip(args, self._kinds):
+            if isinstance(a, torch.Tensor):
+                key.append((a.dtype, a.data_ptr() % 16 == 0 if kind.endswith("+align") else None))
+            elif isinstance(a, bool) or kind == "constexpr" or a is None:
+                key.append(a)
+            elif isinstance(a, int):
+                wide = not -2**31 <= a < 2**31
+                key.append((wide,) if kind.startswith("free") else (wide, a == 1, a % 16 == 0))
+            elif isinstance(a, float):
+                key.append(float)
+            else:
+                key.append(a)
+        return tuple(key)
+
+    def __call__(self, grid, *args, **options):
+        if Launcher.direct is None:
+            Launcher.direct = _passes_constexprs() if self._kinds is not None else None
+        if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_cuda or self._kinds is None or \
+                Launcher.direct is None or _hooks_set():
+            self.kernel[grid](*args, **options)
+            return
+        key = self._key(args, tuple(sorted(options.items())))
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            self.compiled[key] = self.kernel[grid](*args, **options)
+            return
+        if not Launcher.direct:
+            args = tuple(a for i, a in enumerate(args) if i not in self._constexpr)
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        compiled.run(g[0], g[1], g[2], torch.cuda.current_stream().cuda_stream, compiled.function,
+                     compiled.packed_metadata, None, None, None, *args)
