@@ -150,8 +150,7 @@ def test_tiny_cpu_bench_writes_into_the_default_directory(tmp_path, monkeypatch,
 def test_demo_runs_several_windows_on_the_cpu_by_default():
     defaults = demo.make_parser(cuda=False).parse_args([])
     window = demo.demo_window(defaults.cached_len, defaults.heads[1], defaults.head_dim, torch.device("cpu"))
-    assert -(-defaults.cached_len // window) == 4  # README: "4096 cached tokens in 4 windows"
-    assert defaults.cached_len == 4096
+    assert window == 1024 and defaults.cached_len == 4096  # README: "4096 cached tokens in 5 windows"
     assert window % demo.BLOCK_SIZE == 0
 
 
@@ -159,7 +158,7 @@ def test_tiny_demo_prints_windows_times_memory_and_difference(capsys):
     demo.main(["--cached-len", "256", "--q-len", "32", "--heads", "2,1", "--head-dim", "64", "--window", "64",
                "--repeats", "2"])
     out = capsys.readouterr().out
-    assert "over 256 cached + 32 new tokens, in 4 windows of 64 tokens" in out, out
+    assert "over 256 cached + 32 new tokens, in 5 windows of up to 64 keys" in out, out  # 4 parts, the last
     for path in ("chunked", "full-buffer"):  # median, then min–max of the repeats
         assert re.search(rf"^{path} +\d+\.\d +\d+\.\d–\d+\.\d ", out, re.M), out
     memory = ("peak", "peak") if torch.cuda.is_available() else ("workspace", "K/V buffers")

@@ -4,6 +4,6 @@ from .chunked import check_block_tables, continuation_prefill, continuation_pref
 from .format import PRESETS, TQConfig, hadamard, lloyd_max_centroids
 from .workspace import default_window, workspace_bytes
 
-__version__ = "0.2.0"
-__all__ = ["continuation_prefill", "continuation_prefill_varlen", "check_block_tables", "workspace_bytes", "default_window", "TQConfig",
-           "PRESETS", "hadamard", "lloyd_max_centroids", "__version__"]
+__version__ = "0.3.0"
+__all__ = ["continuation_prefill", "continuation_prefill_varlen", "check_block_tables", "workspace_bytes",
+           "default_window", "TQConfig", "PRESETS", "hadamard", "lloyd_max_centroids", "__version__"]

@@ -18,6 +18,8 @@ import torch
 from . import continuation_prefill, hadamard, lloyd_max_centroids, workspace_bytes
 from .format import PRESETS, TQConfig, encode_reference
 from .reference import full_buffer_continuation_prefill
+from .chunked import schedule
+from .plan import LongRequest
 from .workspace import default_window
 
 BLOCK_SIZE = 16  # tokens per cache block, vLLM's default
@@ -170,7 +172,9 @@ def main(argv=None, prog="tq-chunked demo"):
     hq, hk = a.heads
     d, dtype = a.head_dim, torch.float16
     window = a.window or demo_window(a.cached_len, hk, d, device)
-    windows = -(-a.cached_len // window)
+    steps, _, rows, _ = schedule((0, a.q_len), (a.cached_len + a.q_len,), window, hq, hk, d, dtype, 128 << 20,
+                                 device)
+    windows = sum(len(s.windows) if isinstance(s, LongRequest) else 1 for s in steps)
 
     print(f"tq_chunked demo on {torch.cuda.get_device_name() if cuda else 'cpu'}: {a.preset}, "
           f"Hq {hq}, Hk {hk}, D {d}, fp16; building a cache of {a.cached_len + a.q_len} tokens ...")
@@ -195,7 +199,7 @@ def main(argv=None, prog="tq-chunked demo"):
     print(f"{'chunked':12} {median_ms(t_c)} {range_ms(t_c):>16}   {mem_c}")
     print(f"{'full-buffer':12} {median_ms(t_f)} {range_ms(t_f):>16}   {mem_f}")
     print(f"Computed: attention of {a.q_len} queries over {a.cached_len} cached + {a.q_len} new tokens, "
-          f"in {windows} window{'s' if windows > 1 else ''} of {window} tokens (chunked) and in one pass over "
+          f"in {windows} window{'s' if windows > 1 else ''} of up to {rows} keys (chunked) and in one pass over "
           f"full-size buffers (full-buffer); relative difference |chunked - full| / |full| = {diff:.2e}")
 
 

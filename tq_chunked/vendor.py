@@ -411,7 +411,7 @@ def plan_edits(text: str) -> Plan:
         comment = _comment("", f"tq_chunked {where} per device, shared by all layers (this module takes no "
                                f"buffers from a WorkspaceManager).")
         args = ["workspace_manager=None", "window=window_from_env()"]
-    comment += _comment("", "TQ_CHUNKED_WINDOW=N sets the window (cached tokens per window).")
+    comment += _comment("", "TQ_CHUNKED_WINDOW=N sets the window (key rows per window).")
     state = _call("", f"{STATE} = ChunkedPrefill", args)
     edits.append(Edit(preamble_end, preamble_end, [""] + comment + state, "the module-level ChunkedPrefill"))
 

@@ -24,7 +24,7 @@ What it changes, detected by feature, never by version string:
 
 A vLLM whose classes have another shape is left untouched, with one warning: the
 plugin patches everything or nothing. ``TQ_CHUNKED_DISABLE=1`` turns it off;
-``TQ_CHUNKED_WINDOW=N`` sets the window (cached tokens per window).
+``TQ_CHUNKED_WINDOW=N`` sets the window (key rows per window).
 
 What the replaced methods and the reservation do is ``vllm_backend.py``'s
 ``ChunkedPrefill``, which the vendored change (``python -m tq_chunked.vendor``) calls from
