@@ -1,6 +1,5 @@
-"""Launch configurations of the window fill with un-rotation, fused in one kernel or as two
-passes (element-wise fill, then the un-rotation), against the element-wise fill alone and
-the copy rate (GPU).
+"""Launch configurations of the window fill's un-rotation pass, against the element-wise
+fill alone and the copy rate (GPU).
 
     python benchmarks/fill_configs.py [OUT_DIR]
 
@@ -32,6 +31,8 @@ CONFIGS = {64: [(16, 64, 1), (32, 64, 2), (64, 64, 4), (128, 64, 4), (128, 64, 8
 def main():
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
     rate = copy_rate()
+    print(f"copy rate {rate:.2f} TB/s")
+    print("| preset | D | variant | ms | TB/s | of copy |\n|---|---|---|---|---|---|", flush=True)
     rows = []
     for preset, d in CASES:
         cfg = TQConfig.from_preset(preset, d)
@@ -45,24 +46,20 @@ def main():
         rot = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))[0].float().cuda()
         nbytes = TOKENS * HK * (cfg.slot_bytes + 4 * d)
         variants = [("element-wise only", dict(unrotate=False))]
-        variants += [(f"fused {c}", dict(two_pass=False, config=c)) for c in CONFIGS[d]]
-        variants += [(f"two-pass {c}", dict(two_pass=True, config=c)) for c in CONFIGS[d]]
+        variants += [(f"with the un-rotation {c}", dict(config=c)) for c in CONFIGS[d]]
         for name, kw in variants:
             try:
                 fn = lambda: fill_window(cache, bt, cfg, cent, rot, k[:1], v[:1], w, 0, k, v, **kw)
                 ms = triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
-            except Exception as e:  # a configuration that does not compile (resources)
+            except Exception as e:  # noqa: BLE001  (a configuration that does not compile: out of resources)
                 print(preset, d, name, "failed:", type(e).__name__, str(e)[:100])
                 continue
             rows.append(dict(preset=preset, head_dim=d, variant=name, ms=ms, tb_s=nbytes / ms / 1e9,
                              of_copy=nbytes / ms / 1e9 / rate))
+            r = rows[-1]
+            print(f"| {preset} | {d} | {name} | {ms:.3f} | {r['tb_s']:.2f} | {r['of_copy']:.0%} |", flush=True)
     with open(os.path.join(out_dir, "fill-configs.json"), "w") as f:
         json.dump({"copy_tb_s": rate, "rows": rows}, f, indent=1)
-    print(f"copy rate {rate:.2f} TB/s")
-    print("| preset | D | variant | ms | TB/s | of copy |\n|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['preset']} | {r['head_dim']} | {r['variant']} | {r['ms']:.3f} | {r['tb_s']:.2f} | "
-              f"{r['of_copy']:.0%} |")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Call:
-    """The sequences of one varlen call (plan.Window has the same fields)."""
+    """The sequences of one varlen call (a plan.Window is one too)."""
 
     cu_q: torch.Tensor  # int32 (B + 1,) on the device
     cu_k: torch.Tensor

@@ -4,16 +4,18 @@ A window holds segments, one per request (plan.py): a segment's first rows are c
 tokens, dequantized from the paged TurboQuant cache, and its last rows, if any, are the
 chunk's own new tokens, copied from ``key``/``value``. Row ``t`` of the window belongs to
 segment ``s`` with ``seg_start[s] <= t < seg_start[s + 1]`` (found by binary search).
-One launch fills every segment of a window, ``cdiv(rows, BLOCK_T)`` programs per kv head.
+One launch fills every segment of a window, ``cdiv(rows, BLOCK_T)`` programs per kv head,
+element by element; a gap between segments (plan.GAP) is written as zeros.
 
-MSE keys are cached in the rotated space ``k_rot = k @ rotation^T``. With ``unrotate``
-each cached key is turned back, ``k = fp16(k_rot) @ rotation``, on the tensor cores:
-the rotation is split into an fp16 part and an fp16 remainder scaled by 2^12, so every
-product is exact and sums in float32 (22 significant bits of the rotation, against the
-one fp16 rounding that follows), as vLLM's own path computes it (``k_rot.float() @ Pi``,
-then ``.half()``). The query and the chunk's keys then stay as they are: one attention
-call over [cached | new] keys is exactly the full-buffer computation. Values, and keys
-of fp8 presets, are not rotated.
+MSE keys are cached in the rotated space ``k_rot = k @ rotation^T``. With ``unrotate`` a
+second launch turns each cached key back in place, ``k = fp16(k_rot) @ rotation``, on the
+tensor cores: the rotation is split into an fp16 part and an fp16 remainder scaled by
+2^12, so every product is exact and sums in float32 (22 significant bits of the rotation,
+against the one fp16 rounding that follows), as vLLM's own path computes it
+(``k_rot.float() @ Pi``, then ``.half()``). The query and the chunk's keys then stay as
+they are: one attention call over [cached | new] keys is exactly the full-buffer
+computation. Values, and keys of fp8 presets, are not rotated. (The un-rotation fused
+into the first kernel ran 15-20% slower on the H200 machine: benchmarks/NOTES.md §12.)
 
 Rounding: a cached element is rounded to fp16 (as vLLM's dequant writes it), then to
 the window dtype (bf16 windows: a second rounding, as vLLM's ``.to(query.dtype)``).
@@ -86,17 +88,19 @@ def _to_window(x, OUT_BF16: tl.constexpr, ROUND_BF16: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n_rows", "nseg", "steps", "head0"])
 def _fill_kernel(
-    cache_ptr, block_table_ptr, centroids_ptr, rot_ptr, key_ptr, value_ptr, seg_ptr, k_out_ptr, v_out_ptr, err_ptr,
+    cache_ptr, block_table_ptr, centroids_ptr, key_ptr, value_ptr, seg_ptr, k_out_ptr, v_out_ptr, err_ptr,
     n_rows, nseg, steps, head0, num_blocks, max_blocks,
-    s_cache_block, s_cache_pos, s_cache_head, s_bt_req, s_bt_col, s_centroid, s_rot0, s_rot1,
+    s_cache_block, s_cache_pos, s_cache_head, s_bt_req, s_bt_col, s_centroid,
     s_key_tok, s_key_head, s_key_d, s_val_tok, s_val_head, s_val_d, s_k_tok, s_k_head, s_v_tok, s_v_head,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     KEY_BITS: tl.constexpr, KEY_INDEX_BYTES: tl.constexpr, KEY_BYTES: tl.constexpr,
     VALUE_BITS: tl.constexpr, VALUE_INDEX_BYTES: tl.constexpr,
-    NORM_CORRECTION: tl.constexpr, FP8_E4B15: tl.constexpr, UNROTATE: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    NORM_CORRECTION: tl.constexpr, FP8_E4B15: tl.constexpr, HAS_CHUNK: tl.constexpr,
     CHECK: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, ROUND_BF16: tl.constexpr,
-    DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
+    """The first pass of the fill (module docstring): every row of the window decoded
+    element by element, MSE keys still in the rotated space; the new tokens copied."""
     head = tl.program_id(1).to(tl.int64)  # kv head within the group
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,) window row
     t_mask = t < n_rows
@@ -146,36 +150,11 @@ def _fill_kernel(
         norm = _fp16_at(cache_ptr + slot + KEY_INDEX_BYTES, ok[:, None])  # (BLOCK_T, 1)
         k = norm * c
     k = tl.where(bad[:, None], nan, k)
-    if UNROTATE:
-        # k (fp16, as vLLM's dequant writes it) @ rotation, in column blocks of BLOCK_N.
-        a = k.to(tl.float16)
-        if DOT_F32:  # the CPU interpreter: the same exact products in float32
-            a = a.to(tl.float32)
-        dr = tl.arange(0, BLOCK_D)[:, None]  # (BLOCK_D, 1) input dimension
-        for n0 in tl.static_range(0, BLOCK_D, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)[None, :]  # (1, BLOCK_N) output dimension
-            r = tl.load(rot_ptr + dr * s_rot0 + n * s_rot1, mask=(dr < D) & (n < D), other=0.0).to(tl.float32)
-            hi = r.to(tl.float16)
-            lo = ((r - hi.to(tl.float32)) * 4096.0).to(tl.float16)
-            if DOT_F32:
-                hi = hi.to(tl.float32)
-                lo = lo.to(tl.float32)
-            acc = tl.dot(a, lo, out_dtype=tl.float32) * (1.0 / 4096.0)
-            acc = tl.dot(a, hi, acc, out_dtype=tl.float32)
-            kn = _to_window(acc, K_BF16, ROUND_BF16)
-            nmask = t_mask[:, None] & (n < D)
-            if HAS_CHUNK:
-                kc = tl.load(key_ptr + crow * s_key_tok + (head0 + head) * s_key_head + n * s_key_d,
-                             mask=(chunk[:, None] & (crow >= 0)) & (n < D), other=0.0)
-                kn = tl.where(chunk[:, None], kc.to(kn.dtype), kn)
-            tl.store(k_out_ptr + row * s_k_tok + head * s_k_head + n, kn, mask=nmask)
-    else:
-        kw = _to_window(k, K_BF16, ROUND_BF16)
-        if HAS_CHUNK:
-            kc = tl.load(key_ptr + crow * s_key_tok + (head0 + head) * s_key_head + d * s_key_d, mask=cmask,
-                         other=0.0)
-            kw = tl.where(chunk[:, None], kc.to(kw.dtype), kw)
-        tl.store(k_out_ptr + row * s_k_tok + head * s_k_head + d, kw, mask=out_mask)
+    kw = _to_window(k, K_BF16, ROUND_BF16)
+    if HAS_CHUNK:
+        kc = tl.load(key_ptr + crow * s_key_tok + (head0 + head) * s_key_head + d * s_key_d, mask=cmask, other=0.0)
+        kw = tl.where(chunk[:, None], kc.to(kw.dtype), kw)
+    tl.store(k_out_ptr + row * s_k_tok + head * s_k_head + d, kw, mask=out_mask)
 
     # Values
     vslot = cache_ptr + slot + KEY_BYTES
@@ -241,17 +220,15 @@ def _unrotate_kernel(
 
 _unrotate = Launcher(_unrotate_kernel)
 
-# Launch configurations, (rows per program, output columns per dot, warps), by pass and padded
-# head size; chosen by measurement on the H200 machine (benchmarks/fill_configs.py, NOTES.md).
-FUSED = {64: (64, 64, 4), 128: (64, 64, 4), 256: (64, 64, 4)}
-UNROTATE = {64: (64, 64, 4), 128: (64, 64, 4), 256: (64, 64, 4)}
-TWO_PASS = True  # element-wise fill, then the un-rotation: faster than one fused kernel (NOTES.md)
+# The un-rotation's launch configuration, (rows per program, output columns per dot, warps),
+# by padded head size. Not tuned yet: benchmarks/fill_configs.py sweeps them (NOTES.md §12).
+UNROTATE = {16: (64, 16, 4), 32: (64, 32, 4), 64: (64, 64, 4), 128: (64, 64, 4), 256: (64, 64, 4)}
 
 
 def fill_window(kv_cache: torch.Tensor, block_table: torch.Tensor, cfg: TQConfig, centroids: torch.Tensor | None,
                 rotation: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor, window, head0: int,
                 k_out: torch.Tensor, v_out: torch.Tensor, err: torch.Tensor | None = None,
-                unrotate: bool = True, two_pass: bool | None = None, config: tuple | None = None) -> None:
+                unrotate: bool = True, config: tuple | None = None) -> None:
     """Write the rows of ``window`` (a ``plan.Window``), kv heads [head0, head0 +
     k_out.shape[1]), into k_out and v_out.
 
@@ -263,8 +240,7 @@ def fill_window(kv_cache: torch.Tensor, block_table: torch.Tensor, cfg: TQConfig
     k_out, v_out: fp16 or bf16 (>= window.rows, Hk_group, D), unit stride over D.
     err: int64 (1,) on the device, or None: lowered to ``request << 32 | column`` of a
     bad block id read. unrotate: False writes MSE keys in the rotated space.
-    two_pass, config: the un-rotation in a second kernel or fused, and the launch
-    configuration (rows, columns, warps); default: TWO_PASS and the measured tables.
+    config: the un-rotation's launch configuration (rows, columns, warps); default: UNROTATE.
     Arguments are trusted: ``continuation_prefill_varlen`` validates them.
     """
     if window.rows <= 0:
@@ -276,40 +252,30 @@ def fill_window(kv_cache: torch.Tensor, block_table: torch.Tensor, cfg: TQConfig
                     k_out, v_out, fp8_e4b15)
         return
     block_d = triton.next_power_of_2(cfg.head_dim)
-    two_pass = rotate and (TWO_PASS if two_pass is None else two_pass)
-    if rotate and not two_pass:  # a small matrix product per tile
-        block_t, block_n, warps = config or FUSED[block_d]
-    else:  # element-wise: one warp, 4096 elements per program (4-bit keys: 1024), measured (NOTES.md)
-        block_t, block_n, warps = max(1, (1024 if cfg.key_bits == 4 else 4096) // block_d), block_d, 1
-    if interpreting():
-        block_t = 16  # the interpreter: less work on masked rows
+    # Element-wise: one warp, 4096 elements per program (4-bit keys: 1024), measured (NOTES.md).
+    block_t = 16 if interpreting() else max(1, (1024 if cfg.key_bits == 4 else 4096) // block_d)
     centroids = centroids if centroids is not None else kv_cache  # fp8 keys: not read
-    rot = rotation if rotate else kv_cache  # not read
-    k_bf16 = v_bf16 = k_out.dtype == torch.bfloat16
-    k_first = k_out
-    if two_pass:  # the first pass writes rotated fp16 keys where the second reads them
-        k_first, k_bf16 = k_out.view(torch.float16), False
-    grid = (triton.cdiv(window.rows, block_t), k_out.shape[1])
-    _fill(grid, kv_cache, block_table, centroids, rot, key, value, window.segs, k_first, v_out,
-          err if err is not None else window.segs, window.rows, window.nseg, window.steps, head0,
-          kv_cache.shape[0], block_table.shape[1],
+    k_bf16 = k_out.dtype == torch.bfloat16
+    k_first = k_out.view(torch.float16) if rotate else k_out  # rotated fp16 keys, where the second pass reads them
+    _fill((triton.cdiv(window.rows, block_t), k_out.shape[1]), kv_cache, block_table, centroids, key, value,
+          window.segs, k_first, v_out, err if err is not None else window.segs, window.rows, window.nseg,
+          window.steps, head0, kv_cache.shape[0], block_table.shape[1],
           kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_table.stride(0), block_table.stride(1),
-          centroids.stride(0), rot.stride(0), rot.stride(1),
-          key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-          k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
+          centroids.stride(0), key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1),
+          value.stride(2), k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
           cfg.head_dim, block_d, kv_cache.shape[1], cfg.key_bits, cfg.key_index_bytes, cfg.key_bytes,
-          cfg.value_bits, cfg.value_index_bytes, cfg.norm_correction, fp8_e4b15, rotate and not two_pass,
-          window.has_chunk, err is not None, k_bf16, v_bf16, interpreter_rounds_bf16(k_out.dtype),
-          not kv_cache.is_cuda, block_t, block_n, num_warps=warps, enable_fp_fusion=False)
-    if two_pass:
-        block_t, block_n, warps = (config if config is not None else UNROTATE[block_d])
+          cfg.value_bits, cfg.value_index_bytes, cfg.norm_correction, fp8_e4b15, window.has_chunk, err is not None,
+          k_bf16 and not rotate, k_bf16, interpreter_rounds_bf16(k_out.dtype), block_t,
+          num_warps=1, enable_fp_fusion=False)
+    if rotate:
+        block_t, block_n, warps = config if config is not None else UNROTATE[block_d]
         if interpreting():
             block_t = 16
-        _unrotate((triton.cdiv(window.rows, block_t), k_out.shape[1]), k_first, k_out, rot, key, window.segs,
-                  window.rows, window.nseg, window.steps, head0, k_out.stride(0), k_out.stride(1), rot.stride(0),
-                  rot.stride(1), key.stride(0), key.stride(1), key.stride(2), cfg.head_dim, block_d,
-                  window.has_chunk, k_out.dtype == torch.bfloat16, interpreter_rounds_bf16(k_out.dtype),
-                  not kv_cache.is_cuda, block_t, block_n, num_warps=warps)
+        _unrotate((triton.cdiv(window.rows, block_t), k_out.shape[1]), k_first, k_out, rotation, key, window.segs,
+                  window.rows, window.nseg, window.steps, head0, k_out.stride(0), k_out.stride(1),
+                  rotation.stride(0), rotation.stride(1), key.stride(0), key.stride(1), key.stride(2), cfg.head_dim,
+                  block_d, window.has_chunk, k_bf16, interpreter_rounds_bf16(k_out.dtype), not kv_cache.is_cuda,
+                  block_t, block_n, num_warps=warps)
 
 
 def _fill_torch(kv_cache, block_table, cfg, centroids, rotation, key, value, window, head0, k_out, v_out, fp8_e4b15):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import Call
 from .dequant import GAP_ROW, SEG_FIELDS
 
 # Zero key rows between two requests of a batch window, as a sequence of no queries. A
@@ -45,11 +46,12 @@ GAP = 256
 
 
 @dataclass(frozen=True)
-class Window:
+class Window(Call):
     """One fill and one attention call: query rows [q0, q1) against the window's keys.
 
-    Attention reads it as a varlen call: sequence b has queries cu_q[b]:cu_q[b+1] (relative
-    to q0) and keys cu_k[b]:cu_k[b+1] of the window."""
+    Attention reads it as a varlen call (``attention.Call``): sequence b has queries
+    cu_q[b]:cu_q[b+1] (relative to q0) and keys cu_k[b]:cu_k[b+1] of the window, one
+    sequence per segment (nseg + 1 entries each)."""
 
     kind: str  # "batch", "part" or "last"
     q0: int
@@ -59,13 +61,6 @@ class Window:
     steps: int  # binary-search iterations over nseg segments
     segs: torch.Tensor  # int32 device: nseg + 1 starts, then SEG_FIELDS - 1 arrays of nseg (dequant.py)
     segs_host: tuple[int, ...]
-    cu_q: torch.Tensor  # int32 (nseg + 1,) device
-    cu_k: torch.Tensor
-    cu_q_host: tuple[int, ...]
-    cu_k_host: tuple[int, ...]
-    max_q: int
-    max_k: int
-    causal: bool
     has_chunk: bool  # some rows are the chunk's new tokens
     requests: tuple[int, ...]  # the requests whose queries it answers, in order
 
