@@ -25,8 +25,13 @@ from tq_chunked.chunked import schedule
 from tq_chunked.demo import build_batch
 from tq_chunked.plan import LongRequest
 
-STAGES = [("fill", "_fill_kernel"), ("merge", "_merge_kernel"), ("attention", "flash"), ("attention", "fmha"),
-          ("attention", "_attention_kernel")]
+STAGES = [
+    ("fill", "_fill_kernel"),
+    ("merge", "_merge_kernel"),
+    ("attention", "flash"),
+    ("attention", "fmha"),
+    ("attention", "_attention_kernel"),
+]
 NAMES = ["fill", "attention", "merge", "other"]
 
 
@@ -51,14 +56,30 @@ def profile_ms(call, calls=10):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workloads", default="24 hits,16 hits q256 1K-8K,1 long hit,1 hit q2048 8K,16 hits q512 2K-16K",
-                   help="comma-separated name prefixes of the serving (and stack) workloads")
-    p.add_argument("--windows", default="", help='comma-separated key rows per window; "" for the default only')
+    p.add_argument(
+        "--workloads",
+        default="24 hits,16 hits q256 1K-8K,1 long hit,1 hit q2048 8K,16 hits q512 2K-16K",
+        help="comma-separated name prefixes of the serving (and stack) workloads",
+    )
+    p.add_argument(
+        "--windows",
+        default="",
+        help='comma-separated key rows per window; "" for the default only',
+    )
     a = p.parse_args()
     from vllm.vllm_flash_attn import flash_attn_varlen_func
+
     prefixes = [x for x in a.workloads.split(",") if x]
-    chosen = [w for w in serving_workloads() + stack_workloads() if any(w.name.startswith(x) for x in prefixes)]
-    print("| workload | shape | W | windows | long | " + " | ".join(NAMES) + " | sum | floor | sum / floor |")
+    chosen = [
+        w
+        for w in serving_workloads() + stack_workloads()
+        if any(w.name.startswith(x) for x in prefixes)
+    ]
+    print(
+        "| workload | shape | W | windows | long | "
+        + " | ".join(NAMES)
+        + " | sum | floor | sum / floor |"
+    )
     print("|---|---|---|---|---|" + "---|" * (len(NAMES) + 3))
     for wl in chosen:
         hq, hk, d = SHAPES[wl.shape]
@@ -70,26 +91,77 @@ def main():
         total = sum(b["seq_lens"])
         k_full = torch.randn(total, hk, d, device="cuda", dtype=dtype)
         v_full = torch.randn_like(k_full)
-        cu_k = torch.tensor([0] + list(itertools.accumulate(b["seq_lens"])), dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor(
+            [0] + list(itertools.accumulate(b["seq_lens"])),
+            dtype=torch.int32,
+            device="cuda",
+        )
         max_q = max(q for _, q in wl.requests)
-        floor = profile_ms(lambda: flash_attn_varlen_func(b["query"], k_full, v_full, max_q, qsl_cpu.cuda(),
-                                                          max(b["seq_lens"]), cu_k, softmax_scale=d**-0.5,
-                                                          causal=True, fa_version=3))
+        floor = profile_ms(
+            lambda: flash_attn_varlen_func(
+                b["query"],
+                k_full,
+                v_full,
+                max_q,
+                qsl_cpu.cuda(),
+                max(b["seq_lens"]),
+                cu_k,
+                softmax_scale=d**-0.5,
+                causal=True,
+                fa_version=3,
+            )
+        )
         floor_ms = sum(floor.values())
-        for w in [int(x) for x in a.windows.split(",") if x] or [default_window(hk, d, 16)]:
-            ws = torch.empty(workspace_bytes(n, hq, hk, d, w, dtype), dtype=torch.uint8, device="cuda")
-            args = (b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"], qsl_cpu.cuda(), lens_cpu.cuda())
-            call = lambda: continuation_prefill_varlen(*args, **b["kwargs"], query_start_loc_cpu=qsl_cpu,
-                                                       seq_lens_cpu=lens_cpu, window=w, workspace=ws,
-                                                       check_block_table=False)
-            steps, _, _, _ = schedule(tuple(b["query_start_loc"]), tuple(b["seq_lens"]), w, hq, hk, d, dtype,
-                                      128 << 20, torch.device("cuda"), torch.cuda.current_stream())
-            count = sum(len(s.windows) if isinstance(s, LongRequest) else 1 for s in steps)
+        for w in [int(x) for x in a.windows.split(",") if x] or [
+            default_window(hk, d, 16)
+        ]:
+            ws = torch.empty(
+                workspace_bytes(n, hq, hk, d, w, dtype),
+                dtype=torch.uint8,
+                device="cuda",
+            )
+            args = (
+                b["query"],
+                b["key"],
+                b["value"],
+                b["kv_cache"],
+                b["block_table"],
+                qsl_cpu.cuda(),
+                lens_cpu.cuda(),
+            )
+            call = lambda: continuation_prefill_varlen(
+                *args,
+                **b["kwargs"],
+                query_start_loc_cpu=qsl_cpu,
+                seq_lens_cpu=lens_cpu,
+                window=w,
+                workspace=ws,
+                check_block_table=False,
+            )
+            steps, _, _, _ = schedule(
+                tuple(b["query_start_loc"]),
+                tuple(b["seq_lens"]),
+                w,
+                hq,
+                hk,
+                d,
+                dtype,
+                128 << 20,
+                torch.device("cuda"),
+                torch.cuda.current_stream(),
+            )
+            count = sum(
+                len(s.windows) if isinstance(s, LongRequest) else 1 for s in steps
+            )
             longs = sum(isinstance(s, LongRequest) for s in steps)
             ms = profile_ms(call)
             total_ms = sum(ms.values())
-            print(f"| {wl.name} | {wl.shape} | {w} | {count} | {longs} | " + " | ".join(f"{ms[x]:.3f}" for x in NAMES)
-                  + f" | {total_ms:.3f} | {floor_ms:.3f} | {total_ms / floor_ms:.2f} |", flush=True)
+            print(
+                f"| {wl.name} | {wl.shape} | {w} | {count} | {longs} | "
+                + " | ".join(f"{ms[x]:.3f}" for x in NAMES)
+                + f" | {total_ms:.3f} | {floor_ms:.3f} | {total_ms / floor_ms:.2f} |",
+                flush=True,
+            )
         del b, k_full, v_full
 
 

@@ -27,7 +27,9 @@ TOKENS, HK = 65536, 8
 def copy_rate():
     a = torch.empty(1 << 30, dtype=torch.float16, device="cuda")
     b = torch.empty_like(a)
-    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=50, return_mode="median")
+    ms = triton.testing.do_bench(
+        lambda: b.copy_(a), warmup=5, rep=50, return_mode="median"
+    )
     return 2 * a.numel() * 2 / ms / 1e9  # TB/s (bytes read + written)
 
 
@@ -37,7 +39,10 @@ def main():
     out_dir = args[0] if args else "."
     rate = copy_rate()
     print(f"copy rate {rate:.2f} TB/s (read + written)")
-    print("| preset | D | block | layout | ms | TB/s | of copy |\n|---|---|---|---|---|---|---|", flush=True)
+    print(
+        "| preset | D | block | layout | ms | TB/s | of copy |\n|---|---|---|---|---|---|---|",
+        flush=True,
+    )
     rows = []
     for preset in PRESETS:
         for d in (64, 128, 256):
@@ -45,24 +50,50 @@ def main():
             for block_size in (16,) if quick else (16, 128):
                 for layout in ("v020",) if quick else ("v020", "v033"):
                     nb = TOKENS // block_size
-                    shape = (nb, block_size, HK, cfg.slot_bytes) if layout == "v020" else (nb, HK, block_size,
-                                                                                             cfg.slot_bytes)
-                    cache = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")
+                    shape = (
+                        (nb, block_size, HK, cfg.slot_bytes)
+                        if layout == "v020"
+                        else (nb, HK, block_size, cfg.slot_bytes)
+                    )
+                    cache = torch.randint(
+                        0, 256, shape, dtype=torch.uint8, device="cuda"
+                    )
                     if layout != "v020":
                         cache = cache.transpose(1, 2)
-                    bt = torch.randperm(nb, device="cuda", dtype=torch.int64).int()[None]
+                    bt = torch.randperm(nb, device="cuda", dtype=torch.int64).int()[
+                        None
+                    ]
                     w = cached_window(0, 0, TOKENS, torch.device("cuda"))
                     k = torch.empty(TOKENS, HK, d, dtype=torch.float16, device="cuda")
                     v = torch.empty_like(k)
                     cent = lloyd_max_centroids(d, cfg.centroid_bits).cuda()
                     rot = hadamard(d).cuda()
-                    fn = lambda: fill_window(cache, bt, cfg, cent, rot, k[:1], v[:1], w, 0, k, v)
-                    ms = triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
+                    fn = lambda: fill_window(
+                        cache, bt, cfg, cent, rot, k[:1], v[:1], w, 0, k, v
+                    )
+                    ms = triton.testing.do_bench(
+                        fn, warmup=5, rep=40, return_mode="median"
+                    )
                     nbytes = TOKENS * HK * (cfg.slot_bytes + 4 * d)
                     tbs = nbytes / ms / 1e9
-                    rows.append(dict(preset=preset, head_dim=d, block_size=block_size, layout=layout, ms=ms,
-                                     tb_s=tbs, of_copy=tbs / rate))
-                    print(f"| {preset} | {d} | {block_size} | {layout} | {ms:.3f} | {tbs:.2f} | {tbs / rate:.0%} |",
-                          flush=True)
+                    rows.append(
+                        dict(
+                            preset=preset,
+                            head_dim=d,
+                            block_size=block_size,
+                            layout=layout,
+                            ms=ms,
+                            tb_s=tbs,
+                            of_copy=tbs / rate,
+                        )
+                    )
+                    print(
+                        f"| {preset} | {d} | {block_size} | {layout} | {ms:.3f} | {tbs:.2f} | {tbs / rate:.0%} |",
+                        flush=True,
+                    )
     with open(os.path.join(out_dir, "fill-bandwidth.json"), "w") as f:
-        json.dump({"copy_tb_s": rate, "tokens": TOKENS, "kv_heads": HK, "rows": rows}, f, indent=1)
+        json.dump(
+            {"copy_tb_s": rate, "tokens": TOKENS, "kv_heads": HK, "rows": rows},
+            f,
+            indent=1,
+        )

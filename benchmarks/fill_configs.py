@@ -13,31 +13,57 @@ import sys
 
 import torch
 import triton.testing
-
-from tq_chunked.dequant import fill_window
-from tq_chunked.format import TQConfig, hadamard, lloyd_max_centroids
-from tq_chunked.plan import cached_window
-
 from fill_bandwidth import HK, TOKENS, copy_rate
 
-CASES = [("turboquant_3bit_nc", 128), ("turboquant_4bit_nc", 128), ("turboquant_3bit_nc", 64),
-         ("turboquant_k3v4_nc", 256)]
-CONFIGS = {64: [(16, 64, 1), (32, 64, 2), (64, 64, 4), (128, 64, 4), (128, 64, 8)],
-           128: [(16, 128, 1), (16, 64, 1), (32, 64, 2), (32, 128, 4), (64, 64, 4), (64, 32, 4), (64, 128, 8),
-                 (128, 64, 8), (128, 128, 8)],
-           256: [(16, 64, 1), (32, 64, 2), (64, 64, 4), (64, 32, 4), (64, 64, 8), (128, 64, 8)]}
+from tq_chunked.dequant import fill_window
+from tq_chunked.format import TQConfig, lloyd_max_centroids
+from tq_chunked.plan import cached_window
+
+CASES = [
+    ("turboquant_3bit_nc", 128),
+    ("turboquant_4bit_nc", 128),
+    ("turboquant_3bit_nc", 64),
+    ("turboquant_k3v4_nc", 256),
+]
+CONFIGS = {
+    64: [(16, 64, 1), (32, 64, 2), (64, 64, 4), (128, 64, 4), (128, 64, 8)],
+    128: [
+        (16, 128, 1),
+        (16, 64, 1),
+        (32, 64, 2),
+        (32, 128, 4),
+        (64, 64, 4),
+        (64, 32, 4),
+        (64, 128, 8),
+        (128, 64, 8),
+        (128, 128, 8),
+    ],
+    256: [
+        (16, 64, 1),
+        (32, 64, 2),
+        (64, 64, 4),
+        (64, 32, 4),
+        (64, 64, 8),
+        (128, 64, 8),
+    ],
+}
 
 
 def main():
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
     rate = copy_rate()
     print(f"copy rate {rate:.2f} TB/s")
-    print("| preset | D | variant | ms | TB/s | of copy |\n|---|---|---|---|---|---|", flush=True)
+    print(
+        "| preset | D | variant | ms | TB/s | of copy |\n|---|---|---|---|---|---|",
+        flush=True,
+    )
     rows = []
     for preset, d in CASES:
         cfg = TQConfig.from_preset(preset, d)
         nb = TOKENS // 16
-        cache = torch.randint(0, 256, (nb, 16, HK, cfg.slot_bytes), dtype=torch.uint8, device="cuda")
+        cache = torch.randint(
+            0, 256, (nb, 16, HK, cfg.slot_bytes), dtype=torch.uint8, device="cuda"
+        )
         bt = torch.randperm(nb, device="cuda", dtype=torch.int64).int()[None]
         w = cached_window(0, 0, TOKENS, torch.device("cuda"))
         k = torch.empty(TOKENS, HK, d, dtype=torch.float16, device="cuda")
@@ -49,15 +75,28 @@ def main():
         variants += [(f"with the un-rotation {c}", dict(config=c)) for c in CONFIGS[d]]
         for name, kw in variants:
             try:
-                fn = lambda: fill_window(cache, bt, cfg, cent, rot, k[:1], v[:1], w, 0, k, v, **kw)
+                fn = lambda: fill_window(
+                    cache, bt, cfg, cent, rot, k[:1], v[:1], w, 0, k, v, **kw
+                )
                 ms = triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
             except Exception as e:  # noqa: BLE001  (a configuration that does not compile: out of resources)
                 print(preset, d, name, "failed:", type(e).__name__, str(e)[:100])
                 continue
-            rows.append(dict(preset=preset, head_dim=d, variant=name, ms=ms, tb_s=nbytes / ms / 1e9,
-                             of_copy=nbytes / ms / 1e9 / rate))
+            rows.append(
+                dict(
+                    preset=preset,
+                    head_dim=d,
+                    variant=name,
+                    ms=ms,
+                    tb_s=nbytes / ms / 1e9,
+                    of_copy=nbytes / ms / 1e9 / rate,
+                )
+            )
             r = rows[-1]
-            print(f"| {preset} | {d} | {name} | {ms:.3f} | {r['tb_s']:.2f} | {r['of_copy']:.0%} |", flush=True)
+            print(
+                f"| {preset} | {d} | {name} | {ms:.3f} | {r['tb_s']:.2f} | {r['of_copy']:.0%} |",
+                flush=True,
+            )
     with open(os.path.join(out_dir, "fill-configs.json"), "w") as f:
         json.dump({"copy_tb_s": rate, "rows": rows}, f, indent=1)
 

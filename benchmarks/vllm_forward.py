@@ -26,11 +26,14 @@ import traceback
 import types
 
 import torch
-
 import vllm
 import vllm.v1.attention.backends.turboquant_attn as tqa
+
 from tq_chunked.format import TQConfig
-from tq_chunked.reference import full_buffer_continuation_prefill, oracle_continuation_prefill
+from tq_chunked.reference import (
+    full_buffer_continuation_prefill,
+    oracle_continuation_prefill,
+)
 from tq_chunked.vllm_plugin import plan_patches
 
 HQ, HK, D, BS = 32, 8, 128, 16
@@ -41,13 +44,22 @@ MAX_MODEL_LEN = 131072 + 4096
 def plain_config(max_num_batched_tokens):
     """The config values vLLM's TurboQuant classes read (VllmConfig() has no model here)."""
     ns = types.SimpleNamespace
-    return ns(attention_config=ns(tq_max_kv_splits_for_cuda_graph=32),
-              model_config=ns(max_model_len=MAX_MODEL_LEN, dtype=torch.float16,
-                              get_num_attention_heads=lambda parallel_config: HQ),
-              compilation_config=ns(cudagraph_capture_sizes=[]), speculative_config=None,
-              parallel_config=ns(decode_context_parallel_size=1),
-              scheduler_config=ns(max_num_seqs=8, enable_chunked_prefill=True,
-                                  max_num_batched_tokens=max_num_batched_tokens))
+    return ns(
+        attention_config=ns(tq_max_kv_splits_for_cuda_graph=32),
+        model_config=ns(
+            max_model_len=MAX_MODEL_LEN,
+            dtype=torch.float16,
+            get_num_attention_heads=lambda parallel_config: HQ,
+        ),
+        compilation_config=ns(cudagraph_capture_sizes=[]),
+        speculative_config=None,
+        parallel_config=ns(decode_context_parallel_size=1),
+        scheduler_config=ns(
+            max_num_seqs=8,
+            enable_chunked_prefill=True,
+            max_num_batched_tokens=max_num_batched_tokens,
+        ),
+    )
 
 
 @contextlib.contextmanager
@@ -61,10 +73,18 @@ def config(max_num_batched_tokens=8192):
 
 
 def build_impl():
-    from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
+    from vllm.model_executor.layers.quantization.turboquant.centroids import (
+        get_centroids,
+    )
+
     with config():
-        impl = tqa.TurboQuantAttentionImpl(num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=HK,
-                                           kv_cache_dtype=PRESET)
+        impl = tqa.TurboQuantAttentionImpl(
+            num_heads=HQ,
+            head_size=D,
+            scale=D**-0.5,
+            num_kv_heads=HK,
+            kv_cache_dtype=PRESET,
+        )
     layer = torch.nn.Module()
     layer._tq_centroids = get_centroids(D, impl.tq_config.centroid_bits).to("cuda")
     impl._ensure_on_device(layer, torch.device("cuda"))
@@ -73,7 +93,10 @@ def build_impl():
 
 def head_major():
     import inspect
-    return "kv_cache.transpose(1, 2)" in inspect.getsource(tqa.TurboQuantAttentionImpl.forward)
+
+    return "kv_cache.transpose(1, 2)" in inspect.getsource(
+        tqa.TurboQuantAttentionImpl.forward
+    )
 
 
 def mixed_batch(impl, layer, reqs, num_decodes, seed=0):
@@ -88,21 +111,29 @@ def mixed_batch(impl, layer, reqs, num_decodes, seed=0):
     bt = torch.zeros(len(reqs), max(blocks), dtype=torch.int32, device="cuda")
     qs, ks, vs, slot_maps, used = [], [], [], [], 0
     for i, ((cached, q_len), nblk) in enumerate(zip(reqs, blocks)):
-        bt[i, :nblk] = perm[used:used + nblk]
+        bt[i, :nblk] = perm[used : used + nblk]
         used += nblk
         total = cached + q_len
         for s in range(0, total, 16384):
             n = min(16384, total - s)
-            key = torch.randn(n, HK, D, generator=gen, device="cuda", dtype=torch.float16)
-            val = torch.randn(n, HK, D, generator=gen, device="cuda", dtype=torch.float16)
+            key = torch.randn(
+                n, HK, D, generator=gen, device="cuda", dtype=torch.float16
+            )
+            val = torch.randn(
+                n, HK, D, generator=gen, device="cuda", dtype=torch.float16
+            )
             pos = torch.arange(s, s + n, device="cuda")
             slots = bt[i].long()[pos // BS] * BS + pos % BS
-            impl._store_kv(key, val, cache, slots, layer)  # vLLM's store, on the (blocks, pos, Hk, slot) view
+            impl._store_kv(
+                key, val, cache, slots, layer
+            )  # vLLM's store, on the (blocks, pos, Hk, slot) view
             new = slice(max(0, cached - s), n)
             ks.append(key[new])
             vs.append(val[new])
             slot_maps.append(slots[new])
-        qs.append(torch.randn(q_len, HQ, D, generator=gen, device="cuda", dtype=torch.float16))
+        qs.append(
+            torch.randn(q_len, HQ, D, generator=gen, device="cuda", dtype=torch.float16)
+        )
     q_lens = [q for _, q in reqs]
     qsl = [0]
     for q in q_lens:
@@ -110,14 +141,25 @@ def mixed_batch(impl, layer, reqs, num_decodes, seed=0):
     n = qsl[-1]
     extra = {}
     if "query_start_loc_cpu" in tqa.TurboQuantMetadata.__dataclass_fields__:
-        extra = dict(query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32),
-                     seq_lens_cpu=torch.tensor([c + q for c, q in reqs], dtype=torch.int32))
+        extra = dict(
+            query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens_cpu=torch.tensor([c + q for c, q in reqs], dtype=torch.int32),
+        )
     meta = tqa.TurboQuantMetadata(
-        seq_lens=torch.tensor([c + q for c, q in reqs], dtype=torch.int32, device="cuda"),
-        slot_mapping=torch.cat(slot_maps), block_table=bt, query_start_loc=torch.tensor(qsl, dtype=torch.int32,
-                                                                                         device="cuda"),
-        num_actual_tokens=n, max_query_len=max(q_lens), max_seq_len=max(c + q for c, q in reqs), is_prefill=True,
-        num_decodes=num_decodes, num_decode_tokens=num_decodes, **extra)
+        seq_lens=torch.tensor(
+            [c + q for c, q in reqs], dtype=torch.int32, device="cuda"
+        ),
+        slot_mapping=torch.cat(slot_maps),
+        block_table=bt,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device="cuda"),
+        num_actual_tokens=n,
+        max_query_len=max(q_lens),
+        max_seq_len=max(c + q for c, q in reqs),
+        is_prefill=True,
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decodes,
+        **extra,
+    )
     # forward() takes the cache as the engine allocates it
     cache_in = cache.transpose(1, 2).contiguous() if head_major() else cache
     return torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, cache_in, meta, qsl
@@ -126,13 +168,25 @@ def mixed_batch(impl, layer, reqs, num_decodes, seed=0):
 def forward(impl, layer, q, k, v, cache_in, meta):
     n = q.shape[0]
     out = torch.full((n, HQ * D), float("nan"), dtype=q.dtype, device="cuda")
-    return impl.forward(layer, q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1), cache_in, meta,
-                        output=out).view(n, HQ, D)
+    return impl.forward(
+        layer,
+        q.reshape(n, -1),
+        k.reshape(n, -1),
+        v.reshape(n, -1),
+        cache_in,
+        meta,
+        output=out,
+    ).view(n, HQ, D)
 
 
 def errors(out, q, k, v, cache, meta, qsl, reqs, layer):
     """Per request: (error vs the float64 oracle, the full-buffer path's error)."""
-    kw = dict(preset=PRESET, centroids=layer._tq_centroids, rotation=layer._tq_Pi, scale=D**-0.5)
+    kw = dict(
+        preset=PRESET,
+        centroids=layer._tq_centroids,
+        rotation=layer._tq_Pi,
+        scale=D**-0.5,
+    )
     res = []
     for r, (cached, q_len) in enumerate(reqs):
         rows = slice(qsl[r], qsl[r + 1])
@@ -140,7 +194,15 @@ def errors(out, q, k, v, cache, meta, qsl, reqs, layer):
         oracle = oracle_continuation_prefill(*args, **kw)
         full = full_buffer_continuation_prefill(*args, **kw)
         rel = lambda x: ((x.double() - oracle).norm() / oracle.norm()).item()
-        res.append(dict(request=r, cached=cached, q_len=q_len, error=rel(out[rows]), full_error=rel(full)))
+        res.append(
+            dict(
+                request=r,
+                cached=cached,
+                q_len=q_len,
+                error=rel(out[rows]),
+                full_error=rel(full),
+            )
+        )
     return res
 
 
@@ -159,12 +221,34 @@ def unpatch(monkey):
 def scenario_46460(result):
     impl, layer = build_impl()
     reqs = [(1000, 1), (3000, 1), (0, 1000), (300, 200), (200, 16)]
-    q, k, v, cache, cache_in, meta, qsl = mixed_batch(impl, layer, reqs, num_decodes=2, seed=1)
-    unpatched = errors(forward(impl, layer, q, k, v, cache_in, meta), q, k, v, cache, meta, qsl, reqs, layer)
+    q, k, v, cache, cache_in, meta, qsl = mixed_batch(
+        impl, layer, reqs, num_decodes=2, seed=1
+    )
+    unpatched = errors(
+        forward(impl, layer, q, k, v, cache_in, meta),
+        q,
+        k,
+        v,
+        cache,
+        meta,
+        qsl,
+        reqs,
+        layer,
+    )
     monkey = []
     patch(impl, monkey)
     try:
-        patched = errors(forward(impl, layer, q, k, v, cache_in, meta), q, k, v, cache, meta, qsl, reqs, layer)
+        patched = errors(
+            forward(impl, layer, q, k, v, cache_in, meta),
+            q,
+            k,
+            v,
+            cache,
+            meta,
+            qsl,
+            reqs,
+            layer,
+        )
     finally:
         unpatch(monkey)
     result["issue_46460"] = dict(requests=reqs, unpatched=unpatched, patched=patched)
@@ -173,8 +257,13 @@ def scenario_46460(result):
 def manager_bytes():
     """Bytes of vLLM's WorkspaceManager's buffers (0.21 onwards; its private list, read only)."""
     from vllm.v1.worker import workspace as ws_mod
+
     manager = ws_mod.current_workspace_manager()
-    return sum(w.numel() * w.element_size() for w in manager._current_workspaces if w is not None)
+    return sum(
+        w.numel() * w.element_size()
+        for w in manager._current_workspaces
+        if w is not None
+    )
 
 
 def scenario_long(result, long_cached):
@@ -199,22 +288,36 @@ def scenario_long(result, long_cached):
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             with config():  # the builder as vLLM creates it (the plugin's hook, if patched, reserves)
-                tqa.TurboQuantMetadataBuilder(spec, ["layers.0"], plain_config(8192), torch.device("cuda"))
+                tqa.TurboQuantMetadataBuilder(
+                    spec, ["layers.0"], plain_config(8192), torch.device("cuda")
+                )
             torch.cuda.synchronize()
             # What the builder reserved: the manager's buffers where there is one (a difference of
             # allocated memory would count the release of a buffer an earlier object still held),
             # else what the builder allocated.
-            row[f"{mode}_reserved_mib"] = (manager_bytes() if has_manager
-                                           else torch.cuda.memory_allocated() - before) / 2**20
+            row[f"{mode}_reserved_mib"] = (
+                manager_bytes()
+                if has_manager
+                else torch.cuda.memory_allocated() - before
+            ) / 2**20
             if has_manager:  # a short profile (decode scratch for 8 sequences, a 256-token continuation), the lock
                 manager = ws_mod.current_workspace_manager()
-                manager.get_simultaneous(((8, HQ, 32, D + 1), torch.float32), ((8, HQ, D), torch.float16),
-                                         ((8, HQ), torch.float32))
-                manager.get_simultaneous(((1, HK, 256, D), torch.float16), ((1, HK, 256, D), torch.float16))
+                manager.get_simultaneous(
+                    ((8, HQ, 32, D + 1), torch.float32),
+                    ((8, HQ, D), torch.float16),
+                    ((8, HQ), torch.float32),
+                )
+                manager.get_simultaneous(
+                    ((1, HK, 256, D), torch.float16), ((1, HK, 256, D), torch.float16)
+                )
                 ws_mod.lock_workspace()
             torch.cuda.synchronize()
-            q, k, v, cache, cache_in, meta, qsl = mixed_batch(impl, layer, reqs, num_decodes=2, seed=2)
-            forward(impl, layer, q, k, v, cache_in, meta)  # warm-up (fails the same way if it fails)
+            q, k, v, cache, cache_in, meta, qsl = mixed_batch(
+                impl, layer, reqs, num_decodes=2, seed=2
+            )
+            forward(
+                impl, layer, q, k, v, cache_in, meta
+            )  # warm-up (fails the same way if it fails)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -237,30 +340,50 @@ def main():
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
     result = dict(vllm=vllm.__version__, preset=PRESET, shape=[HQ, HK, D])
     for name, fn in [("46460", lambda: scenario_46460(result))] + [
-            (f"long {n}", lambda n=n: scenario_long(result, n)) for n in (8192, 32768, 131072)]:
+        (f"long {n}", lambda n=n: scenario_long(result, n))
+        for n in (8192, 32768, 131072)
+    ]:
         try:
             fn()
         except Exception:
-            result.setdefault("failures", []).append(f"{name}: {traceback.format_exc()[-1500:]}")
+            result.setdefault("failures", []).append(
+                f"{name}: {traceback.format_exc()[-1500:]}"
+            )
             traceback.print_exc()
     path = os.path.join(out_dir, f"forward-{vllm.__version__}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"== vLLM {vllm.__version__}: forward on mixed batches, {PRESET}, Hq {HQ} Hk {HK} D {D}")
+    print(
+        f"== vLLM {vllm.__version__}: forward on mixed batches, {PRESET}, Hq {HQ} Hk {HK} D {D}"
+    )
     if "issue_46460" in result:
         r = result["issue_46460"]
         for u, p in zip(r["unpatched"], r["patched"]):
-            print(f"  46460 batch request {u['request']} (cached {u['cached']}, q {u['q_len']}): unpatched "
-                  f"{u['error']:.2e}, patched {p['error']:.2e}, full path {p['full_error']:.2e}")
+            print(
+                f"  46460 batch request {u['request']} (cached {u['cached']}, q {u['q_len']}): unpatched "
+                f"{u['error']:.2e}, patched {p['error']:.2e}, full path {p['full_error']:.2e}"
+            )
     for row in result.get("long", []):
-        print(f"  long hit over {row['long_cached'] // 1024}K: reserved unpatched "
-              f"{row.get('unpatched_reserved_mib', float('nan')):.1f} / patched {row.get('patched_reserved_mib', 0):.1f} MiB;"
-              f" peak per forward unpatched {row.get('unpatched_peak_mib', float('nan')):.1f} / patched "
-              f"{row.get('patched_peak_mib', float('nan')):.1f} MiB; unpatched raised: {row.get('unpatched_raised', '-')}")
+        print(
+            f"  long hit over {row['long_cached'] // 1024}K: reserved unpatched "
+            f"{row.get('unpatched_reserved_mib', float('nan')):.1f} / patched {row.get('patched_reserved_mib', 0):.1f} MiB;"
+            f" peak per forward unpatched {row.get('unpatched_peak_mib', float('nan')):.1f} / patched "
+            f"{row.get('patched_peak_mib', float('nan')):.1f} MiB; unpatched raised: {row.get('unpatched_raised', '-')}"
+        )
         for e in row.get("patched_errors", []):
-            u = next((x for x in row.get("unpatched_errors", []) if x["request"] == e["request"]), None)
-            print(f"    request {e['request']} (cached {e['cached']}, q {e['q_len']}): patched {e['error']:.2e}, "
-                  f"full {e['full_error']:.2e}" + (f", unpatched {u['error']:.2e}" if u else ""))
+            u = next(
+                (
+                    x
+                    for x in row.get("unpatched_errors", [])
+                    if x["request"] == e["request"]
+                ),
+                None,
+            )
+            print(
+                f"    request {e['request']} (cached {e['cached']}, q {e['q_len']}): patched {e['error']:.2e}, "
+                f"full {e['full_error']:.2e}"
+                + (f", unpatched {u['error']:.2e}" if u else "")
+            )
         if "patched_raised" in row:
             print("    PATCHED RAISED:", row["patched_raised"])
     for f in result.get("failures", []):

@@ -20,7 +20,9 @@ TRITON_OK = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run with -m gpu on the device)")
+    config.addinivalue_line(
+        "markers", "gpu: needs a CUDA GPU (run with -m gpu on the device)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -34,7 +36,9 @@ def pytest_collection_modifyitems(config, items):
 
 def random_rotation(d: int, gen: torch.Generator) -> torch.Tensor:
     """A random orthonormal, non-symmetric matrix: catches a transposed rotation."""
-    return torch.linalg.qr(torch.randn(d, d, dtype=torch.float64, generator=gen))[0].float()
+    return torch.linalg.qr(torch.randn(d, d, dtype=torch.float64, generator=gen))[
+        0
+    ].float()
 
 
 @dataclass
@@ -49,12 +53,32 @@ class Case:
 
     @property
     def args(self):
-        return (self.query, self.key_chunk, self.val_chunk, self.kv_cache, self.block_table, self.cached_len)
+        return (
+            self.query,
+            self.key_chunk,
+            self.val_chunk,
+            self.kv_cache,
+            self.block_table,
+            self.cached_len,
+        )
 
 
-def make_case(preset="turboquant_3bit_nc", dtype=torch.float16, head_dim=64, num_q_heads=4, num_kv_heads=2,
-              block_size=16, cached_len=300, q_len=129, layout="v020", *, seed, device=DEVICE,
-              rotation="random", centroids=None) -> Case:
+def make_case(
+    preset="turboquant_3bit_nc",
+    dtype=torch.float16,
+    head_dim=64,
+    num_q_heads=4,
+    num_kv_heads=2,
+    block_size=16,
+    cached_len=300,
+    q_len=129,
+    layout="v020",
+    *,
+    seed,
+    device=DEVICE,
+    rotation="random",
+    centroids=None,
+) -> Case:
     """A cache holding cached_len + q_len random tokens (as vLLM's store leaves it), a
     shuffled block table with spare blocks, and the chunk's raw K/V and query.
 
@@ -68,39 +92,74 @@ def make_case(preset="turboquant_3bit_nc", dtype=torch.float16, head_dim=64, num
     total = cached_len + q_len
     num_blocks = -(-total // block_size) + 3
     if layout == "v020":
-        kv_cache = torch.randint(0, 256, (num_blocks, block_size, num_kv_heads, cfg.slot_bytes),
-                                 dtype=torch.uint8, generator=gen)
+        kv_cache = torch.randint(
+            0,
+            256,
+            (num_blocks, block_size, num_kv_heads, cfg.slot_bytes),
+            dtype=torch.uint8,
+            generator=gen,
+        )
     else:
-        kv_cache = torch.randint(0, 256, (num_blocks, num_kv_heads, block_size, cfg.slot_bytes),
-                                 dtype=torch.uint8, generator=gen).transpose(1, 2)
+        kv_cache = torch.randint(
+            0,
+            256,
+            (num_blocks, num_kv_heads, block_size, cfg.slot_bytes),
+            dtype=torch.uint8,
+            generator=gen,
+        ).transpose(1, 2)
     kv_cache = kv_cache.to(device)
     if centroids is None:
         centroids = lloyd_max_centroids(head_dim, cfg.centroid_bits)
     centroids = centroids.float().to(device)
     if isinstance(rotation, str):
-        rotation = random_rotation(head_dim, gen) if rotation == "random" else hadamard(head_dim)
+        rotation = (
+            random_rotation(head_dim, gen)
+            if rotation == "random"
+            else hadamard(head_dim)
+        )
     rot = rotation.float().to(device)
-    block_table = torch.randperm(num_blocks, generator=gen).int().to(device)[None, :]  # (1, max_blocks)
+    block_table = (
+        torch.randperm(num_blocks, generator=gen).int().to(device)[None, :]
+    )  # (1, max_blocks)
     # Keys with per-channel offsets and outliers, values with a per-token spread.
-    key = (torch.randn(total, num_kv_heads, head_dim, generator=gen) * 1.5
-           + torch.randn(1, num_kv_heads, head_dim, generator=gen)).to(device)
-    value = (torch.randn(total, num_kv_heads, head_dim, generator=gen)
-             * torch.rand(total, num_kv_heads, 1, generator=gen) * 2).to(device)
+    key = (
+        torch.randn(total, num_kv_heads, head_dim, generator=gen) * 1.5
+        + torch.randn(1, num_kv_heads, head_dim, generator=gen)
+    ).to(device)
+    value = (
+        torch.randn(total, num_kv_heads, head_dim, generator=gen)
+        * torch.rand(total, num_kv_heads, 1, generator=gen)
+        * 2
+    ).to(device)
     pos = torch.arange(total, device=device)
     slots = block_table[0].long()[pos // block_size] * block_size + pos % block_size
     encode_reference(key, value, kv_cache, slots, cfg, centroids, rot)
-    query = (torch.randn(q_len, num_q_heads, head_dim, generator=gen) * 1.5).to(device, dtype)
-    kwargs = dict(preset=preset, centroids=centroids, rotation=rot, scale=head_dim**-0.5)
-    return Case(query, key[cached_len:].to(dtype), value[cached_len:].to(dtype), kv_cache, block_table,
-                cached_len, kwargs)
+    query = (torch.randn(q_len, num_q_heads, head_dim, generator=gen) * 1.5).to(
+        device, dtype
+    )
+    kwargs = dict(
+        preset=preset, centroids=centroids, rotation=rot, scale=head_dim**-0.5
+    )
+    return Case(
+        query,
+        key[cached_len:].to(dtype),
+        value[cached_len:].to(dtype),
+        kv_cache,
+        block_table,
+        cached_len,
+        kwargs,
+    )
 
 
 def strided(t, dim=-1):
     """The same values, with stride 2 along ``dim`` (every other element of a wider tensor)."""
     shape = list(t.shape)
     shape[dim] *= 2
-    wide = torch.full(shape, float("nan"), dtype=t.dtype, device=t.device) if t.is_floating_point() else \
-        torch.full(shape, -7, dtype=t.dtype, device=t.device)
+    wide = (
+        torch.full(shape, float("nan"), dtype=t.dtype, device=t.device)
+        if t.is_floating_point()
+        else torch.full(shape, -7, dtype=t.dtype, device=t.device)
+    )
     idx = [slice(None)] * t.ndim
     idx[dim] = slice(0, None, 2)
     wide[tuple(idx)] = t
@@ -116,6 +175,7 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 @dataclass
 class Batch:
     """Several requests packed as vLLM packs them, over one shared paged cache."""
+
     query: torch.Tensor  # (N, Hq, D)
     key: torch.Tensor  # (N, Hk, D)
     value: torch.Tensor
@@ -129,19 +189,43 @@ class Batch:
     @property
     def args(self):
         dev = self.query.device
-        return (self.query, self.key, self.value, self.kv_cache, self.block_table,
-                torch.tensor(self.query_start_loc, dtype=torch.int32, device=dev),
-                torch.tensor(self.seq_lens, dtype=torch.int32, device=dev))
+        return (
+            self.query,
+            self.key,
+            self.value,
+            self.kv_cache,
+            self.block_table,
+            torch.tensor(self.query_start_loc, dtype=torch.int32, device=dev),
+            torch.tensor(self.seq_lens, dtype=torch.int32, device=dev),
+        )
 
     def request(self, r):
         """(query, key_chunk, val_chunk, kv_cache, block_table row, cached_len) of request r."""
         q0, q1 = self.query_start_loc[r], self.query_start_loc[r + 1]
-        return (self.query[q0:q1], self.key[q0:q1], self.value[q0:q1], self.kv_cache, self.block_table[r],
-                self.seq_lens[r] - (q1 - q0))
+        return (
+            self.query[q0:q1],
+            self.key[q0:q1],
+            self.value[q0:q1],
+            self.kv_cache,
+            self.block_table[r],
+            self.seq_lens[r] - (q1 - q0),
+        )
 
 
-def make_batch(requests, preset="turboquant_3bit_nc", dtype=torch.float16, head_dim=64, num_q_heads=4,
-               num_kv_heads=2, block_size=16, layout="v020", *, seed, device=DEVICE, rotation="random") -> Batch:
+def make_batch(
+    requests,
+    preset="turboquant_3bit_nc",
+    dtype=torch.float16,
+    head_dim=64,
+    num_q_heads=4,
+    num_kv_heads=2,
+    block_size=16,
+    layout="v020",
+    *,
+    seed,
+    device=DEVICE,
+    rotation="random",
+) -> Batch:
     """requests: [(cached_len, q_len), ...]. Blocks of all requests are shuffled across
     one cache (plus spare blocks); every token, cached or new, is in the cache, as
     vLLM's store leaves it before attention."""
@@ -149,35 +233,63 @@ def make_batch(requests, preset="turboquant_3bit_nc", dtype=torch.float16, head_
     cfg = TQConfig.from_preset(preset, head_dim)
     need = [-(-(c + q) // block_size) for c, q in requests]
     num_blocks = sum(need) + 3
-    shape = (num_blocks, block_size, num_kv_heads, cfg.slot_bytes) if layout == "v020" else \
-        (num_blocks, num_kv_heads, block_size, cfg.slot_bytes)
+    shape = (
+        (num_blocks, block_size, num_kv_heads, cfg.slot_bytes)
+        if layout == "v020"
+        else (num_blocks, num_kv_heads, block_size, cfg.slot_bytes)
+    )
     kv_cache = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
     if layout != "v020":
         kv_cache = kv_cache.transpose(1, 2)
     kv_cache = kv_cache.to(device)
     centroids = lloyd_max_centroids(head_dim, cfg.centroid_bits).float().to(device)
-    rot = (random_rotation(head_dim, gen) if rotation == "random" else hadamard(head_dim)).to(device)
+    rot = (
+        random_rotation(head_dim, gen) if rotation == "random" else hadamard(head_dim)
+    ).to(device)
     perm = torch.randperm(num_blocks, generator=gen)
-    block_table = torch.full((len(requests), max(max(need, default=1), 1) + 1), -1, dtype=torch.int32)
+    block_table = torch.full(
+        (len(requests), max(max(need, default=1), 1) + 1), -1, dtype=torch.int32
+    )
     used = 0
     for r, n in enumerate(need):
-        block_table[r, :n] = perm[used:used + n].int()
+        block_table[r, :n] = perm[used : used + n].int()
         used += n
     block_table = block_table.to(device)
     qs, ks, vs, qsl, lens = [], [], [], [0], []
     for r, (cached, q_len) in enumerate(requests):
         total = cached + q_len
-        key = (torch.randn(total, num_kv_heads, head_dim, generator=gen) * 1.5
-               + torch.randn(1, num_kv_heads, head_dim, generator=gen)).to(device)
-        value = (torch.randn(total, num_kv_heads, head_dim, generator=gen)
-                 * torch.rand(total, num_kv_heads, 1, generator=gen) * 2).to(device)
+        key = (
+            torch.randn(total, num_kv_heads, head_dim, generator=gen) * 1.5
+            + torch.randn(1, num_kv_heads, head_dim, generator=gen)
+        ).to(device)
+        value = (
+            torch.randn(total, num_kv_heads, head_dim, generator=gen)
+            * torch.rand(total, num_kv_heads, 1, generator=gen)
+            * 2
+        ).to(device)
         pos = torch.arange(total, device=device)
         slots = block_table[r].long()[pos // block_size] * block_size + pos % block_size
         encode_reference(key, value, kv_cache, slots, cfg, centroids, rot)
-        qs.append((torch.randn(q_len, num_q_heads, head_dim, generator=gen) * 1.5).to(device, dtype))
+        qs.append(
+            (torch.randn(q_len, num_q_heads, head_dim, generator=gen) * 1.5).to(
+                device, dtype
+            )
+        )
         ks.append(key[cached:].to(dtype))
         vs.append(value[cached:].to(dtype))
         qsl.append(qsl[-1] + q_len)
         lens.append(total)
-    kwargs = dict(preset=preset, centroids=centroids, rotation=rot, scale=head_dim**-0.5)
-    return Batch(torch.cat(qs), torch.cat(ks), torch.cat(vs), kv_cache, block_table, qsl, lens, kwargs, seed)
+    kwargs = dict(
+        preset=preset, centroids=centroids, rotation=rot, scale=head_dim**-0.5
+    )
+    return Batch(
+        torch.cat(qs),
+        torch.cat(ks),
+        torch.cat(vs),
+        kv_cache,
+        block_table,
+        qsl,
+        lens,
+        kwargs,
+        seed,
+    )

@@ -3,10 +3,15 @@ empty query and key segments, causal and not."""
 
 import pytest
 import torch
-
-from tq_chunked.attention import BACKENDS, backend_available, make_call, resolve_backend, varlen_attention
-
 from conftest import DEVICE, rel_err
+
+from tq_chunked.attention import (
+    BACKENDS,
+    backend_available,
+    make_call,
+    resolve_backend,
+    varlen_attention,
+)
 
 AVAILABLE = [b for b in BACKENDS if backend_available(b, torch.device(DEVICE), 128)[0]]
 
@@ -18,7 +23,12 @@ def reference(call, q, k, v, scale):
     out = torch.zeros(nq, hq, d, dtype=torch.float64, device=q.device)
     lse = torch.full((hq, nq), float("-inf"), dtype=torch.float64, device=q.device)
     for b in range(len(call.cu_q_host) - 1):
-        q0, q1, k0, k1 = call.cu_q_host[b], call.cu_q_host[b + 1], call.cu_k_host[b], call.cu_k_host[b + 1]
+        q0, q1, k0, k1 = (
+            call.cu_q_host[b],
+            call.cu_q_host[b + 1],
+            call.cu_k_host[b],
+            call.cu_k_host[b + 1],
+        )
         if q1 == q0 or k1 == k0:
             continue
         qq = q[q0:q1].double().transpose(0, 1)

@@ -5,21 +5,36 @@ bad block ids (NaN rows, recorded, never read outside the cache)."""
 
 import pytest
 import torch
+from conftest import TRITON_OK, make_batch
 
 from tq_chunked.dequant import GAP_ROW, fill_window
 from tq_chunked.format import PRESETS, TQConfig, dequantize_reference
 from tq_chunked.plan import LongRequest, plan
 
-from conftest import TRITON_OK, make_batch
-
-pytestmark = pytest.mark.skipif(not TRITON_OK, reason="Triton needs a GPU or TRITON_INTERPRET=1")
-SERVED = [(p, d) for p in PRESETS for d in (16, 32, 64, 80, 96, 112, 128, 192, 256)
-          if PRESETS[p][0] == 8 or d & (d - 1) == 0]
+pytestmark = pytest.mark.skipif(
+    not TRITON_OK, reason="Triton needs a GPU or TRITON_INTERPRET=1"
+)
+SERVED = [
+    (p, d)
+    for p in PRESETS
+    for d in (16, 32, 64, 80, 96, 112, 128, 192, 256)
+    if PRESETS[p][0] == 8 or d & (d - 1) == 0
+]
 
 
 def windows_of(batch, capacity):
-    p = plan(tuple(batch.query_start_loc), tuple(batch.seq_lens), capacity, batch.query.device)
-    return [w for s in p.steps for w in (s.windows if isinstance(s, LongRequest) else (s,)) if w.rows]
+    p = plan(
+        tuple(batch.query_start_loc),
+        tuple(batch.seq_lens),
+        capacity,
+        batch.query.device,
+    )
+    return [
+        w
+        for s in p.steps
+        for w in (s.windows if isinstance(s, LongRequest) else (s,))
+        if w.rows
+    ]
 
 
 def reference_rows(batch, cfg, w, unrotate, dtype):
@@ -30,29 +45,60 @@ def reference_rows(batch, cfg, w, unrotate, dtype):
         start, req, pos0, cached, qrow = w.segment(s)
         new = w.segment_end(s) - start - cached
         if qrow == GAP_ROW:  # zero rows between two requests
-            zeros = torch.zeros(new, *batch.key.shape[1:], dtype=torch.float64, device=batch.key.device)
+            zeros = torch.zeros(
+                new, *batch.key.shape[1:], dtype=torch.float64, device=batch.key.device
+            )
             ks.append(zeros)
             vs.append(zeros)
             krot.append(zeros.half())
             continue
-        k, v = dequantize_reference(batch.kv_cache, batch.block_table[req], pos0, cached, cfg,
-                                    batch.kwargs["centroids"])
+        k, v = dequantize_reference(
+            batch.kv_cache,
+            batch.block_table[req],
+            pos0,
+            cached,
+            cfg,
+            batch.kwargs["centroids"],
+        )
         k16, v16 = k.transpose(0, 1).half(), v.transpose(0, 1).half()
-        krot.append(torch.cat([k16, batch.key[qrow:qrow + new].half()]))
-        k64 = k16.double() @ batch.kwargs["rotation"].double() if unrotate else k16.double()
-        ks.append(torch.cat([k64, batch.key[qrow:qrow + new].double()]))
-        vs.append(torch.cat([v16.to(dtype).double(), batch.value[qrow:qrow + new].double()]))
+        krot.append(torch.cat([k16, batch.key[qrow : qrow + new].half()]))
+        k64 = (
+            k16.double() @ batch.kwargs["rotation"].double()
+            if unrotate
+            else k16.double()
+        )
+        ks.append(torch.cat([k64, batch.key[qrow : qrow + new].double()]))
+        vs.append(
+            torch.cat([v16.to(dtype).double(), batch.value[qrow : qrow + new].double()])
+        )
     return torch.cat(ks), torch.cat(vs), torch.cat(krot)
 
 
 def fill(batch, w, cfg, dtype, unrotate, err=None):
     hk, d = batch.kv_cache.shape[2], cfg.head_dim
-    k = torch.full((w.rows + 5, hk, d), float("nan"), dtype=dtype, device=batch.query.device)
+    k = torch.full(
+        (w.rows + 5, hk, d), float("nan"), dtype=dtype, device=batch.query.device
+    )
     v = torch.full_like(k, float("nan"))
-    fill_window(batch.kv_cache, batch.block_table, cfg, batch.kwargs["centroids"], batch.kwargs["rotation"],
-                batch.key, batch.value, w, 0, k, v, err, unrotate=unrotate)
-    assert k[w.rows:].isnan().all() and v[w.rows:].isnan().all(), "written past the window"
-    return k[:w.rows], v[:w.rows]
+    fill_window(
+        batch.kv_cache,
+        batch.block_table,
+        cfg,
+        batch.kwargs["centroids"],
+        batch.kwargs["rotation"],
+        batch.key,
+        batch.value,
+        w,
+        0,
+        k,
+        v,
+        err,
+        unrotate=unrotate,
+    )
+    assert k[w.rows :].isnan().all() and v[w.rows :].isnan().all(), (
+        "written past the window"
+    )
+    return k[: w.rows], v[: w.rows]
 
 
 def check(batch, capacity, unrotate, dtype=torch.float16, tag=""):
@@ -71,10 +117,14 @@ def check(batch, capacity, unrotate, dtype=torch.float16, tag=""):
         # Once rounded to fp16 (then to the window dtype): within half an fp16 ulp of the
         # exact product, plus 2^-20 of the terms' magnitudes for the float32 sums.
         terms = k_rot.double().abs() @ batch.kwargs["rotation"].double().abs()
-        ulp = torch.finfo(torch.float16).eps * torch.exp2(torch.floor(torch.log2(k_ref.abs().clamp(min=2**-14))))
+        ulp = torch.finfo(torch.float16).eps * torch.exp2(
+            torch.floor(torch.log2(k_ref.abs().clamp(min=2**-14)))
+        )
         slack = 0.5 * ulp + terms * 2**-20
         if dtype == torch.bfloat16:
-            slack = slack * 1.01 + k_ref.abs() * 2**-8  # and the second rounding, to bf16
+            slack = (
+                slack * 1.01 + k_ref.abs() * 2**-8
+            )  # and the second rounding, to bf16
         assert ((k.double() - k_ref).abs() <= slack).all(), tag
 
 
@@ -82,24 +132,52 @@ def check(batch, capacity, unrotate, dtype=torch.float16, tag=""):
 @pytest.mark.parametrize("layout", ["v020", "v033"])
 def test_cached_rows_are_the_reference_decoder_bit_for_bit(preset, head_dim, layout):
     seed = head_dim + len(preset)
-    batch = make_batch([(70, 1), (0, 3), (55, 2), (37, 0), (40, 1)], preset, head_dim=head_dim, num_q_heads=2,
-                       num_kv_heads=2, block_size=16 if head_dim < 128 else 32, layout=layout, seed=seed)
+    batch = make_batch(
+        [(70, 1), (0, 3), (55, 2), (37, 0), (40, 1)],
+        preset,
+        head_dim=head_dim,
+        num_q_heads=2,
+        num_kv_heads=2,
+        block_size=16 if head_dim < 128 else 32,
+        layout=layout,
+        seed=seed,
+    )
     check(batch, 48, unrotate=False, tag=f"seed {seed}")
-    check(batch, 600, unrotate=False, tag=f"seed {seed}, gaps")  # requests side by side, gaps between
+    check(
+        batch, 600, unrotate=False, tag=f"seed {seed}, gaps"
+    )  # requests side by side, gaps between
 
 
-@pytest.mark.parametrize("preset,head_dim", [(p, d) for p, d in SERVED if PRESETS[p][0] != 8])
+@pytest.mark.parametrize(
+    "preset,head_dim", [(p, d) for p, d in SERVED if PRESETS[p][0] != 8]
+)
 @pytest.mark.parametrize("rotation", ["random", "hadamard"])
-def test_unrotated_keys_are_within_half_an_fp16_ulp_of_float64(preset, head_dim, rotation):
+def test_unrotated_keys_are_within_half_an_fp16_ulp_of_float64(
+    preset, head_dim, rotation
+):
     seed = 3 * head_dim + len(preset)
-    batch = make_batch([(70, 1), (0, 3), (55, 2), (40, 1)], preset, head_dim=head_dim, num_q_heads=2,
-                       num_kv_heads=2, rotation=rotation, seed=seed)
+    batch = make_batch(
+        [(70, 1), (0, 3), (55, 2), (40, 1)],
+        preset,
+        head_dim=head_dim,
+        num_q_heads=2,
+        num_kv_heads=2,
+        rotation=rotation,
+        seed=seed,
+    )
     check(batch, 48, unrotate=True, tag=f"seed {seed}")
 
 
 @pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
 def test_bf16_windows_round_through_fp16(preset):
-    batch = make_batch([(70, 5), (0, 3), (55, 2)], preset, torch.bfloat16, num_q_heads=2, num_kv_heads=2, seed=8)
+    batch = make_batch(
+        [(70, 5), (0, 3), (55, 2)],
+        preset,
+        torch.bfloat16,
+        num_q_heads=2,
+        num_kv_heads=2,
+        seed=8,
+    )
     check(batch, 48, unrotate=True, dtype=torch.bfloat16, tag="seed 8")
 
 
@@ -107,22 +185,34 @@ def test_bf16_windows_round_through_fp16(preset):
 def test_bit_identity_holds_over_seeds_at_the_rounding_prone_presets(seed):
     # 4-bit keys with norm correction showed one-ulp differences on 6 of 80 draws when the
     # reference took torch's float32 sqrt; it now takes the correctly rounded one.
-    batch = make_batch([(150, 1), (20, 1)], "turboquant_4bit_nc", head_dim=64, num_q_heads=2, num_kv_heads=2,
-                       seed=100 + seed)
+    batch = make_batch(
+        [(150, 1), (20, 1)],
+        "turboquant_4bit_nc",
+        head_dim=64,
+        num_q_heads=2,
+        num_kv_heads=2,
+        seed=100 + seed,
+    )
     check(batch, 64, unrotate=False, tag=f"seed {100 + seed}")
 
 
 @pytest.mark.parametrize("bad", [-1, "num_blocks", "num_blocks+5", 10**6])
 def test_bad_block_ids_read_nothing_decode_to_nan_and_are_recorded(bad):
-    batch = make_batch([(64, 1), (48, 1)], "turboquant_3bit_nc", num_q_heads=2, num_kv_heads=2, seed=7)
+    batch = make_batch(
+        [(64, 1), (48, 1)], "turboquant_3bit_nc", num_q_heads=2, num_kv_heads=2, seed=7
+    )
     nb = batch.kv_cache.shape[0]
     batch.block_table[1, 1] = {"num_blocks": nb, "num_blocks+5": nb + 5}.get(bad, bad)
     cfg = TQConfig.from_preset("turboquant_3bit_nc", 64)
-    w = windows_of(batch, 400)[0]  # both requests in one batch window, a gap between them
+    w = windows_of(batch, 400)[
+        0
+    ]  # both requests in one batch window, a gap between them
     assert w.requests == (0, 1)
     err = torch.full((1,), 2**63 - 1, dtype=torch.int64, device=batch.query.device)
     k, v = fill(batch, w, cfg, torch.float16, True, err)
-    rows = w.segment(2)[0] + torch.arange(16, 32)  # request 1, tokens 16-31: block column 1
+    rows = w.segment(2)[0] + torch.arange(
+        16, 32
+    )  # request 1, tokens 16-31: block column 1
     assert k[rows].isnan().all() and v[rows].isnan().all()
     others = torch.ones(w.rows, dtype=torch.bool)
     others[rows] = False
@@ -130,5 +220,7 @@ def test_bad_block_ids_read_nothing_decode_to_nan_and_are_recorded(bad):
     gap = slice(w.segment(1)[0], w.segment(2)[0])
     assert (k[gap] == 0).all() and (v[gap] == 0).all()
     assert int(err[0]) == (1 << 32) + 1  # request 1, column 1
-    k_ref, _ = dequantize_reference(batch.kv_cache, batch.block_table[1], 16, 16, cfg, batch.kwargs["centroids"])
+    k_ref, _ = dequantize_reference(
+        batch.kv_cache, batch.block_table[1], 16, 16, cfg, batch.kwargs["centroids"]
+    )
     assert k_ref.isnan().all()  # the reference decoder says the same

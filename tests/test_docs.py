@@ -41,16 +41,26 @@ def python_blocks(text: str):
             while i < len(lines) and lines[i].strip() != "```":
                 i += 1
             if i == len(lines):
-                raise ValueError(f"line {start + 1}: ```python block without a closing fence")
+                raise ValueError(
+                    f"line {start + 1}: ```python block without a closing fence"
+                )
             needs = None
             marker = MARKER.match(lines[start - 1]) if start else None
             if marker:
                 needs = NEEDS.match(marker.group(1))
                 if not needs:
-                    raise ValueError(f"line {start}: unknown snippet marker {lines[start - 1]!r}; "
-                                     "expected <!-- snippet: needs MODULE -->")
+                    raise ValueError(
+                        f"line {start}: unknown snippet marker {lines[start - 1]!r}; "
+                        "expected <!-- snippet: needs MODULE -->"
+                    )
                 needs = needs.group(1)
-            blocks.append((start + 1, textwrap.dedent("\n".join(lines[start + 1:i]) + "\n"), needs))
+            blocks.append(
+                (
+                    start + 1,
+                    textwrap.dedent("\n".join(lines[start + 1 : i]) + "\n"),
+                    needs,
+                )
+            )
         i += 1
     return blocks
 
@@ -79,33 +89,47 @@ def test_snippet_runs(name, line, code, needs):
 def test_readme_use_block_is_collected():
     """The collector finds the README's "Use" block (the one a newcomer copies)."""
     blocks = python_blocks((ROOT / "README.md").read_text())
-    assert any("continuation_prefill_varlen(" in code and needs is None for _, code, needs in blocks), blocks
+    assert any(
+        "continuation_prefill_varlen(" in code and needs is None
+        for _, code, needs in blocks
+    ), blocks
 
 
 def test_collector_reads_fences_and_markers():
-    text = "\n".join([
-        "# Title",                          # 1
-        "```python",                        # 2
-        "x = 1",                            # 3
-        "```",                              # 4
-        "```bash",                          # 5
-        "echo not python",                  # 6
-        "```",                              # 7
-        "<!-- snippet: needs some_module -->",  # 8
-        "```python",                        # 9
-        "import some_module",               # 10
-        "```",                              # 11
-        "1. a list item:",                  # 12
-        "   ```python",                     # 13
-        "   y = 2",                         # 14
-        "   ```",                           # 15
-    ])
-    assert python_blocks(text) == [(2, "x = 1\n", None), (9, "import some_module\n", "some_module"),
-                                   (13, "y = 2\n", None)]
+    text = "\n".join(
+        [
+            "# Title",  # 1
+            "```python",  # 2
+            "x = 1",  # 3
+            "```",  # 4
+            "```bash",  # 5
+            "echo not python",  # 6
+            "```",  # 7
+            "<!-- snippet: needs some_module -->",  # 8
+            "```python",  # 9
+            "import some_module",  # 10
+            "```",  # 11
+            "1. a list item:",  # 12
+            "   ```python",  # 13
+            "   y = 2",  # 14
+            "   ```",  # 15
+        ]
+    )
+    assert python_blocks(text) == [
+        (2, "x = 1\n", None),
+        (9, "import some_module\n", "some_module"),
+        (13, "y = 2\n", None),
+    ]
 
 
-@pytest.mark.parametrize("marker", ["<!-- snippet: skip -->", "<!-- snippet: needs -->",
-                                    "<!-- snippet: needs vllm torch -->"])
+@pytest.mark.parametrize(
+    "marker",
+    [
+        "<!-- snippet: skip -->",
+        "<!-- snippet: needs -->",
+        "<!-- snippet: needs vllm torch -->",
+    ],
+)
 def test_unknown_marker_is_an_error(marker):
     with pytest.raises(ValueError, match="unknown snippet marker"):
         python_blocks(f"{marker}\n```python\nx = 1\n```\n")

@@ -4,20 +4,40 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tq_chunked.format import (PRESETS, TQConfig, dequantize_reference, encode_reference, hadamard,
-                               lloyd_max_centroids, pack_bits, unpack_bits)
+from tq_chunked.format import (
+    PRESETS,
+    TQConfig,
+    dequantize_reference,
+    encode_reference,
+    hadamard,
+    lloyd_max_centroids,
+    pack_bits,
+    unpack_bits,
+)
 
 
-@pytest.mark.parametrize("preset,slot", [("turboquant_k8v4", 196), ("turboquant_4bit_nc", 134),
-                                         ("turboquant_k3v4_nc", 118), ("turboquant_3bit_nc", 102)])
+@pytest.mark.parametrize(
+    "preset,slot",
+    [
+        ("turboquant_k8v4", 196),
+        ("turboquant_4bit_nc", 134),
+        ("turboquant_k3v4_nc", 118),
+        ("turboquant_3bit_nc", 102),
+    ],
+)
 def test_slot_bytes_at_d128_match_vllm(preset, slot):
     assert TQConfig.from_preset(preset, 128).slot_bytes == slot
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)
-@given(bits=st.sampled_from([3, 4]), d=st.sampled_from([8, 16, 64, 128, 256]), seed=st.integers(0, 2**31))
+@given(
+    bits=st.sampled_from([3, 4]),
+    d=st.sampled_from([8, 16, 64, 128, 256]),
+    seed=st.integers(0, 2**31),
+)
 def test_pack_unpack_round_trip(bits, d, seed):
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, 2**bits, (5, d), generator=gen)
@@ -44,7 +64,9 @@ def test_lloyd_max_centroids_satisfy_the_optimality_conditions(bits, d):
     x = torch.linspace(-9 * sigma, 9 * sigma, 2_000_001, dtype=torch.float64)
     w = torch.exp(-0.5 * (x / sigma) ** 2)
     cell = torch.bucketize(x, (c[1:] + c[:-1]) / 2)
-    means = torch.stack([(x * w)[cell == i].sum() / w[cell == i].sum() for i in range(2**bits)])
+    means = torch.stack(
+        [(x * w)[cell == i].sum() / w[cell == i].sum() for i in range(2**bits)]
+    )
     assert torch.allclose(means, c, rtol=0, atol=1e-5 * sigma)
 
 
@@ -61,17 +83,34 @@ def test_round_trip_error_is_that_of_the_quantizer(preset):
     gen = torch.Generator().manual_seed(7)
     key = torch.randn(64, 2, 128, generator=gen)
     val = torch.randn(64, 2, 128, generator=gen)
-    cache = torch.randint(0, 256, (4, 16, 2, cfg.slot_bytes), dtype=torch.uint8, generator=gen)
+    cache = torch.randint(
+        0, 256, (4, 16, 2, cfg.slot_bytes), dtype=torch.uint8, generator=gen
+    )
     encode_reference(key, val, cache, torch.arange(64), cfg, centroids, hadamard(128))
-    k, v = dequantize_reference(cache, torch.arange(4, dtype=torch.int32), 0, 64, cfg, centroids)
+    k, v = dequantize_reference(
+        cache, torch.arange(4, dtype=torch.int32), 0, 64, cfg, centroids
+    )
     assert k.shape == (2, 64, 128) and v.shape == (2, 64, 128)
-    k = k.transpose(0, 1) if cfg.key_fp8 else (k @ hadamard(128)).transpose(0, 1)  # un-rotate
-    assert ((k - key).norm() / key.norm()).item() < {8: 0.05, 4: 0.12, 3: 0.22}[cfg.key_bits]
-    assert ((v.transpose(0, 1) - val).norm() / val.norm()).item() < {4: 0.12, 3: 0.25}[cfg.value_bits]
+    k = (
+        k.transpose(0, 1) if cfg.key_fp8 else (k @ hadamard(128)).transpose(0, 1)
+    )  # un-rotate
+    assert ((k - key).norm() / key.norm()).item() < {8: 0.05, 4: 0.12, 3: 0.22}[
+        cfg.key_bits
+    ]
+    assert ((v.transpose(0, 1) - val).norm() / val.norm()).item() < {4: 0.12, 3: 0.25}[
+        cfg.value_bits
+    ]
 
 
-@pytest.mark.parametrize("preset,head_dim", [("turboquant_3bit_nc", 96), ("turboquant_k8v4", 100),
-                                             ("turboquant_k8v4", 8), ("turboquant_4bit_nc", 512)])
+@pytest.mark.parametrize(
+    "preset,head_dim",
+    [
+        ("turboquant_3bit_nc", 96),
+        ("turboquant_k8v4", 100),
+        ("turboquant_k8v4", 8),
+        ("turboquant_4bit_nc", 512),
+    ],
+)
 def test_config_refuses_head_sizes_vllm_does_not_serve(preset, head_dim):
     with pytest.raises(ValueError, match="head_dim"):
         TQConfig.from_preset(preset, head_dim)

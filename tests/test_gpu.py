@@ -7,16 +7,35 @@ Runs on the H200 machine; CI (no GPU) skips it. The vLLM tests need vLLM importa
 
 import pytest
 import torch
+from conftest import make_batch, rel_err
+from test_promises import (
+    NONFINITE_CASES,
+    REQUESTS,
+    WINDOW,
+    check_against_oracle,
+    poison,
+)
 
-from tq_chunked import PRESETS, continuation_prefill, continuation_prefill_varlen, default_window, workspace_bytes
+from tq_chunked import (
+    PRESETS,
+    continuation_prefill,
+    continuation_prefill_varlen,
+    default_window,
+    workspace_bytes,
+)
 from tq_chunked.attention import BACKENDS, backend_available
 from tq_chunked.demo import build_batch, build_case
 from tq_chunked.format import TQConfig, encode_reference, unpack_bits
-from tq_chunked.reference import full_buffer_continuation_prefill, oracle_continuation_prefill
-from tq_chunked.vllm_harness import build_vllm_tq, vllm_available, vllm_continuation_prefill, vllm_store
-
-from conftest import make_batch, rel_err
-from test_promises import NONFINITE_CASES, REQUESTS, WINDOW, check_against_oracle, poison
+from tq_chunked.reference import (
+    full_buffer_continuation_prefill,
+    oracle_continuation_prefill,
+)
+from tq_chunked.vllm_harness import (
+    build_vllm_tq,
+    vllm_available,
+    vllm_continuation_prefill,
+    vllm_store,
+)
 
 pytestmark = pytest.mark.gpu
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not importable")
@@ -30,17 +49,30 @@ def _backends(d=128):
 @pytest.mark.parametrize("cached_len", [8192, 32768, 131072])
 @pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
 def test_long_context_matches_full_buffer(preset, cached_len):
-    args, kwargs = build_case(preset, cached_len, 512, 32, 8, 128, 16, torch.float16, "cuda", seed=cached_len)
+    args, kwargs = build_case(
+        preset, cached_len, 512, 32, 8, 128, 16, torch.float16, "cuda", seed=cached_len
+    )
     oracle = oracle_continuation_prefill(*args, **kwargs)
     e_full = rel_err(full_buffer_continuation_prefill(*args, **kwargs), oracle)
     for backend in _backends():
         out = continuation_prefill(*args, **kwargs, backend=backend)
         e = rel_err(out, oracle)
-        print(f"{preset} cached {cached_len} {backend}: chunked {e:.3e}, full {e_full:.3e}")
+        print(
+            f"{preset} cached {cached_len} {backend}: chunked {e:.3e}, full {e_full:.3e}"
+        )
         assert e <= 1.1 * e_full + 1e-4, (backend, e, e_full)
 
 
-BATCH = [(3000, 700), (0, 512), (5000, 16), (0, 0), (12000, 1), (700, 3), (20000, 300), (100, 0)]
+BATCH = [
+    (3000, 700),
+    (0, 512),
+    (5000, 16),
+    (0, 0),
+    (12000, 1),
+    (700, 3),
+    (20000, 300),
+    (100, 0),
+]
 
 
 def _request_errors(b, out, backend, min_q_len):
@@ -51,26 +83,58 @@ def _request_errors(b, out, backend, min_q_len):
         if q_len < min_q_len:
             continue
         rows = slice(qsl[r], qsl[r + 1])
-        args = (b["query"][rows], b["key"][rows], b["value"][rows], b["kv_cache"], b["block_table"][r], cached)
+        args = (
+            b["query"][rows],
+            b["key"][rows],
+            b["value"][rows],
+            b["kv_cache"],
+            b["block_table"][r],
+            cached,
+        )
         oracle = oracle_continuation_prefill(*args, **b["kwargs"])
-        e_full = rel_err(full_buffer_continuation_prefill(*args, **b["kwargs"], backend=backend), oracle)
+        e_full = rel_err(
+            full_buffer_continuation_prefill(*args, **b["kwargs"], backend=backend),
+            oracle,
+        )
         yield r, cached, q_len, rel_err(out[rows], oracle), e_full
 
 
-@pytest.mark.parametrize("preset,head_dim", [("turboquant_3bit_nc", 128), ("turboquant_4bit_nc", 64),
-                                             ("turboquant_k8v4", 96), ("turboquant_k3v4_nc", 256)])
+@pytest.mark.parametrize(
+    "preset,head_dim",
+    [
+        ("turboquant_3bit_nc", 128),
+        ("turboquant_4bit_nc", 64),
+        ("turboquant_k8v4", 96),
+        ("turboquant_k3v4_nc", 256),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_batch_matches_each_requests_full_buffer(preset, head_dim, dtype):
     """First chunks, short and long continuations in one call, windows across requests."""
     b = build_batch(preset, BATCH, 16, 4, head_dim, 16, dtype, "cuda", seed=head_dim)
     qsl, lens = b["query_start_loc"], b["seq_lens"]
     for backend in _backends(head_dim):
-        out = continuation_prefill_varlen(b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"], None,
-                                          None, **b["kwargs"], query_start_loc_cpu=qsl, seq_lens_cpu=lens,
-                                          window=4096, backend=backend)
-        for r, cached, q_len, e, e_full in _request_errors(b, out, backend, min_q_len=1):
+        out = continuation_prefill_varlen(
+            b["query"],
+            b["key"],
+            b["value"],
+            b["kv_cache"],
+            b["block_table"],
+            None,
+            None,
+            **b["kwargs"],
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=lens,
+            window=4096,
+            backend=backend,
+        )
+        for r, cached, q_len, e, e_full in _request_errors(
+            b, out, backend, min_q_len=1
+        ):
             factor = 1.1 if q_len >= 4 else 1.6  # see tests/test_varlen.py
-            print(f"{preset} D{head_dim} {dtype} {backend} request {r} ({cached}, {q_len}): {e:.3e} full {e_full:.3e}")
+            print(
+                f"{preset} D{head_dim} {dtype} {backend} request {r} ({cached}, {q_len}): {e:.3e} full {e_full:.3e}"
+            )
             assert e <= factor * e_full + 1e-4, (backend, r, e, e_full)
 
 
@@ -82,10 +146,22 @@ def test_long_requests_and_kv_head_groups_with_flash_attention(budget, dtype):
     b = build_batch("turboquant_4bit_nc", BATCH, 16, 4, 128, 16, dtype, "cuda", seed=41)
     max_bytes = None if budget == "all heads" else 1
     for backend in _backends():
-        out, lse = continuation_prefill_varlen(b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"],
-                                               None, None, **b["kwargs"], query_start_loc_cpu=b["query_start_loc"],
-                                               seq_lens_cpu=b["seq_lens"], window=4096, backend=backend,
-                                               max_workspace_bytes=max_bytes, return_lse=True)
+        out, lse = continuation_prefill_varlen(
+            b["query"],
+            b["key"],
+            b["value"],
+            b["kv_cache"],
+            b["block_table"],
+            None,
+            None,
+            **b["kwargs"],
+            query_start_loc_cpu=b["query_start_loc"],
+            seq_lens_cpu=b["seq_lens"],
+            window=4096,
+            backend=backend,
+            max_workspace_bytes=max_bytes,
+            return_lse=True,
+        )
         for r, _, _, e, e_full in _request_errors(b, out, backend, min_q_len=4):
             assert e <= 1.1 * e_full + 1e-4, (budget, dtype, backend, r, e, e_full)
         assert torch.isfinite(lse).all()
@@ -96,43 +172,102 @@ def test_no_host_device_synchronization(check):
     """With the host copies of the lengths, a call, the planning of new lengths and the
     block-id check included, never synchronizes (torch's sync debug mode), and in steady
     state calls no CUDA runtime function that synchronizes or allocates (profiler)."""
-    b = build_batch("turboquant_3bit_nc", [(20000, 300), (0, 64), (9000, 16), (500, 40)], 32, 8, 128, 16,
-                    torch.float16, "cuda", seed=3)
-    args = (b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"], None, None)
-    ws = torch.empty(workspace_bytes(420, 32, 8, 128, 8192), dtype=torch.uint8, device="cuda")
-    call = lambda lens: continuation_prefill_varlen(*args, **b["kwargs"], query_start_loc_cpu=b["query_start_loc"],
-                                                   seq_lens_cpu=lens, window=8192, workspace=ws,
-                                                   check_block_table=check)
+    b = build_batch(
+        "turboquant_3bit_nc",
+        [(20000, 300), (0, 64), (9000, 16), (500, 40)],
+        32,
+        8,
+        128,
+        16,
+        torch.float16,
+        "cuda",
+        seed=3,
+    )
+    args = (
+        b["query"],
+        b["key"],
+        b["value"],
+        b["kv_cache"],
+        b["block_table"],
+        None,
+        None,
+    )
+    ws = torch.empty(
+        workspace_bytes(420, 32, 8, 128, 8192), dtype=torch.uint8, device="cuda"
+    )
+    call = lambda lens: continuation_prefill_varlen(
+        *args,
+        **b["kwargs"],
+        query_start_loc_cpu=b["query_start_loc"],
+        seq_lens_cpu=lens,
+        window=8192,
+        workspace=ws,
+        check_block_table=check,
+    )
     ref = call(b["seq_lens"])  # compiles the kernels
     call(b["seq_lens"])
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         call(b["seq_lens"])  # a plan from the cache
-        out = call([s + 1 if s > 64 else s for s in b["seq_lens"]])  # a new plan: one more cached token each
+        out = call(
+            [s + 1 if s > 64 else s for s in b["seq_lens"]]
+        )  # a new plan: one more cached token each
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(out).all() and not torch.equal(out, ref)
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(
+        activities=[
+            torch.profiler.ProfilerActivity.CPU,
+            torch.profiler.ProfilerActivity.CUDA,
+        ]
+    ) as prof:
         for _ in range(3):
             call(b["seq_lens"])
         torch.cuda.synchronize()
-    runtime = [e.name for e in prof.events() if e.name.startswith("cuda") and e.name != "cudaDeviceSynchronize"]
+    runtime = [
+        e.name
+        for e in prof.events()
+        if e.name.startswith("cuda") and e.name != "cudaDeviceSynchronize"
+    ]
     print(check, sorted(set(runtime)))
-    forbidden = [n for n in runtime if "Synchronize" in n or "Malloc" in n or n in ("cudaMemcpy", "cudaFree")]
+    forbidden = [
+        n
+        for n in runtime
+        if "Synchronize" in n or "Malloc" in n or n in ("cudaMemcpy", "cudaFree")
+    ]
     assert not forbidden, forbidden
 
 
 def test_a_bad_block_id_is_reported_at_the_next_call_and_its_request_is_nan():
     from tq_chunked import check_block_tables
-    b = build_batch("turboquant_3bit_nc", [(3000, 64), (2000, 32)], 16, 4, 128, 16, torch.float16, "cuda", seed=5)
+
+    b = build_batch(
+        "turboquant_3bit_nc",
+        [(3000, 64), (2000, 32)],
+        16,
+        4,
+        128,
+        16,
+        torch.float16,
+        "cuda",
+        seed=5,
+    )
     bt = b["block_table"].clone()
     bt[1, 7] = 10**6
-    call = lambda table: continuation_prefill_varlen(b["query"], b["key"], b["value"], b["kv_cache"], table, None,
-                                                     None, **b["kwargs"], query_start_loc_cpu=b["query_start_loc"],
-                                                     seq_lens_cpu=b["seq_lens"])
+    call = lambda table: continuation_prefill_varlen(
+        b["query"],
+        b["key"],
+        b["value"],
+        b["kv_cache"],
+        table,
+        None,
+        None,
+        **b["kwargs"],
+        query_start_loc_cpu=b["query_start_loc"],
+        seq_lens_cpu=b["seq_lens"],
+    )
     out = call(bt)
     assert out[64:].isnan().all() and torch.isfinite(out[:64]).all()
     with pytest.raises(ValueError, match=r"block_table\[1, 7\]"):
@@ -145,31 +280,56 @@ def test_peak_memory_is_output_plus_workspace():
     """Beyond the output and the workspace (workspace_bytes), a call allocates at most
     8 MiB (FlashAttention's log-sum-exp and scheduler metadata), over batches of
     several kinds; and the workspace is flat in the cached length and the batch size."""
-    batches = {"1 x 32K q2048": [(32768, 2048)], "1 x 128K q2048": [(131072, 2048)], "16 x 8K q128": [(8192, 128)] * 16,
-               "24 hits q384": [(512 + 240 * i, 384) for i in range(24)], "first chunks + hits":
-               [(0, 2048), (0, 1024)] + [(4096, 256)] * 8, "32 hits q16": [(1024 + 200 * i, 16) for i in range(32)]}
+    batches = {
+        "1 x 32K q2048": [(32768, 2048)],
+        "1 x 128K q2048": [(131072, 2048)],
+        "16 x 8K q128": [(8192, 128)] * 16,
+        "24 hits q384": [(512 + 240 * i, 384) for i in range(24)],
+        "first chunks + hits": [(0, 2048), (0, 1024)] + [(4096, 256)] * 8,
+        "32 hits q16": [(1024 + 200 * i, 16) for i in range(32)],
+    }
     extra = {}
     for name, requests in batches.items():
-        b = build_batch("turboquant_3bit_nc", requests, 32, 8, 128, 16, torch.float16, "cuda")
+        b = build_batch(
+            "turboquant_3bit_nc", requests, 32, 8, 128, 16, torch.float16, "cuda"
+        )
         n = b["query"].shape[0]
-        ws = torch.empty(workspace_bytes(n, 32, 8, 128, default_window(8, 128, 16)), dtype=torch.uint8, device="cuda")
-        call = lambda: continuation_prefill_varlen(b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"],
-                                                   None, None, **b["kwargs"], query_start_loc_cpu=b["query_start_loc"],
-                                                   seq_lens_cpu=b["seq_lens"], workspace=ws)
+        ws = torch.empty(
+            workspace_bytes(n, 32, 8, 128, default_window(8, 128, 16)),
+            dtype=torch.uint8,
+            device="cuda",
+        )
+        call = lambda: continuation_prefill_varlen(
+            b["query"],
+            b["key"],
+            b["value"],
+            b["kv_cache"],
+            b["block_table"],
+            None,
+            None,
+            **b["kwargs"],
+            query_start_loc_cpu=b["query_start_loc"],
+            seq_lens_cpu=b["seq_lens"],
+            workspace=ws,
+        )
         call()  # warm-up
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         out = call()
         torch.cuda.synchronize()
-        extra[name] = (torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()) / 2**20
+        extra[name] = (
+            torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
+        ) / 2**20
         del out, b, ws
     print({k: f"{v:.2f} MiB" for k, v in extra.items()})
     assert all(v <= 8 for v in extra.values()), extra
 
 
 def test_one_million_cached_tokens():
-    args, kwargs = build_case("turboquant_k8v4", 1 << 20, 64, 32, 8, 128, 16, torch.float16, "cuda", seed=9)
+    args, kwargs = build_case(
+        "turboquant_k8v4", 1 << 20, 64, 32, 8, 128, 16, torch.float16, "cuda", seed=9
+    )
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     out = continuation_prefill(*args, **kwargs)
@@ -178,7 +338,9 @@ def test_one_million_cached_tokens():
     oracle = oracle_continuation_prefill(*args, **kwargs)
     e_full = rel_err(full_buffer_continuation_prefill(*args, **kwargs), oracle)
     e = rel_err(out, oracle)
-    print(f"1M cached, q 64: chunked {e:.3e}, full {e_full:.3e}, peak extra {peak:.1f} MiB")
+    print(
+        f"1M cached, q 64: chunked {e:.3e}, full {e_full:.3e}, peak extra {peak:.1f} MiB"
+    )
     assert e <= 1.1 * e_full + 1e-4 and peak < 128
 
 
@@ -189,23 +351,59 @@ def test_non_finite_values_propagate_with_flash_attention(where, value, token, d
     if "flash" not in _backends(64):
         pytest.skip("FlashAttention is not available")
     seed = 31 + len(where) + token
-    batch = make_batch(REQUESTS, "turboquant_3bit_nc", dtype, num_q_heads=4, num_kv_heads=2, seed=seed, device="cuda")
+    batch = make_batch(
+        REQUESTS,
+        "turboquant_3bit_nc",
+        dtype,
+        num_q_heads=4,
+        num_kv_heads=2,
+        seed=seed,
+        device="cuda",
+    )
     batch.query.mul_(0.2)
     allowed = poison(batch, where, value, token)
     q, k, v, cache, bt, qsl, lens = batch.args
-    out = continuation_prefill_varlen(q, k, v, cache, bt, qsl, lens, **batch.kwargs, window=WINDOW, backend="flash",
-                                      query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens)
+    out = continuation_prefill_varlen(
+        q,
+        k,
+        v,
+        cache,
+        bt,
+        qsl,
+        lens,
+        **batch.kwargs,
+        window=WINDOW,
+        backend="flash",
+        query_start_loc_cpu=batch.query_start_loc,
+        seq_lens_cpu=batch.seq_lens,
+    )
     check_against_oracle(batch, out, allowed)
 
 
-@pytest.mark.parametrize("preset,head_dim", [("turboquant_3bit_nc", 64), ("turboquant_4bit_nc", 128),
-                                             ("turboquant_k3v4_nc", 256), ("turboquant_3bit_nc", 128)])
+@pytest.mark.parametrize(
+    "preset,head_dim",
+    [
+        ("turboquant_3bit_nc", 64),
+        ("turboquant_4bit_nc", 128),
+        ("turboquant_k3v4_nc", 256),
+        ("turboquant_3bit_nc", 128),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_unrotation_on_tensor_cores_is_within_half_an_fp16_ulp(preset, head_dim, dtype):
     """tests/test_dequant.py's bound, on the H200's tensor cores (fp16 MMA, float32 sums)."""
     from test_dequant import check
-    batch = make_batch([(700, 1), (0, 3), (550, 2), (400, 1)], preset, dtype, head_dim=head_dim, num_q_heads=2,
-                       num_kv_heads=2, seed=head_dim, device="cuda")
+
+    batch = make_batch(
+        [(700, 1), (0, 3), (550, 2), (400, 1)],
+        preset,
+        dtype,
+        head_dim=head_dim,
+        num_q_heads=2,
+        num_kv_heads=2,
+        seed=head_dim,
+        device="cuda",
+    )
     check(batch, 480, unrotate=True, dtype=dtype, tag=f"seed {head_dim}")
 
 
@@ -214,10 +412,31 @@ def test_kernels_launch_through_the_direct_launcher():
     from tq_chunked._utils import Launcher
     from tq_chunked.dequant import _fill
     from tq_chunked.merge import _merge
-    b = build_batch("turboquant_3bit_nc", [(30000, 300), (2000, 40)], 32, 8, 128, 16, torch.float16, "cuda", seed=7)
-    call = lambda: continuation_prefill_varlen(b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"], None,
-                                               None, **b["kwargs"], query_start_loc_cpu=b["query_start_loc"],
-                                               seq_lens_cpu=b["seq_lens"], window=8192)
+
+    b = build_batch(
+        "turboquant_3bit_nc",
+        [(30000, 300), (2000, 40)],
+        32,
+        8,
+        128,
+        16,
+        torch.float16,
+        "cuda",
+        seed=7,
+    )
+    call = lambda: continuation_prefill_varlen(
+        b["query"],
+        b["key"],
+        b["value"],
+        b["kv_cache"],
+        b["block_table"],
+        None,
+        None,
+        **b["kwargs"],
+        query_start_loc_cpu=b["query_start_loc"],
+        seq_lens_cpu=b["seq_lens"],
+        window=8192,
+    )
     first = call()
     second = call()
     assert Launcher.direct is not None and _fill.compiled and _merge.compiled
@@ -231,11 +450,16 @@ def _vllm_cache(tq, preset, total, layout, block_size=16, hk=8, d=128, seed=0):
     gen = torch.Generator("cuda").manual_seed(seed)
     cfg = TQConfig.from_preset(preset, d)
     nb = -(-total // block_size) + 2
-    cache = torch.zeros(nb, block_size, hk, cfg.slot_bytes, dtype=torch.uint8, device="cuda")
+    cache = torch.zeros(
+        nb, block_size, hk, cfg.slot_bytes, dtype=torch.uint8, device="cuda"
+    )
     bt = torch.randperm(nb, generator=gen, device="cuda").int()[None]
     pos = torch.arange(total, device="cuda")
     slots = bt[0].long()[pos // block_size] * block_size + pos % block_size
-    key = torch.randn(total, hk, d, generator=gen, device="cuda", dtype=torch.float16) * 1.5
+    key = (
+        torch.randn(total, hk, d, generator=gen, device="cuda", dtype=torch.float16)
+        * 1.5
+    )
     val = torch.randn(total, hk, d, generator=gen, device="cuda", dtype=torch.float16)
     vllm_store(tq, key, val, cache, slots)
     if layout == "v033":
@@ -260,7 +484,9 @@ def test_encoder_agrees_with_vllm_store(preset):
     theirs_s, ours_s = cache[blk, pos], ours[blk, pos]  # (N, Hk, slot)
     kb, vi = cfg.key_bytes, cfg.key_bytes + cfg.value_index_bytes
     assert torch.equal(theirs_s[..., :kb], ours_s[..., :kb]), "key bytes differ"
-    assert torch.equal(theirs_s[..., vi:], ours_s[..., vi:]), "value scale/zero bytes differ"
+    assert torch.equal(theirs_s[..., vi:], ours_s[..., vi:]), (
+        "value scale/zero bytes differ"
+    )
     ia = unpack_bits(theirs_s[..., kb:vi], cfg.value_bits, 128)
     ib = unpack_bits(ours_s[..., kb:vi], cfg.value_bits, 128)
     differ = ia != ib
@@ -268,7 +494,9 @@ def test_encoder_agrees_with_vllm_store(preset):
     vmin, vmax = v.amin(-1, keepdim=True), v.amax(-1, keepdim=True)
     x = (v - vmin) / ((vmax - vmin) / (2**cfg.value_bits - 1)).clamp(min=1e-8) + 0.5
     boundary = (x - x.round()).abs() < 1e-5 * x.abs().clamp(min=1)
-    print(f"{preset}: {differ.sum().item()} of {differ.numel()} value indices differ, all by one at a boundary")
+    print(
+        f"{preset}: {differ.sum().item()} of {differ.numel()} value indices differ, all by one at a boundary"
+    )
     assert ((ia - ib).abs() <= 1).all() and (boundary | ~differ).all()
     assert differ.float().mean().item() < 1e-4
 
@@ -282,21 +510,30 @@ def test_answer_agrees_with_vllm_continuation_prefill(preset, layout):
     cache, bt, _, key, val = _vllm_cache(tq, preset, cached + q_len, layout, seed=1)
     q = torch.randn(q_len, 32, 128, device="cuda", dtype=torch.float16) * 1.5
     args = (q, key[cached:], val[cached:], cache, bt, cached)
-    kwargs = dict(preset=preset, centroids=tq.centroids, rotation=tq.rotation, scale=128**-0.5)
+    kwargs = dict(
+        preset=preset, centroids=tq.centroids, rotation=tq.rotation, scale=128**-0.5
+    )
     theirs = vllm_continuation_prefill(tq, *args)
     oracle = oracle_continuation_prefill(*args, **kwargs)
     e_vllm = rel_err(theirs, oracle)
     for backend in _backends():
         ours = continuation_prefill(*args, **kwargs, backend=backend)
         e = rel_err(ours, oracle)
-        print(f"{preset} {layout} {backend}: chunked {e:.3e}, vLLM {e_vllm:.3e}, apart {rel_err(ours, theirs.double()):.3e}")
+        print(
+            f"{preset} {layout} {backend}: chunked {e:.3e}, vLLM {e_vllm:.3e}, apart {rel_err(ours, theirs.double()):.3e}"
+        )
         assert e <= 1.1 * e_vllm + 1e-4, (backend, e, e_vllm)
 
 
 def _forward_script():
     import importlib.util
     import os
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "vllm_forward.py")
+
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        "benchmarks",
+        "vllm_forward.py",
+    )
     spec = importlib.util.spec_from_file_location("vllm_forward", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -305,17 +542,23 @@ def _forward_script():
 
 @needs_vllm
 def test_vllm_forward_with_the_plugin_keeps_every_prefix_hit_exact():
-    """vLLM's real forward on a batch where a first chunk is the longest request
+    """VLLM's real forward on a batch where a first chunk is the longest request
     (vllm-project/vllm issue 46460): unpatched, the prefix hits lose their cached prefix;
     patched, every request is within the criterion; decodes are vLLM's own rows."""
     result = {}
     _forward_script().scenario_46460(result)
     r = result["issue_46460"]
     for u, p in zip(r["unpatched"], r["patched"]):
-        print(f"request {u['request']} (cached {u['cached']}, q {u['q_len']}): unpatched {u['error']:.2e}, "
-              f"patched {p['error']:.2e}, full {p['full_error']:.2e}")
-        if p["request"] < 2:  # the two decodes: vLLM's own kernel, the same rows patched or not
+        print(
+            f"request {u['request']} (cached {u['cached']}, q {u['q_len']}): unpatched {u['error']:.2e}, "
+            f"patched {p['error']:.2e}, full {p['full_error']:.2e}"
+        )
+        if (
+            p["request"] < 2
+        ):  # the two decodes: vLLM's own kernel, the same rows patched or not
             assert p["error"] == u["error"]
         else:
             assert p["error"] <= 1.1 * p["full_error"] + 1e-4
-    assert all(u["error"] > 0.1 for u in r["unpatched"][3:])  # the prefix hits lost their prefix
+    assert all(
+        u["error"] > 0.1 for u in r["unpatched"][3:]
+    )  # the prefix hits lost their prefix

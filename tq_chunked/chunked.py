@@ -31,7 +31,14 @@ from .dequant import fill_window
 from .format import TQConfig, resolve_config
 from .merge import merge_attn_states
 from .plan import GAP, LongRequest, plan
-from .workspace import DEFAULT_WORKSPACE_BYTES, capacity, carve, default_window, kv_head_group, layout_bytes
+from .workspace import (
+    DEFAULT_WORKSPACE_BYTES,
+    capacity,
+    carve,
+    default_window,
+    kv_head_group,
+    layout_bytes,
+)
 
 QUERY_DTYPES = (torch.float16, torch.bfloat16)
 INT32_MAX = 2**31 - 1
@@ -41,16 +48,21 @@ INT32_MAX = 2**31 - 1
 # Validation at the boundary
 # ---------------------------------------------------------------------------
 
+
 def _as_scale(scale):
     if isinstance(scale, torch.Tensor) and scale.device.type != "cpu":
-        raise ValueError(f"scale must be a host number (a {scale.device} tensor would need a synchronization), "
-                         f"got {scale!r}")
+        raise ValueError(
+            f"scale must be a host number (a {scale.device} tensor would need a synchronization), "
+            f"got {scale!r}"
+        )
     if isinstance(scale, (bool, str, bytes)):
         raise ValueError(f"scale must be a finite positive float, got {scale!r}")
     try:
         value = float(scale)
     except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"scale must be a finite positive float, got {type(scale).__name__} {scale!r}") from None
+        raise ValueError(
+            f"scale must be a finite positive float, got {type(scale).__name__} {scale!r}"
+        ) from None
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"scale must be a finite positive float, got {scale!r}")
     return value
@@ -65,24 +77,43 @@ def _host_ints(name, cpu, device_tensor, device):
         raise ValueError(f"{name} or {name}_cpu must be given")
     if isinstance(src, torch.Tensor):
         if cpu is not None and src.device.type != "cpu":
-            raise ValueError(f"{shown} must be on the CPU (a host copy); a {src.device} tensor would need a "
-                             f"synchronization: pass it as {name} instead")
+            raise ValueError(
+                f"{shown} must be on the CPU (a host copy); a {src.device} tensor would need a "
+                f"synchronization: pass it as {name} instead"
+            )
         if cpu is None and src.device != device:
-            raise ValueError(f"{name} must be on {device} (the query's device), got {src.device}")
-        if src.ndim != 1 or src.dtype.is_floating_point or src.dtype.is_complex or src.dtype == torch.bool:
-            raise ValueError(f"{shown} must be a 1-D integer tensor, got {src.dtype} of shape {tuple(src.shape)}")
+            raise ValueError(
+                f"{name} must be on {device} (the query's device), got {src.device}"
+            )
+        if (
+            src.ndim != 1
+            or src.dtype.is_floating_point
+            or src.dtype.is_complex
+            or src.dtype == torch.bool
+        ):
+            raise ValueError(
+                f"{shown} must be a 1-D integer tensor, got {src.dtype} of shape {tuple(src.shape)}"
+            )
         try:
             values = src.tolist()
         except (RuntimeError, NotImplementedError) as e:
-            raise ValueError(f"{shown} cannot be read on the host ({src.device}): {e}") from None
-    elif type(src).__module__ == "numpy" and hasattr(src, "ndim"):  # a numpy array, as vLLM's host copies
+            raise ValueError(
+                f"{shown} cannot be read on the host ({src.device}): {e}"
+            ) from None
+    elif type(src).__module__ == "numpy" and hasattr(
+        src, "ndim"
+    ):  # a numpy array, as vLLM's host copies
         if src.ndim != 1 or src.dtype.kind not in "iu":
-            raise ValueError(f"{shown} must be a 1-D integer array, got {src.dtype} of shape {src.shape}")
+            raise ValueError(
+                f"{shown} must be a 1-D integer array, got {src.dtype} of shape {src.shape}"
+            )
         values = [int(v) for v in src]
     elif isinstance(src, Sequence) and not isinstance(src, (str, bytes)):
         values = [as_int(f"{shown}[{i}]", v) for i, v in enumerate(src)]
     else:
-        raise ValueError(f"{shown} must be a tensor, a numpy array or a sequence of ints, got {type(src).__name__}")
+        raise ValueError(
+            f"{shown} must be a tensor, a numpy array or a sequence of ints, got {type(src).__name__}"
+        )
     for i, v in enumerate(values):
         if not 0 <= v <= INT32_MAX:
             raise ValueError(f"{shown}[{i}] must be in [0, 2**31), got {v}")
@@ -96,60 +127,99 @@ def _check_device_lengths(name, t, entries, device):
         return
     check_tensor(name, t, 1, (torch.int32,), device)
     if t.shape[0] != entries:
-        raise ValueError(f"{name} must have {entries} entries (as {name}_cpu), got {t.shape[0]}")
+        raise ValueError(
+            f"{name} must have {entries} entries (as {name}_cpu), got {t.shape[0]}"
+        )
 
 
-def _validate(query, key, value, kv_cache, block_table, cfg, centroids, rotation, names, preset):
+def _validate(
+    query, key, value, kv_cache, block_table, cfg, centroids, rotation, names, preset
+):
     dev = query.device
     n, hq, d = query.shape
     key_name, value_name = names
     if hq == 0:
-        raise ValueError("query must have at least one head, got shape " + str(tuple(query.shape)))
+        raise ValueError(
+            "query must have at least one head, got shape " + str(tuple(query.shape))
+        )
     if n > INT32_MAX:
         raise ValueError(f"query must have fewer than 2**31 tokens, got {n}")
     check_tensor("kv_cache", kv_cache, 4, (torch.uint8,), dev, unit_last=True)
     hk = kv_cache.shape[2]
     if hk == 0 or kv_cache.shape[3] != cfg.slot_bytes or kv_cache.shape[1] == 0:
-        raise ValueError(f"kv_cache must have shape (num_blocks, block_size, Hk, {cfg.slot_bytes}) with block_size, "
-                         f"Hk >= 1 for preset {preset} at D={d}, got {tuple(kv_cache.shape)}")
+        raise ValueError(
+            f"kv_cache must have shape (num_blocks, block_size, Hk, {cfg.slot_bytes}) with block_size, "
+            f"Hk >= 1 for preset {preset} at D={d}, got {tuple(kv_cache.shape)}"
+        )
     for name, t in ((key_name, key), (value_name, value)):
         check_tensor(name, t, 3, (query.dtype,), dev)
         if tuple(t.shape) != (n, hk, d):
-            raise ValueError(f"{name} must have shape ({n}, {hk}, {d}): the query's tokens and head size, "
-                             f"kv_cache's {hk} kv heads; got {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must have shape ({n}, {hk}, {d}): the query's tokens and head size, "
+                f"kv_cache's {hk} kv heads; got {tuple(t.shape)}"
+            )
     if hq % hk:
-        raise ValueError(f"query heads ({hq}) must be a multiple of kv_cache's kv heads ({hk})")
+        raise ValueError(
+            f"query heads ({hq}) must be a multiple of kv_cache's kv heads ({hk})"
+        )
     check_tensor("block_table", block_table, 2, (torch.int32,), dev)
     if cfg.key_fp8:
         return
-    for name, t, what in (("centroids", centroids, "the centroid table the cache was written with "
-                           "(vLLM: layer._tq_centroids)"),
-                          ("rotation", rotation, "the rotation the keys were written with (vLLM: layer._tq_Pi)")):
+    for name, t, what in (
+        (
+            "centroids",
+            centroids,
+            "the centroid table the cache was written with (vLLM: layer._tq_centroids)",
+        ),
+        (
+            "rotation",
+            rotation,
+            "the rotation the keys were written with (vLLM: layer._tq_Pi)",
+        ),
+    ):
         if t is None:
-            raise ValueError(f"{name} is required for preset {preset}, whose keys are centroid indices: pass {what}")
+            raise ValueError(
+                f"{name} is required for preset {preset}, whose keys are centroid indices: pass {what}"
+            )
     check_tensor("centroids", centroids, 1, (torch.float32,), dev)
     if centroids.shape[0] != 2**cfg.key_bits:
-        raise ValueError(f"centroids must have {2**cfg.key_bits} entries for preset {preset}, got {centroids.shape[0]}")
-    check_tensor("rotation", rotation, 2, (torch.float32, torch.float16, torch.bfloat16), dev)
+        raise ValueError(
+            f"centroids must have {2**cfg.key_bits} entries for preset {preset}, got {centroids.shape[0]}"
+        )
+    check_tensor(
+        "rotation", rotation, 2, (torch.float32, torch.float16, torch.bfloat16), dev
+    )
     if tuple(rotation.shape) != (d, d):
-        raise ValueError(f"rotation must have shape ({d}, {d}), got {tuple(rotation.shape)}")
+        raise ValueError(
+            f"rotation must have shape ({d}, {d}), got {tuple(rotation.shape)}"
+        )
 
 
-@functools.lru_cache(maxsize=32)  # every layer of a step passes the same lengths: checked once
+@functools.lru_cache(
+    maxsize=32
+)  # every layer of a step passes the same lengths: checked once
 def _validate_lengths(qsl, seq_lens, n, block_size, max_blocks):
     if qsl[0] != 0 or qsl[-1] != n:
-        raise ValueError(f"query_start_loc must start at 0 and end at the number of query tokens ({n}), "
-                         f"got {qsl[0]} ... {qsl[-1]}")
+        raise ValueError(
+            f"query_start_loc must start at 0 and end at the number of query tokens ({n}), "
+            f"got {qsl[0]} ... {qsl[-1]}"
+        )
     for r, s in enumerate(seq_lens):
         q_len = qsl[r + 1] - qsl[r]
         if q_len < 0:
-            raise ValueError(f"query_start_loc must be non-decreasing, got {qsl[r]} then {qsl[r + 1]} at request {r}")
+            raise ValueError(
+                f"query_start_loc must be non-decreasing, got {qsl[r]} then {qsl[r + 1]} at request {r}"
+            )
         if s < q_len:
-            raise ValueError(f"seq_lens[{r}] ({s}) must be at least the request's query tokens ({q_len}): "
-                             f"seq_lens counts cached + new tokens")
+            raise ValueError(
+                f"seq_lens[{r}] ({s}) must be at least the request's query tokens ({q_len}): "
+                f"seq_lens counts cached + new tokens"
+            )
         if q_len and -(-(s - q_len) // block_size) > max_blocks:
-            raise ValueError(f"seq_lens[{r}] ({s}) needs more cached blocks than block_table has columns "
-                             f"({max_blocks} x block_size {block_size})")
+            raise ValueError(
+                f"seq_lens[{r}] ({s}) needs more cached blocks than block_table has columns "
+                f"({max_blocks} x block_size {block_size})"
+            )
 
 
 def _check_block_ids_on_host(block_table, qsl, lens, block_size, num_blocks):
@@ -162,15 +232,19 @@ def _check_block_ids_on_host(block_table, qsl, lens, block_size, num_blocks):
             bad = ((ids < 0) | (ids >= num_blocks)).nonzero()
             if bad.numel():
                 c = int(bad[0, 0])
-                raise ValueError(f"block_table[{r}, {c}] = {int(ids[c])} is not a block of kv_cache "
-                                 f"(num_blocks {num_blocks}); pass check_block_table=False only if your tables "
-                                 f"are trusted")
+                raise ValueError(
+                    f"block_table[{r}, {c}] = {int(ids[c])} is not a block of kv_cache "
+                    f"(num_blocks {num_blocks}); pass check_block_table=False only if your tables "
+                    f"are trusted"
+                )
 
 
 def _check_written(name, t):
     if self_overlapping(t):
-        raise ValueError(f"{name} must not have elements that share memory (a stride-0 or overlapping layout), "
-                         f"got shape {tuple(t.shape)} with strides {t.stride()}")
+        raise ValueError(
+            f"{name} must not have elements that share memory (a stride-0 or overlapping layout), "
+            f"got shape {tuple(t.shape)} with strides {t.stride()}"
+        )
 
 
 _no_overlap: dict = {}  # layouts already checked: every layer of a step passes the same tensors' places
@@ -180,18 +254,22 @@ def _check_overlaps(written, read):
     """A ValueError naming both tensors if a written one shares bytes with another one.
     Memoized on the tensors' places (address, shape, strides, element size), which fix
     their byte ranges: 33-52 us of host per call on the H200 machine otherwise (NOTES.md)."""
-    key = tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.element_size())
-                for _, t in written + read)
+    key = tuple(
+        None if t is None else (t.data_ptr(), t.shape, t.stride(), t.element_size())
+        for _, t in written + read
+    )
     if key in _no_overlap:
         return
     spans = [(name, byte_span(t)) for name, t in written + read if t is not None]
-    for i, (name, span) in enumerate(spans[:sum(t is not None for _, t in written)]):
+    for i, (name, span) in enumerate(spans[: sum(t is not None for _, t in written)]):
         if span is None:
             continue
-        for other, o in spans[i + 1:]:
+        for other, o in spans[i + 1 :]:
             if o is not None and span[0] < o[1] and o[0] < span[1]:
-                raise ValueError(f"{name} must not share memory with {other}: the call writes {name} while it "
-                                 f"reads {other}")
+                raise ValueError(
+                    f"{name} must not share memory with {other}: the call writes {name} while it "
+                    f"reads {other}"
+                )
     if len(_no_overlap) >= 256:
         _no_overlap.clear()
     _no_overlap[key] = True
@@ -208,8 +286,11 @@ _block_errors: dict = {}  # device -> [device int64 (1,), pinned host int64 (1,)
 def _block_error_slot(device):
     slot = _block_errors.get(device)
     if slot is None:  # once per device: the only allocation outside the workspace
-        slot = _block_errors[device] = [torch.full((1,), _NO_ERROR, dtype=torch.int64, device=device),
-                                        torch.full((1,), _NO_ERROR, dtype=torch.int64).pin_memory(), None]
+        slot = _block_errors[device] = [
+            torch.full((1,), _NO_ERROR, dtype=torch.int64, device=device),
+            torch.full((1,), _NO_ERROR, dtype=torch.int64).pin_memory(),
+            None,
+        ]
     return slot
 
 
@@ -220,10 +301,12 @@ def _raise_block_error(slot):
     slot[0].fill_(_NO_ERROR)
     slot[1][0] = _NO_ERROR
     r, c = code >> 32, code & 0xFFFFFFFF
-    raise ValueError(f"block_table[{r}, {c}] read by an earlier call on this device is not a block of its kv_cache "
-                     f"(outside [0, num_blocks)): nothing outside kv_cache was read, and that call's output rows for "
-                     f"request {r} are NaN. Checked on the device and reported at the next call "
-                     f"(tq_chunked.check_block_tables() waits for it)")
+    raise ValueError(
+        f"block_table[{r}, {c}] read by an earlier call on this device is not a block of its kv_cache "
+        f"(outside [0, num_blocks)): nothing outside kv_cache was read, and that call's output rows for "
+        f"request {r} are NaN. Checked on the device and reported at the next call "
+        f"(tq_chunked.check_block_tables() waits for it)"
+    )
 
 
 def check_block_tables(device=None) -> None:
@@ -231,7 +314,11 @@ def check_block_tables(device=None) -> None:
     current CUDA device) and raise the ValueError of the first bad id found, if any.
     Calls with ``check_block_table=True`` record bad ids on the device and report them at
     the next call without synchronizing; this synchronizes."""
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if device is None
+        else torch.device(device)
+    )
     slot = _block_errors.get(device)
     if slot is None or slot[2] is None:
         return
@@ -249,15 +336,31 @@ def _report_earlier_block_errors(device):
 # The batched call
 # ---------------------------------------------------------------------------
 
-def continuation_prefill_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                                block_table: torch.Tensor, query_start_loc: torch.Tensor | None,
-                                seq_lens: torch.Tensor | None, *, preset: str | TQConfig,
-                                centroids: torch.Tensor | None, rotation: torch.Tensor | None, scale: float,
-                                query_start_loc_cpu=None, seq_lens_cpu=None, window: int | None = None,
-                                workspace: torch.Tensor | None = None, backend: str = "auto",
-                                return_lse: bool = False, out: torch.Tensor | None = None,
-                                lse: torch.Tensor | None = None, check_block_table: bool = True,
-                                max_workspace_bytes: int | None = None):
+
+def continuation_prefill_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    seq_lens: torch.Tensor | None,
+    *,
+    preset: str | TQConfig,
+    centroids: torch.Tensor | None,
+    rotation: torch.Tensor | None,
+    scale: float,
+    query_start_loc_cpu=None,
+    seq_lens_cpu=None,
+    window: int | None = None,
+    workspace: torch.Tensor | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    check_block_table: bool = True,
+    max_workspace_bytes: int | None = None,
+):
     """Attention of a batch of prefill chunks, each over its own cached prefix and itself.
 
     Requests are packed in vLLM's terms. Request r has ``q_len_r = query_start_loc[r+1]
@@ -304,37 +407,75 @@ def continuation_prefill_varlen(query: torch.Tensor, key: torch.Tensor, value: t
 
     Returns:
         (N, Hq, D) in the query's dtype; with return_lse, (out, lse).
+
     """
     check_tensor("query", query, 3, QUERY_DTYPES)
     check_tensor("block_table", block_table, 2, (torch.int32,), query.device)
-    qsl = _host_ints("query_start_loc", query_start_loc_cpu, query_start_loc, query.device)
+    qsl = _host_ints(
+        "query_start_loc", query_start_loc_cpu, query_start_loc, query.device
+    )
     if len(qsl) < 1:
         raise ValueError("query_start_loc must have B + 1 >= 1 entries, got none")
     b = len(qsl) - 1
     lens = _host_ints("seq_lens", seq_lens_cpu, seq_lens, query.device)
     if len(lens) != b:
-        raise ValueError(f"seq_lens must have one entry per request (len(query_start_loc) - 1 = {b}), got {len(lens)}")
+        raise ValueError(
+            f"seq_lens must have one entry per request (len(query_start_loc) - 1 = {b}), got {len(lens)}"
+        )
     if block_table.shape[0] != b:
-        raise ValueError(f"block_table must have one row per request ({b}, as query_start_loc and seq_lens), "
-                         f"got {block_table.shape[0]}")
+        raise ValueError(
+            f"block_table must have one row per request ({b}, as query_start_loc and seq_lens), "
+            f"got {block_table.shape[0]}"
+        )
     if query_start_loc_cpu is not None:
         _check_device_lengths("query_start_loc", query_start_loc, b + 1, query.device)
     if seq_lens_cpu is not None:
         _check_device_lengths("seq_lens", seq_lens, b, query.device)
-    return _run(query, key, value, kv_cache, block_table, qsl, lens, preset=preset, centroids=centroids,
-                rotation=rotation, scale=scale, window=window, workspace=workspace, backend=backend,
-                return_lse=return_lse, out=out, lse=lse, check_block_table=check_block_table,
-                max_workspace_bytes=max_workspace_bytes,
-                lengths_read=(("query_start_loc", query_start_loc), ("seq_lens", seq_lens)))
+    return _run(
+        query,
+        key,
+        value,
+        kv_cache,
+        block_table,
+        qsl,
+        lens,
+        preset=preset,
+        centroids=centroids,
+        rotation=rotation,
+        scale=scale,
+        window=window,
+        workspace=workspace,
+        backend=backend,
+        return_lse=return_lse,
+        out=out,
+        lse=lse,
+        check_block_table=check_block_table,
+        max_workspace_bytes=max_workspace_bytes,
+        lengths_read=(("query_start_loc", query_start_loc), ("seq_lens", seq_lens)),
+    )
 
 
-def continuation_prefill(query: torch.Tensor, key_chunk: torch.Tensor, val_chunk: torch.Tensor,
-                         kv_cache: torch.Tensor, block_table: torch.Tensor, cached_len: int, *,
-                         preset: str | TQConfig, centroids: torch.Tensor | None, rotation: torch.Tensor | None,
-                         scale: float, window: int | None = None, workspace: torch.Tensor | None = None,
-                         backend: str = "auto", return_lse: bool = False, out: torch.Tensor | None = None,
-                         lse: torch.Tensor | None = None, check_block_table: bool = True,
-                         max_workspace_bytes: int | None = None):
+def continuation_prefill(
+    query: torch.Tensor,
+    key_chunk: torch.Tensor,
+    val_chunk: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cached_len: int,
+    *,
+    preset: str | TQConfig,
+    centroids: torch.Tensor | None,
+    rotation: torch.Tensor | None,
+    scale: float,
+    window: int | None = None,
+    workspace: torch.Tensor | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    check_block_table: bool = True,
+    max_workspace_bytes: int | None = None,
+):
     """One request's chunk over its cached prefix and itself: ``continuation_prefill_varlen``
     with a batch of one (same engine, same arguments but these):
 
@@ -343,36 +484,89 @@ def continuation_prefill(query: torch.Tensor, key_chunk: torch.Tensor, val_chunk
         cached_len: tokens already in the cache before this chunk (a host integer).
     """
     check_tensor("query", query, 3, QUERY_DTYPES)
-    if not isinstance(block_table, torch.Tensor) or block_table.ndim not in (1, 2) or \
-            (block_table.ndim == 2 and block_table.shape[0] != 1):
-        raise ValueError(f"block_table must be a (max_blocks,) or (1, max_blocks) tensor, got "
-                         f"{getattr(block_table, 'shape', type(block_table).__name__)}")
+    if (
+        not isinstance(block_table, torch.Tensor)
+        or block_table.ndim not in (1, 2)
+        or (block_table.ndim == 2 and block_table.shape[0] != 1)
+    ):
+        raise ValueError(
+            f"block_table must be a (max_blocks,) or (1, max_blocks) tensor, got "
+            f"{getattr(block_table, 'shape', type(block_table).__name__)}"
+        )
     q_len = query.shape[0]
     cached_len = as_int("cached_len", cached_len, 0, INT32_MAX - q_len)
-    return _run(query, key_chunk, val_chunk, kv_cache, block_table.reshape(1, -1), (0, q_len), (cached_len + q_len,),
-                preset=preset, centroids=centroids, rotation=rotation, scale=scale, window=window,
-                workspace=workspace, backend=backend, return_lse=return_lse, out=out, lse=lse,
-                check_block_table=check_block_table, max_workspace_bytes=max_workspace_bytes,
-                names=("key_chunk", "val_chunk"))
+    return _run(
+        query,
+        key_chunk,
+        val_chunk,
+        kv_cache,
+        block_table.reshape(1, -1),
+        (0, q_len),
+        (cached_len + q_len,),
+        preset=preset,
+        centroids=centroids,
+        rotation=rotation,
+        scale=scale,
+        window=window,
+        workspace=workspace,
+        backend=backend,
+        return_lse=return_lse,
+        out=out,
+        lse=lse,
+        check_block_table=check_block_table,
+        max_workspace_bytes=max_workspace_bytes,
+        names=("key_chunk", "val_chunk"),
+    )
 
 
-def _run(query, key, value, kv_cache, block_table, qsl, lens, *, preset, centroids, rotation, scale, window, workspace,
-         backend, return_lse, out, lse, check_block_table, max_workspace_bytes, names=("key", "value"),
-         lengths_read=()):
+def _run(
+    query,
+    key,
+    value,
+    kv_cache,
+    block_table,
+    qsl,
+    lens,
+    *,
+    preset,
+    centroids,
+    rotation,
+    scale,
+    window,
+    workspace,
+    backend,
+    return_lse,
+    out,
+    lse,
+    check_block_table,
+    max_workspace_bytes,
+    names=("key", "value"),
+    lengths_read=(),
+):
     n, hq, d = query.shape
     if not isinstance(preset, (str, TQConfig)):
-        raise ValueError(f"preset must be a turboquant_* name or a TQConfig, got {type(preset).__name__}")
+        raise ValueError(
+            f"preset must be a turboquant_* name or a TQConfig, got {type(preset).__name__}"
+        )
     cfg = resolve_config(preset, d)
     shown = preset if isinstance(preset, str) else "the given TQConfig"
-    _validate(query, key, value, kv_cache, block_table, cfg, centroids, rotation, names, shown)
+    _validate(
+        query, key, value, kv_cache, block_table, cfg, centroids, rotation, names, shown
+    )
     scale = _as_scale(scale)
     num_blocks, block_size, hk = kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[2]
     _validate_lengths(qsl, lens, n, block_size, block_table.shape[1])
-    window = default_window(hk, d, block_size) if window is None else as_int("window", window, 1)
+    window = (
+        default_window(hk, d, block_size)
+        if window is None
+        else as_int("window", window, 1)
+    )
     if max_workspace_bytes is not None:
         max_workspace_bytes = as_int("max_workspace_bytes", max_workspace_bytes, 1)
     if not isinstance(backend, str):
-        raise ValueError(f"backend must be one of 'auto', 'flash', 'triton', 'torch', got {backend!r}")
+        raise ValueError(
+            f"backend must be one of 'auto', 'flash', 'triton', 'torch', got {backend!r}"
+        )
     backend = resolve_backend(backend, query.device, d)
     if not isinstance(check_block_table, bool):
         raise ValueError(f"check_block_table must be a bool, got {check_block_table!r}")
@@ -381,30 +575,47 @@ def _run(query, key, value, kv_cache, block_table, qsl, lens, *, preset, centroi
     else:
         check_tensor("out", out, 3, (query.dtype,), query.device, unit_last=True)
         if out.shape != query.shape:
-            raise ValueError(f"out must have the query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
+            raise ValueError(
+                f"out must have the query's shape {tuple(query.shape)}, got {tuple(out.shape)}"
+            )
         _check_written("out", out)
     if lse is not None:
         check_tensor("lse", lse, 2, (torch.float32,), query.device, unit_last=True)
         if tuple(lse.shape) != (hq, n):
-            raise ValueError(f"lse must have shape ({hq}, {n}) (heads, tokens), got {tuple(lse.shape)}")
+            raise ValueError(
+                f"lse must have shape ({hq}, {n}) (heads, tokens), got {tuple(lse.shape)}"
+            )
         _check_written("lse", lse)
     elif return_lse:
         lse = torch.empty(hq, n, dtype=torch.float32, device=query.device)
-    budget = DEFAULT_WORKSPACE_BYTES if max_workspace_bytes is None else max_workspace_bytes
+    budget = (
+        DEFAULT_WORKSPACE_BYTES if max_workspace_bytes is None else max_workspace_bytes
+    )
     if workspace is not None:
         check_tensor("workspace", workspace, 1, (torch.uint8,), query.device)
         if not workspace.is_contiguous():
             raise ValueError("workspace must be contiguous")
         budget = min(budget, workspace.numel())
-    _check_overlaps([("out", out), ("lse", lse), ("workspace", workspace)],
-                    [("query", query), (names[0], key), (names[1], value), ("kv_cache", kv_cache),
-                     ("block_table", block_table), ("rotation", rotation), ("centroids", centroids),
-                     *lengths_read])
+    _check_overlaps(
+        [("out", out), ("lse", lse), ("workspace", workspace)],
+        [
+            ("query", query),
+            (names[0], key),
+            (names[1], value),
+            ("kv_cache", kv_cache),
+            ("block_table", block_table),
+            ("rotation", rotation),
+            ("centroids", centroids),
+            *lengths_read,
+        ],
+    )
     if n == 0:
         return (out, lse) if return_lse else out
     if query.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise ValueError("continuation_prefill_varlen cannot run inside CUDA graph capture: it plans its windows "
-                         "on the host from the lengths of each batch")
+        raise ValueError(
+            "continuation_prefill_varlen cannot run inside CUDA graph capture: it plans its windows "
+            "on the host from the lengths of each batch"
+        )
     err = None
     if check_block_table:
         if query.is_cuda:
@@ -413,21 +624,45 @@ def _run(query, key, value, kv_cache, block_table, qsl, lens, *, preset, centroi
         else:
             _check_block_ids_on_host(block_table, qsl, lens, block_size, num_blocks)
     stream = torch.cuda.current_stream(query.device) if query.is_cuda else None
-    steps, groups, cap, need = schedule(qsl, lens, window, hq, hk, d, query.dtype, budget, query.device, stream)
-    reuse = workspace is not None  # the caller's: its views can be kept for the next call
+    steps, groups, cap, need = schedule(
+        qsl, lens, window, hq, hk, d, query.dtype, budget, query.device, stream
+    )
+    reuse = (
+        workspace is not None
+    )  # the caller's: its views can be kept for the next call
     if need and workspace is None:
         workspace = torch.empty(need, dtype=torch.uint8, device=query.device)
     elif need and workspace.numel() < need:
-        raise ValueError(f"workspace must hold at least workspace_bytes(...) = {need} bytes for this call, "
-                         f"got {workspace.numel()}")
-    run = _Call(query, key, value, kv_cache, block_table, out, lse, cfg, centroids, rotation, scale, backend,
-                workspace, reuse, cap, err[0] if err is not None else None)
+        raise ValueError(
+            f"workspace must hold at least workspace_bytes(...) = {need} bytes for this call, "
+            f"got {workspace.numel()}"
+        )
+    run = _Call(
+        query,
+        key,
+        value,
+        kv_cache,
+        block_table,
+        out,
+        lse,
+        cfg,
+        centroids,
+        rotation,
+        scale,
+        backend,
+        workspace,
+        reuse,
+        cap,
+        err[0] if err is not None else None,
+    )
     for step, hk_g in zip(steps, groups):
         if isinstance(step, LongRequest):
             run.long_request(step, hk_g)
         else:
             run.batch_window(step)
-    if err is not None:  # the bad-id record, copied back for the next call to read (no sync)
+    if (
+        err is not None
+    ):  # the bad-id record, copied back for the next call to read (no sync)
         err[1].copy_(err[0], non_blocking=True)
         if err[2] is None:
             err[2] = torch.cuda.Event()
@@ -451,7 +686,9 @@ def schedule(qsl, lens, window, hq, hk, d, dtype, budget, device, stream=None):
         if isinstance(step, LongRequest):
             q_rows = step.q1 - step.q0
             hk_g = kv_head_group(q_rows, hq, hk, d, cap, dtype, budget)
-            need = max(need, layout_bytes("long", q_rows, g * hk_g, hk_g, d, cap, dtype))
+            need = max(
+                need, layout_bytes("long", q_rows, g * hk_g, hk_g, d, cap, dtype)
+            )
         else:
             hk_g = hk
             need = max(need, layout_bytes("batch", 0, hq, hk, d, cap, dtype))
@@ -462,26 +699,79 @@ def schedule(qsl, lens, window, hq, hk, d, dtype, budget, device, stream=None):
 class _Call:
     """One call's tensors, and the two kinds of step (see the module docstring)."""
 
-    def __init__(self, query, key, value, kv_cache, block_table, out, lse, cfg, centroids, rotation, scale, backend,
-                 workspace, reuse, cap, err):
-        self.query, self.key, self.value, self.kv_cache, self.block_table = query, key, value, kv_cache, block_table
-        self.out, self.lse, self.cfg, self.scale, self.backend = out, lse, cfg, scale, backend
+    def __init__(
+        self,
+        query,
+        key,
+        value,
+        kv_cache,
+        block_table,
+        out,
+        lse,
+        cfg,
+        centroids,
+        rotation,
+        scale,
+        backend,
+        workspace,
+        reuse,
+        cap,
+        err,
+    ):
+        self.query, self.key, self.value, self.kv_cache, self.block_table = (
+            query,
+            key,
+            value,
+            kv_cache,
+            block_table,
+        )
+        self.out, self.lse, self.cfg, self.scale, self.backend = (
+            out,
+            lse,
+            cfg,
+            scale,
+            backend,
+        )
         self.centroids, self.rotation = centroids, None if cfg.key_fp8 else rotation
         self.workspace, self.reuse, self.cap, self.err = workspace, reuse, cap, err
 
     def _fill(self, window, head0, k_buf, v_buf):
-        fill_window(self.kv_cache, self.block_table, self.cfg, self.centroids, self.rotation, self.key, self.value,
-                    window, head0, k_buf, v_buf, self.err)
+        fill_window(
+            self.kv_cache,
+            self.block_table,
+            self.cfg,
+            self.centroids,
+            self.rotation,
+            self.key,
+            self.value,
+            window,
+            head0,
+            k_buf,
+            v_buf,
+            self.err,
+        )
 
     def batch_window(self, w):
         """Requests that fit one window: one causal call, the answer written to out."""
         rows = slice(w.q0, w.q1)
         n, hq, d = self.query.shape
-        bufs = carve(self.workspace, "batch", 0, hq, self.key.shape[1], d, self.cap, self.query.dtype, self.reuse)
+        bufs = carve(
+            self.workspace,
+            "batch",
+            0,
+            hq,
+            self.key.shape[1],
+            d,
+            self.cap,
+            self.query.dtype,
+            self.reuse,
+        )
         self._fill(w, 0, bufs.k_buf, bufs.v_buf)
         # the filled rows only: attention reads zeros past them (plan.GAP)
-        k, v = bufs.k_buf[:w.rows], bufs.v_buf[:w.rows]
-        lse = varlen_attention(w, self.query[rows], k, v, self.scale, self.out[rows], self.backend)
+        k, v = bufs.k_buf[: w.rows], bufs.v_buf[: w.rows]
+        lse = varlen_attention(
+            w, self.query[rows], k, v, self.scale, self.out[rows], self.backend
+        )
         if self.lse is not None:
             self.lse[:, rows].copy_(lse)
 
@@ -492,9 +782,22 @@ class _Call:
         hk = self.key.shape[1]
         g = hq // hk
         rows = slice(step.q0, step.q1)
-        bufs = carve(self.workspace, "long", step.q1 - step.q0, g * hk_g, hk_g, d, self.cap, self.query.dtype,
-                     self.reuse)
-        scratch = self.out if self.out.dtype == torch.float16 else self.out.view(torch.float16)
+        bufs = carve(
+            self.workspace,
+            "long",
+            step.q1 - step.q0,
+            g * hk_g,
+            hk_g,
+            d,
+            self.cap,
+            self.query.dtype,
+            self.reuse,
+        )
+        scratch = (
+            self.out
+            if self.out.dtype == torch.float16
+            else self.out.view(torch.float16)
+        )
         for kv0 in range(0, hk, hk_g):
             heads = slice(kv0 * g, (kv0 + hk_g) * g)
             whole = hk_g == hk
@@ -504,14 +807,33 @@ class _Call:
                 q = bufs.q16
             part = scratch[rows] if whole else scratch[rows, heads]
             o = self.out[rows] if whole else self.out[rows, heads]
-            lse_out = None if self.lse is None else (self.lse[:, rows] if whole else self.lse[heads, rows])
+            lse_out = (
+                None
+                if self.lse is None
+                else (self.lse[:, rows] if whole else self.lse[heads, rows])
+            )
             for i, w in enumerate(step.windows):
                 self._fill(w, kv0, bufs.k_buf, bufs.v_buf)
-                part_lse = varlen_attention(w, q, bufs.k_buf[:w.rows], bufs.v_buf[:w.rows], self.scale, part,
-                                            self.backend)
+                part_lse = varlen_attention(
+                    w,
+                    q,
+                    bufs.k_buf[: w.rows],
+                    bufs.v_buf[: w.rows],
+                    self.scale,
+                    part,
+                    self.backend,
+                )
                 first = i == 0
                 if w.kind == "part":
-                    merge_attn_states(bufs.state_out, None if first else bufs.state_out,
-                                      None if first else bufs.state_lse, part, part_lse, bufs.state_lse)
+                    merge_attn_states(
+                        bufs.state_out,
+                        None if first else bufs.state_out,
+                        None if first else bufs.state_lse,
+                        part,
+                        part_lse,
+                        bufs.state_lse,
+                    )
                 else:
-                    merge_attn_states(o, bufs.state_out, bufs.state_lse, part, part_lse, lse_out)
+                    merge_attn_states(
+                        o, bufs.state_out, bufs.state_lse, part, part_lse, lse_out
+                    )

@@ -11,8 +11,10 @@ COMMANDS = {  # name: one-line description
 
 def make_parser():
     p = argparse.ArgumentParser(
-        prog="tq-chunked", description="Windowed continuation prefill for vLLM's TurboQuant KV cache.",
-        epilog="Run 'tq-chunked COMMAND --help' for a command's options.")
+        prog="tq-chunked",
+        description="Windowed continuation prefill for vLLM's TurboQuant KV cache.",
+        epilog="Run 'tq-chunked COMMAND --help' for a command's options.",
+    )
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     for name, description in COMMANDS.items():
@@ -23,6 +25,7 @@ def make_parser():
 
 def _version():
     from . import __version__
+
     return __version__
 
 
@@ -35,7 +38,9 @@ def main(argv=None):
     if argv[0] not in COMMANDS:
         if argv[0] in ("-h", "--help", "--version"):
             p.parse_args(argv[:1])  # prints and exits 0
-        p.error(f"the first argument must be a command ({', '.join(COMMANDS)}), got {argv[0]!r}")
+        p.error(
+            f"the first argument must be a command ({', '.join(COMMANDS)}), got {argv[0]!r}"
+        )
     if argv[0] == "bench":
         from .bench import main as run
     else:

@@ -34,7 +34,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import Launcher, interpreter_rounds_bf16, interpreting, round_bf16, use_triton
+from ._utils import (
+    Launcher,
+    interpreter_rounds_bf16,
+    interpreting,
+    round_bf16,
+    use_triton,
+)
 from .format import TQConfig, dequantize_reference
 
 SEG_FIELDS = 5  # per segment, in plan.Window.segs: start (cumulative), request, first cached position,
@@ -43,7 +49,7 @@ GAP_ROW = -(1 << 30)
 
 
 def fp8_e4b15_for(device: torch.device) -> bool:
-    """vLLM writes fp8 keys as e4b15 on GPUs below SM 8.9, e4m3 elsewhere."""
+    """VLLM writes fp8 keys as e4b15 on GPUs below SM 8.9, e4m3 elsewhere."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
 
 
@@ -73,7 +79,9 @@ def _indices_at(ptr, d, mask, BITS: tl.constexpr):
     """Indices d (a tensor of positions) of a little-endian BITS-wide stream at ptr."""
     bit = d * BITS
     lo = tl.load(ptr + bit // 8, mask=mask, other=0).to(tl.int32)
-    hi = tl.load(ptr + bit // 8 + 1, mask=mask, other=0).to(tl.int32)  # inside the slot: a norm/scale follows
+    hi = tl.load(ptr + bit // 8 + 1, mask=mask, other=0).to(
+        tl.int32
+    )  # inside the slot: a norm/scale follows
     return ((lo | (hi << 8)) >> (bit % 8)) & ((1 << BITS) - 1)
 
 
@@ -88,15 +96,52 @@ def _to_window(x, OUT_BF16: tl.constexpr, ROUND_BF16: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n_rows", "nseg", "steps", "head0"])
 def _fill_kernel(
-    cache_ptr, block_table_ptr, centroids_ptr, key_ptr, value_ptr, seg_ptr, k_out_ptr, v_out_ptr, err_ptr,
-    n_rows, nseg, steps, head0, num_blocks, max_blocks,
-    s_cache_block, s_cache_pos, s_cache_head, s_bt_req, s_bt_col, s_centroid,
-    s_key_tok, s_key_head, s_key_d, s_val_tok, s_val_head, s_val_d, s_k_tok, s_k_head, s_v_tok, s_v_head,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    KEY_BITS: tl.constexpr, KEY_INDEX_BYTES: tl.constexpr, KEY_BYTES: tl.constexpr,
-    VALUE_BITS: tl.constexpr, VALUE_INDEX_BYTES: tl.constexpr,
-    NORM_CORRECTION: tl.constexpr, FP8_E4B15: tl.constexpr, HAS_CHUNK: tl.constexpr,
-    CHECK: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, ROUND_BF16: tl.constexpr,
+    cache_ptr,
+    block_table_ptr,
+    centroids_ptr,
+    key_ptr,
+    value_ptr,
+    seg_ptr,
+    k_out_ptr,
+    v_out_ptr,
+    err_ptr,
+    n_rows,
+    nseg,
+    steps,
+    head0,
+    num_blocks,
+    max_blocks,
+    s_cache_block,
+    s_cache_pos,
+    s_cache_head,
+    s_bt_req,
+    s_bt_col,
+    s_centroid,
+    s_key_tok,
+    s_key_head,
+    s_key_d,
+    s_val_tok,
+    s_val_head,
+    s_val_d,
+    s_k_tok,
+    s_k_head,
+    s_v_tok,
+    s_v_head,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    KEY_INDEX_BYTES: tl.constexpr,
+    KEY_BYTES: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
+    VALUE_INDEX_BYTES: tl.constexpr,
+    NORM_CORRECTION: tl.constexpr,
+    FP8_E4B15: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    CHECK: tl.constexpr,
+    K_BF16: tl.constexpr,
+    V_BF16: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     """The first pass of the fill (module docstring): every row of the window decoded
@@ -106,20 +151,31 @@ def _fill_kernel(
     t_mask = t < n_rows
     tt = tl.where(t_mask, t, 0)
     seg = _segment_of(seg_ptr, tt, nseg, steps)
-    fields = seg_ptr + nseg + 1 + seg  # the per-segment arrays follow the nseg + 1 starts
+    fields = (
+        seg_ptr + nseg + 1 + seg
+    )  # the per-segment arrays follow the nseg + 1 starts
     off = tt - tl.load(seg_ptr + seg)
     cached = tl.load(fields + 2 * nseg)
     in_cache = t_mask & (off < cached)
     req = tl.load(fields).to(tl.int64)
     pos = tl.load(fields + nseg) + off  # cache position of a cached row
     col = pos // BLOCK_SIZE
-    block = tl.load(block_table_ptr + req * s_bt_req + col * s_bt_col, mask=in_cache & (col < max_blocks),
-                    other=-1).to(tl.int64)
+    block = tl.load(
+        block_table_ptr + req * s_bt_req + col * s_bt_col,
+        mask=in_cache & (col < max_blocks),
+        other=-1,
+    ).to(tl.int64)
     ok = in_cache & (block >= 0) & (block < num_blocks)  # anything else reads nothing
     bad = in_cache & ((block < 0) | (block >= num_blocks))
     if CHECK:  # the smallest (request, column) with a bad id, for the caller's report
-        tl.atomic_min(err_ptr + tl.zeros_like(t), (req << 32) + col.to(tl.int64), mask=bad)
-    slot = block * s_cache_block + (pos % BLOCK_SIZE).to(tl.int64) * s_cache_pos + (head0 + head) * s_cache_head
+        tl.atomic_min(
+            err_ptr + tl.zeros_like(t), (req << 32) + col.to(tl.int64), mask=bad
+        )
+    slot = (
+        block * s_cache_block
+        + (pos % BLOCK_SIZE).to(tl.int64) * s_cache_pos
+        + (head0 + head) * s_cache_head
+    )
     slot = tl.where(ok, slot, 0)[:, None]  # (BLOCK_T, 1) byte offset of each slot
     row = t.to(tl.int64)[:, None]  # (BLOCK_T, 1) window row
     d = tl.arange(0, BLOCK_D)[None, :]  # (1, BLOCK_D)
@@ -127,7 +183,9 @@ def _fill_kernel(
     out_mask = t_mask[:, None] & (d < D)
     nan = float("nan")
     if HAS_CHUNK:
-        crow = (tl.load(fields + 3 * nseg) + off - cached).to(tl.int64)  # row of key/value; < 0 in a gap
+        crow = (tl.load(fields + 3 * nseg) + off - cached).to(
+            tl.int64
+        )  # row of key/value; < 0 in a gap
         chunk = t_mask & (off >= cached)
         cmask = (chunk & (crow >= 0))[:, None] & (d < D)
         crow = crow[:, None]
@@ -141,7 +199,9 @@ def _fill_kernel(
             k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
         idx = _indices_at(cache_ptr + slot, d, mask, KEY_BITS)
-        c = tl.load(centroids_ptr + idx * s_centroid, mask=mask, other=0.0)  # (BLOCK_T, BLOCK_D) float32
+        c = tl.load(
+            centroids_ptr + idx * s_centroid, mask=mask, other=0.0
+        )  # (BLOCK_T, BLOCK_D) float32
         if NORM_CORRECTION:
             c64 = c.to(tl.float64)
             sumsq = tl.sum(c64 * c64, axis=1).to(tl.float32)
@@ -152,7 +212,11 @@ def _fill_kernel(
     k = tl.where(bad[:, None], nan, k)
     kw = _to_window(k, K_BF16, ROUND_BF16)
     if HAS_CHUNK:
-        kc = tl.load(key_ptr + crow * s_key_tok + (head0 + head) * s_key_head + d * s_key_d, mask=cmask, other=0.0)
+        kc = tl.load(
+            key_ptr + crow * s_key_tok + (head0 + head) * s_key_head + d * s_key_d,
+            mask=cmask,
+            other=0.0,
+        )
         kw = tl.where(chunk[:, None], kc.to(kw.dtype), kw)
     tl.store(k_out_ptr + row * s_k_tok + head * s_k_head + d, kw, mask=out_mask)
 
@@ -164,7 +228,11 @@ def _fill_kernel(
     val = tl.where(bad[:, None], nan, vidx * scale + zero)
     vw = _to_window(val, V_BF16, ROUND_BF16)
     if HAS_CHUNK:
-        vc = tl.load(value_ptr + crow * s_val_tok + (head0 + head) * s_val_head + d * s_val_d, mask=cmask, other=0.0)
+        vc = tl.load(
+            value_ptr + crow * s_val_tok + (head0 + head) * s_val_head + d * s_val_d,
+            mask=cmask,
+            other=0.0,
+        )
         vw = tl.where(chunk[:, None], vc.to(vw.dtype), vw)
     tl.store(v_out_ptr + row * s_v_tok + head * s_v_head + d, vw, mask=out_mask)
 
@@ -174,10 +242,30 @@ _fill = Launcher(_fill_kernel)
 
 @triton.jit(do_not_specialize=["n_rows", "nseg", "steps", "head0"])
 def _unrotate_kernel(
-    k16_ptr, k_out_ptr, rot_ptr, key_ptr, seg_ptr, n_rows, nseg, steps, head0,
-    s_k_tok, s_k_head, s_rot0, s_rot1, s_key_tok, s_key_head, s_key_d,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_CHUNK: tl.constexpr, K_BF16: tl.constexpr,
-    ROUND_BF16: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    k16_ptr,
+    k_out_ptr,
+    rot_ptr,
+    key_ptr,
+    seg_ptr,
+    n_rows,
+    nseg,
+    steps,
+    head0,
+    s_k_tok,
+    s_k_head,
+    s_rot0,
+    s_rot1,
+    s_key_tok,
+    s_key_head,
+    s_key_d,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    K_BF16: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """The second pass of a two-pass fill: the window's cached keys, written by the first
     pass as fp16 in the rotated space, turned back in place (``k16_ptr`` and ``k_out_ptr``
@@ -193,16 +281,24 @@ def _unrotate_kernel(
     in_cache = t_mask & (off < cached)
     row = t.to(tl.int64)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
-    a = tl.load(k16_ptr + row * s_k_tok + head * s_k_head + d, mask=in_cache[:, None] & (d < D), other=0.0)
+    a = tl.load(
+        k16_ptr + row * s_k_tok + head * s_k_head + d,
+        mask=in_cache[:, None] & (d < D),
+        other=0.0,
+    )
     if DOT_F32:
         a = a.to(tl.float32)
     if HAS_CHUNK:
         chunk = t_mask & (off >= cached)
-        crow = (tl.load(fields + 3 * nseg) + off - cached).to(tl.int64)[:, None]  # < 0 in a gap
+        crow = (tl.load(fields + 3 * nseg) + off - cached).to(tl.int64)[
+            :, None
+        ]  # < 0 in a gap
     dr = tl.arange(0, BLOCK_D)[:, None]
     for n0 in tl.static_range(0, BLOCK_D, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)[None, :]
-        r = tl.load(rot_ptr + dr * s_rot0 + n * s_rot1, mask=(dr < D) & (n < D), other=0.0).to(tl.float32)
+        r = tl.load(
+            rot_ptr + dr * s_rot0 + n * s_rot1, mask=(dr < D) & (n < D), other=0.0
+        ).to(tl.float32)
         hi = r.to(tl.float16)
         lo = ((r - hi.to(tl.float32)) * 4096.0).to(tl.float16)
         if DOT_F32:
@@ -212,23 +308,48 @@ def _unrotate_kernel(
         acc = tl.dot(a, hi, acc, out_dtype=tl.float32)
         kn = _to_window(acc, K_BF16, ROUND_BF16)
         if HAS_CHUNK:
-            kc = tl.load(key_ptr + crow * s_key_tok + (head0 + head) * s_key_head + n * s_key_d,
-                         mask=(chunk[:, None] & (crow >= 0)) & (n < D), other=0.0)
+            kc = tl.load(
+                key_ptr + crow * s_key_tok + (head0 + head) * s_key_head + n * s_key_d,
+                mask=(chunk[:, None] & (crow >= 0)) & (n < D),
+                other=0.0,
+            )
             kn = tl.where(chunk[:, None], kc.to(kn.dtype), kn)
-        tl.store(k_out_ptr + row * s_k_tok + head * s_k_head + n, kn, mask=t_mask[:, None] & (n < D))
+        tl.store(
+            k_out_ptr + row * s_k_tok + head * s_k_head + n,
+            kn,
+            mask=t_mask[:, None] & (n < D),
+        )
 
 
 _unrotate = Launcher(_unrotate_kernel)
 
 # The un-rotation's launch configuration, (rows per program, output columns per dot, warps),
 # by padded head size. Not tuned yet: benchmarks/fill_configs.py sweeps them (NOTES.md §12).
-UNROTATE = {16: (64, 16, 4), 32: (64, 32, 4), 64: (64, 64, 4), 128: (64, 64, 4), 256: (64, 64, 4)}
+UNROTATE = {
+    16: (64, 16, 4),
+    32: (64, 32, 4),
+    64: (64, 64, 4),
+    128: (64, 64, 4),
+    256: (64, 64, 4),
+}
 
 
-def fill_window(kv_cache: torch.Tensor, block_table: torch.Tensor, cfg: TQConfig, centroids: torch.Tensor | None,
-                rotation: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor, window, head0: int,
-                k_out: torch.Tensor, v_out: torch.Tensor, err: torch.Tensor | None = None,
-                unrotate: bool = True, config: tuple | None = None) -> None:
+def fill_window(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cfg: TQConfig,
+    centroids: torch.Tensor | None,
+    rotation: torch.Tensor | None,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    window,
+    head0: int,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    err: torch.Tensor | None = None,
+    unrotate: bool = True,
+    config: tuple | None = None,
+) -> None:
     """Write the rows of ``window`` (a ``plan.Window``), kv heads [head0, head0 +
     k_out.shape[1]), into k_out and v_out.
 
@@ -248,55 +369,158 @@ def fill_window(kv_cache: torch.Tensor, block_table: torch.Tensor, cfg: TQConfig
     rotate = unrotate and not cfg.key_fp8
     fp8_e4b15 = cfg.key_fp8 and fp8_e4b15_for(kv_cache.device)
     if not use_triton(kv_cache):
-        _fill_torch(kv_cache, block_table, cfg, centroids, rotation if rotate else None, key, value, window, head0,
-                    k_out, v_out, fp8_e4b15)
+        _fill_torch(
+            kv_cache,
+            block_table,
+            cfg,
+            centroids,
+            rotation if rotate else None,
+            key,
+            value,
+            window,
+            head0,
+            k_out,
+            v_out,
+            fp8_e4b15,
+        )
         return
     block_d = triton.next_power_of_2(cfg.head_dim)
     # Element-wise: one warp, 4096 elements per program (4-bit keys: 1024), measured (NOTES.md).
-    block_t = 16 if interpreting() else max(1, (1024 if cfg.key_bits == 4 else 4096) // block_d)
+    block_t = (
+        16
+        if interpreting()
+        else max(1, (1024 if cfg.key_bits == 4 else 4096) // block_d)
+    )
     centroids = centroids if centroids is not None else kv_cache  # fp8 keys: not read
     k_bf16 = k_out.dtype == torch.bfloat16
-    k_first = k_out.view(torch.float16) if rotate else k_out  # rotated fp16 keys, where the second pass reads them
-    _fill((triton.cdiv(window.rows, block_t), k_out.shape[1]), kv_cache, block_table, centroids, key, value,
-          window.segs, k_first, v_out, err if err is not None else window.segs, window.rows, window.nseg,
-          window.steps, head0, kv_cache.shape[0], block_table.shape[1],
-          kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_table.stride(0), block_table.stride(1),
-          centroids.stride(0), key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1),
-          value.stride(2), k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
-          cfg.head_dim, block_d, kv_cache.shape[1], cfg.key_bits, cfg.key_index_bytes, cfg.key_bytes,
-          cfg.value_bits, cfg.value_index_bytes, cfg.norm_correction, fp8_e4b15, window.has_chunk, err is not None,
-          k_bf16 and not rotate, k_bf16, interpreter_rounds_bf16(k_out.dtype), block_t,
-          num_warps=1, enable_fp_fusion=False)
+    k_first = (
+        k_out.view(torch.float16) if rotate else k_out
+    )  # rotated fp16 keys, where the second pass reads them
+    _fill(
+        (triton.cdiv(window.rows, block_t), k_out.shape[1]),
+        kv_cache,
+        block_table,
+        centroids,
+        key,
+        value,
+        window.segs,
+        k_first,
+        v_out,
+        err if err is not None else window.segs,
+        window.rows,
+        window.nseg,
+        window.steps,
+        head0,
+        kv_cache.shape[0],
+        block_table.shape[1],
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        block_table.stride(0),
+        block_table.stride(1),
+        centroids.stride(0),
+        key.stride(0),
+        key.stride(1),
+        key.stride(2),
+        value.stride(0),
+        value.stride(1),
+        value.stride(2),
+        k_out.stride(0),
+        k_out.stride(1),
+        v_out.stride(0),
+        v_out.stride(1),
+        cfg.head_dim,
+        block_d,
+        kv_cache.shape[1],
+        cfg.key_bits,
+        cfg.key_index_bytes,
+        cfg.key_bytes,
+        cfg.value_bits,
+        cfg.value_index_bytes,
+        cfg.norm_correction,
+        fp8_e4b15,
+        window.has_chunk,
+        err is not None,
+        k_bf16 and not rotate,
+        k_bf16,
+        interpreter_rounds_bf16(k_out.dtype),
+        block_t,
+        num_warps=1,
+        enable_fp_fusion=False,
+    )
     if rotate:
         block_t, block_n, warps = config if config is not None else UNROTATE[block_d]
         if interpreting():
             block_t = 16
-        _unrotate((triton.cdiv(window.rows, block_t), k_out.shape[1]), k_first, k_out, rotation, key, window.segs,
-                  window.rows, window.nseg, window.steps, head0, k_out.stride(0), k_out.stride(1),
-                  rotation.stride(0), rotation.stride(1), key.stride(0), key.stride(1), key.stride(2), cfg.head_dim,
-                  block_d, window.has_chunk, k_bf16, interpreter_rounds_bf16(k_out.dtype), not kv_cache.is_cuda,
-                  block_t, block_n, num_warps=warps)
+        _unrotate(
+            (triton.cdiv(window.rows, block_t), k_out.shape[1]),
+            k_first,
+            k_out,
+            rotation,
+            key,
+            window.segs,
+            window.rows,
+            window.nseg,
+            window.steps,
+            head0,
+            k_out.stride(0),
+            k_out.stride(1),
+            rotation.stride(0),
+            rotation.stride(1),
+            key.stride(0),
+            key.stride(1),
+            key.stride(2),
+            cfg.head_dim,
+            block_d,
+            window.has_chunk,
+            k_bf16,
+            interpreter_rounds_bf16(k_out.dtype),
+            not kv_cache.is_cuda,
+            block_t,
+            block_n,
+            num_warps=warps,
+        )
 
 
-def _fill_torch(kv_cache, block_table, cfg, centroids, rotation, key, value, window, head0, k_out, v_out, fp8_e4b15):
+def _fill_torch(
+    kv_cache,
+    block_table,
+    cfg,
+    centroids,
+    rotation,
+    key,
+    value,
+    window,
+    head0,
+    k_out,
+    v_out,
+    fp8_e4b15,
+):
     """The same rows through the reference decoder, one segment at a time (CPU)."""
     hk = k_out.shape[1]
     heads = slice(head0, head0 + hk)
     for s in range(window.nseg):
         start, req, pos0, cached, qrow = window.segment(s)
         if cached:
-            k, v = dequantize_reference(kv_cache[:, :, heads], block_table[req], pos0, cached, cfg, centroids,
-                                        fp8_e4b15)  # (Hk, n, D) float32
+            k, v = dequantize_reference(
+                kv_cache[:, :, heads],
+                block_table[req],
+                pos0,
+                cached,
+                cfg,
+                centroids,
+                fp8_e4b15,
+            )  # (Hk, n, D) float32
             k = k.transpose(0, 1).half()
             if rotation is not None:
                 k = (k.float() @ rotation.float()).half()
-            k_out[start:start + cached] = k
-            v_out[start:start + cached] = v.transpose(0, 1).half()
+            k_out[start : start + cached] = k
+            v_out[start : start + cached] = v.transpose(0, 1).half()
         end = window.segment_end(s)
         if end > start + cached and qrow == GAP_ROW:
-            k_out[start + cached:end] = 0
-            v_out[start + cached:end] = 0
+            k_out[start + cached : end] = 0
+            v_out[start + cached : end] = 0
         elif end > start + cached:
             n = end - start - cached
-            k_out[start + cached:end] = key[qrow:qrow + n, heads]
-            v_out[start + cached:end] = value[qrow:qrow + n, heads]
+            k_out[start + cached : end] = key[qrow : qrow + n, heads]
+            v_out[start + cached : end] = value[qrow : qrow + n, heads]

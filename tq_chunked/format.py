@@ -56,13 +56,17 @@ class TQConfig:
         if self.value_bits not in (3, 4):
             raise ValueError(f"value_bits must be 3 or 4, got {self.value_bits}")
         if not (MIN_HEAD_DIM <= self.head_dim <= MAX_HEAD_DIM) or self.head_dim % 8:
-            raise ValueError(f"head_dim must be a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {self.head_dim}")
+            raise ValueError(
+                f"head_dim must be a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {self.head_dim}"
+            )
         if not self.key_fp8 and self.head_dim & (self.head_dim - 1):
-            raise ValueError(f"head_dim must be a power of two for MSE keys (vLLM's Hadamard rotation), "
-                             f"got {self.head_dim}")
+            raise ValueError(
+                f"head_dim must be a power of two for MSE keys (vLLM's Hadamard rotation), "
+                f"got {self.head_dim}"
+            )
 
     @classmethod
-    def from_preset(cls, preset: str, head_dim: int) -> "TQConfig":
+    def from_preset(cls, preset: str, head_dim: int) -> TQConfig:
         if preset not in PRESETS:
             raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
         key_bits, value_bits, norm_correction = PRESETS[preset]
@@ -79,7 +83,11 @@ class TQConfig:
 
     @property
     def key_index_bytes(self) -> int:
-        return self.head_dim if self.key_fp8 else math.ceil(self.head_dim * self.key_bits / 8)
+        return (
+            self.head_dim
+            if self.key_fp8
+            else math.ceil(self.head_dim * self.key_bits / 8)
+        )
 
     @property
     def key_bytes(self) -> int:
@@ -102,10 +110,14 @@ class TQConfig:
 def resolve_config(preset: str | TQConfig, head_dim: int) -> TQConfig:
     if isinstance(preset, TQConfig):
         if preset.head_dim != head_dim:
-            raise ValueError(f"preset.head_dim is {preset.head_dim} but the query has D={head_dim}")
+            raise ValueError(
+                f"preset.head_dim is {preset.head_dim} but the query has D={head_dim}"
+            )
         return preset
     if not isinstance(preset, str):
-        raise ValueError(f"preset must be one of {sorted(PRESETS)} or a TQConfig, got {preset!r}")
+        raise ValueError(
+            f"preset must be one of {sorted(PRESETS)} or a TQConfig, got {preset!r}"
+        )
     return _preset_config(preset, head_dim)
 
 
@@ -142,7 +154,10 @@ def lloyd_max_centroids(d: int, bits: int, iters: int = 500) -> torch.Tensor:
     for _ in range(iters):
         edges = [-math.inf] + [(c[i] + c[i + 1]) / 2 for i in range(n - 1)] + [math.inf]
         pd = [0.0 if math.isinf(e) else pdf(e) for e in edges]
-        c = [sigma**2 * (pd[i] - pd[i + 1]) / (cdf(edges[i + 1]) - cdf(edges[i])) for i in range(n)]
+        c = [
+            sigma**2 * (pd[i] - pd[i + 1]) / (cdf(edges[i + 1]) - cdf(edges[i]))
+            for i in range(n)
+        ]
     return torch.tensor(c, dtype=torch.float32)
 
 
@@ -150,12 +165,15 @@ def lloyd_max_centroids(d: int, bits: int, iters: int = 500) -> torch.Tensor:
 # Bit streams
 # ---------------------------------------------------------------------------
 
+
 def pack_bits(idx: torch.Tensor, bits: int) -> torch.Tensor:
     """(..., D) integer indices < 2**bits -> (..., ceil(D*bits/8)) uint8, little-endian stream."""
     d = idx.shape[-1]
     nbytes = math.ceil(d * bits / 8)
     weights = 2 ** torch.arange(bits, device=idx.device)  # (bits,)
-    stream = ((idx.long().unsqueeze(-1) // weights) % 2).flatten(-2)  # (..., D*bits), bit 0 first
+    stream = ((idx.long().unsqueeze(-1) // weights) % 2).flatten(
+        -2
+    )  # (..., D*bits), bit 0 first
     stream = torch.nn.functional.pad(stream, (0, nbytes * 8 - d * bits))
     byte_weights = 2 ** torch.arange(8, device=idx.device)
     return (stream.unflatten(-1, (nbytes, 8)) * byte_weights).sum(-1).to(torch.uint8)
@@ -193,9 +211,16 @@ def decode_fp8_e4b15(b: torch.Tensor) -> torch.Tensor:
 # Reference encoder (the cache writer) and decoder
 # ---------------------------------------------------------------------------
 
-def encode_reference(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor, cfg: TQConfig, centroids: torch.Tensor,
-                     rotation: torch.Tensor | None = None) -> None:
+
+def encode_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cfg: TQConfig,
+    centroids: torch.Tensor,
+    rotation: torch.Tensor | None = None,
+) -> None:
     """Quantize key/value (N, Hk, D) and write them into kv_cache at slot_mapping (N,).
 
     slot = block * block_size + position; negative slots are skipped. Plain PyTorch.
@@ -210,24 +235,36 @@ def encode_reference(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Ten
         rotation = hadamard(d).to(key.device) if rotation is None else rotation
         k = key.float().reshape(-1, d)
         norms = k.norm(dim=1, keepdim=True)
-        y = (k / (norms + 1e-8)) @ rotation.float().T.contiguous()  # rotated unit keys (as vLLM: x @ PiT)
+        y = (
+            k / (norms + 1e-8)
+        ) @ rotation.float().T.contiguous()  # rotated unit keys (as vLLM: x @ PiT)
         c = centroids.float().sort().values.to(key.device)
         midpoints = (c[:-1] + c[1:]) / 2
         idx = torch.bucketize(y, midpoints, right=True)  # count of midpoints <= y
-        key_bytes = torch.cat([pack_bits(idx, cfg.key_bits), _fp16_bytes(norms.squeeze(-1))], -1)
+        key_bytes = torch.cat(
+            [pack_bits(idx, cfg.key_bits), _fp16_bytes(norms.squeeze(-1))], -1
+        )
         key_bytes = key_bytes.reshape(-1, hk, cfg.key_bytes)
     v = value.float()
     vmin, vmax = v.amin(-1, keepdim=True), v.amax(-1, keepdim=True)
     levels = 2**cfg.value_bits - 1
     vscale = ((vmax - vmin) / levels).clamp(min=1e-8)
     vidx = ((v - vmin) / vscale + 0.5).to(torch.int32).clamp(0, levels)
-    val_bytes = torch.cat([pack_bits(vidx, cfg.value_bits), _fp16_bytes(vscale.squeeze(-1)),
-                           _fp16_bytes(vmin.squeeze(-1))], -1)
+    val_bytes = torch.cat(
+        [
+            pack_bits(vidx, cfg.value_bits),
+            _fp16_bytes(vscale.squeeze(-1)),
+            _fp16_bytes(vmin.squeeze(-1)),
+        ],
+        -1,
+    )
     slot = torch.cat([key_bytes, val_bytes], -1)  # (N, Hk, key_bytes + value_bytes)
     kv_cache[slots // block_size, slots % block_size, :, : slot.shape[-1]] = slot
 
 
-def gather_slots(kv_cache: torch.Tensor, block_table: torch.Tensor, start: int, length: int):
+def gather_slots(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, start: int, length: int
+):
     """Raw slots of tokens [start, start + length): (length, Hk, slot_bytes) uint8, and
     which positions have a block (length,) bool.
 
@@ -236,15 +273,30 @@ def gather_slots(kv_cache: torch.Tensor, block_table: torch.Tensor, start: int, 
     block_size, num_blocks = kv_cache.shape[1], kv_cache.shape[0]
     table = block_table.reshape(-1).long()
     col = torch.arange(start, start + length, device=kv_cache.device) // block_size
-    blocks = torch.where(col < table.shape[0], table[col.clamp(max=max(table.shape[0] - 1, 0))], -1)
+    blocks = torch.where(
+        col < table.shape[0], table[col.clamp(max=max(table.shape[0] - 1, 0))], -1
+    )
     ok = (blocks >= 0) & (blocks < num_blocks)
-    slots = kv_cache[blocks.clamp(0, num_blocks - 1), torch.arange(start, start + length, device=kv_cache.device)
-                     % block_size]
-    return torch.where(ok[:, None, None], slots, torch.zeros((), dtype=slots.dtype, device=slots.device)), ok
+    slots = kv_cache[
+        blocks.clamp(0, num_blocks - 1),
+        torch.arange(start, start + length, device=kv_cache.device) % block_size,
+    ]
+    return torch.where(
+        ok[:, None, None],
+        slots,
+        torch.zeros((), dtype=slots.dtype, device=slots.device),
+    ), ok
 
 
-def dequantize_reference(kv_cache: torch.Tensor, block_table: torch.Tensor, start: int, length: int,
-                         cfg: TQConfig, centroids: torch.Tensor, fp8_e4b15: bool = False):
+def dequantize_reference(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    start: int,
+    length: int,
+    cfg: TQConfig,
+    centroids: torch.Tensor,
+    fp8_e4b15: bool = False,
+):
     """Decode tokens [start, start + length) to float32 K and V of shape (Hk, length, D).
 
     MSE keys stay in the rotated space. Every operation is exactly rounded, in the
@@ -257,10 +309,18 @@ def dequantize_reference(kv_cache: torch.Tensor, block_table: torch.Tensor, star
     kb = slots[..., : cfg.key_bytes]
     if cfg.key_fp8:
         raw = kb[..., :d]
-        k = decode_fp8_e4b15(raw) if fp8_e4b15 else raw.contiguous().view(torch.float8_e4m3fn).float()
+        k = (
+            decode_fp8_e4b15(raw)
+            if fp8_e4b15
+            else raw.contiguous().view(torch.float8_e4m3fn).float()
+        )
     else:
-        c = centroids.float().to(kv_cache.device)[unpack_bits(kb[..., : cfg.key_index_bytes], cfg.key_bits, d)]
-        norm = _bytes_fp16(kb[..., cfg.key_index_bytes:cfg.key_bytes].unsqueeze(-2))  # (Hk, n, 1)
+        c = centroids.float().to(kv_cache.device)[
+            unpack_bits(kb[..., : cfg.key_index_bytes], cfg.key_bits, d)
+        ]
+        norm = _bytes_fp16(
+            kb[..., cfg.key_index_bytes : cfg.key_bytes].unsqueeze(-2)
+        )  # (Hk, n, 1)
         if cfg.norm_correction:
             sumsq = (c.double() * c.double()).sum(-1, keepdim=True).float()
             # The kernel's sqrt_rn is the correctly rounded float32 square root. torch's
@@ -270,10 +330,14 @@ def dequantize_reference(kv_cache: torch.Tensor, block_table: torch.Tensor, star
             root = torch.sqrt((sumsq + 1e-16).double()).float()
             c = c * (1.0 / root)
         k = norm * c
-    vb = slots[..., cfg.key_bytes: cfg.key_bytes + cfg.value_bytes]
+    vb = slots[..., cfg.key_bytes : cfg.key_bytes + cfg.value_bytes]
     vidx = unpack_bits(vb[..., : cfg.value_index_bytes], cfg.value_bits, d).float()
-    vscale = _bytes_fp16(vb[..., cfg.value_index_bytes: cfg.value_index_bytes + 2].unsqueeze(-2))
-    vzero = _bytes_fp16(vb[..., cfg.value_index_bytes + 2: cfg.value_index_bytes + 4].unsqueeze(-2))
+    vscale = _bytes_fp16(
+        vb[..., cfg.value_index_bytes : cfg.value_index_bytes + 2].unsqueeze(-2)
+    )
+    vzero = _bytes_fp16(
+        vb[..., cfg.value_index_bytes + 2 : cfg.value_index_bytes + 4].unsqueeze(-2)
+    )
     v = vidx * vscale + vzero
     missing = ~ok[None, :, None]
     return k.masked_fill(missing, float("nan")), v.masked_fill(missing, float("nan"))

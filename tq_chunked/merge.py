@@ -36,16 +36,34 @@ from ._utils import Launcher, interpreter_rounds_bf16, round_bf16, use_triton
 
 @triton.jit
 def _term(w, o):
-    """w * o, where a zero weight still carries o's inf and NaN elements."""
+    """W * o, where a zero weight still carries o's inf and NaN elements."""
     finite = (o == o) & (tl.abs(o) < float("inf"))
     return tl.where(w == 0.0, tl.where(finite, 0.0, o), w * o)
 
 
 @triton.jit(do_not_specialize=["rows"])
 def _merge_kernel(
-    out_ptr, p_ptr, lp_ptr, s_ptr, ls_ptr, lo_ptr, rows,
-    s_o_tok, s_o_head, s_p_tok, s_p_head, s_lp_head, s_s_tok, s_s_head, s_ls_head, s_lo_head,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, HAS_PREFIX: tl.constexpr, WRITE_LSE: tl.constexpr,
+    out_ptr,
+    p_ptr,
+    lp_ptr,
+    s_ptr,
+    ls_ptr,
+    lo_ptr,
+    rows,
+    s_o_tok,
+    s_o_head,
+    s_p_tok,
+    s_p_head,
+    s_lp_head,
+    s_s_tok,
+    s_s_head,
+    s_ls_head,
+    s_lo_head,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
     ROUND_BF16: tl.constexpr,  # see _utils.round_bf16
 ):
     head = tl.program_id(1).to(tl.int64)
@@ -54,7 +72,9 @@ def _merge_kernel(
     r64 = r.to(tl.int64)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     dm = mask[:, None] & (d < D)
-    o_s = tl.load(s_ptr + r64 * s_s_tok + head * s_s_head + d, mask=dm, other=0.0).to(tl.float32)
+    o_s = tl.load(s_ptr + r64 * s_s_tok + head * s_s_head + d, mask=dm, other=0.0).to(
+        tl.float32
+    )
     l_s = tl.load(ls_ptr + head * s_ls_head + r, mask=mask, other=float("-inf"))
     s_nan_row = tl.max(tl.where(o_s != o_s, 1, 0), axis=1) > 0
     s_inf = (l_s == float("inf")) | (l_s == float("-inf"))
@@ -62,8 +82,11 @@ def _merge_kernel(
     if HAS_PREFIX:
         l_p = tl.load(lp_ptr + head * s_lp_head + r, mask=mask, other=float("-inf"))
         read_p = mask & (l_p != float("-inf"))  # an empty prefix is never read
-        o_p = tl.load(p_ptr + r64 * s_p_tok + head * s_p_head + d, mask=read_p[:, None] & (d < D),
-                      other=0.0).to(tl.float32)
+        o_p = tl.load(
+            p_ptr + r64 * s_p_tok + head * s_p_head + d,
+            mask=read_p[:, None] & (d < D),
+            other=0.0,
+        ).to(tl.float32)
     else:
         l_p = tl.full([BLOCK_L], float("-inf"), tl.float32)
         o_p = tl.zeros([BLOCK_L, BLOCK_D], tl.float32)
@@ -80,15 +103,24 @@ def _merge_kernel(
     tl.store(out_ptr + r64 * s_o_tok + head * s_o_head + d, o, mask=dm)
     if WRITE_LSE:
         lse = tl.where(total > 0, m + tl.log(total), float("-inf"))
-        tl.store(lo_ptr + head * s_lo_head + r, tl.where(nan, float("nan"), lse), mask=mask)
+        tl.store(
+            lo_ptr + head * s_lo_head + r, tl.where(nan, float("nan"), lse), mask=mask
+        )
 
 
 _merge = Launcher(_merge_kernel)
 
 
-def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor | None, prefix_lse: torch.Tensor | None,
-                      suffix_output: torch.Tensor, suffix_lse: torch.Tensor, output_lse: torch.Tensor | None = None,
-                      *, impl: str | None = None) -> None:
+def merge_attn_states(
+    output: torch.Tensor,
+    prefix_output: torch.Tensor | None,
+    prefix_lse: torch.Tensor | None,
+    suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    output_lse: torch.Tensor | None = None,
+    *,
+    impl: str | None = None,
+) -> None:
     """output, output_lse <- the merge of (prefix_output, prefix_lse) and (suffix_output,
     suffix_lse), row by row (see the module docstring for non-finite and empty sides).
 
@@ -105,23 +137,50 @@ def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor | None, 
     if impl not in ("triton", "torch"):
         raise ValueError(f"impl must be 'triton' or 'torch', got {impl!r}")
     if (prefix_output is None) != (prefix_lse is None):
-        raise ValueError("prefix_output and prefix_lse must be given together (or both None: no prefix)")
+        raise ValueError(
+            "prefix_output and prefix_lse must be given together (or both None: no prefix)"
+        )
     rows, h, d = suffix_output.shape
     if rows == 0:
         return
     if impl == "torch":
-        _merge_torch(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse)
+        _merge_torch(
+            output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse
+        )
         return
     block_d = triton.next_power_of_2(d)
     block_l = 16 if block_d <= 128 else 8
-    p = prefix_output if prefix_output is not None else suffix_output  # not read without a prefix
+    p = (
+        prefix_output if prefix_output is not None else suffix_output
+    )  # not read without a prefix
     lp = prefix_lse if prefix_lse is not None else suffix_lse
     lo = output_lse if output_lse is not None else suffix_lse  # not written without
-    _merge((triton.cdiv(rows, block_l), h), output, p, lp, suffix_output, suffix_lse, lo, rows,
-           output.stride(0), output.stride(1), p.stride(0), p.stride(1), lp.stride(0),
-           suffix_output.stride(0), suffix_output.stride(1), suffix_lse.stride(0), lo.stride(0),
-           d, block_d, block_l, prefix_output is not None, output_lse is not None,
-           interpreter_rounds_bf16(output.dtype), num_warps=4)
+    _merge(
+        (triton.cdiv(rows, block_l), h),
+        output,
+        p,
+        lp,
+        suffix_output,
+        suffix_lse,
+        lo,
+        rows,
+        output.stride(0),
+        output.stride(1),
+        p.stride(0),
+        p.stride(1),
+        lp.stride(0),
+        suffix_output.stride(0),
+        suffix_output.stride(1),
+        suffix_lse.stride(0),
+        lo.stride(0),
+        d,
+        block_d,
+        block_l,
+        prefix_output is not None,
+        output_lse is not None,
+        interpreter_rounds_bf16(output.dtype),
+        num_warps=4,
+    )
 
 
 def _weighted(w, o):
@@ -129,11 +188,15 @@ def _weighted(w, o):
     return torch.where(w[..., None] == 0, torch.where(finite, 0.0, o), w[..., None] * o)
 
 
-def _merge_torch(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse):
+def _merge_torch(
+    output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse
+):
     o_s = suffix_output.float()
     l_s = suffix_lse.T  # (rows, H)
     s_nan_row = o_s.isnan().any(-1)
-    l_s = torch.where(l_s.isinf(), torch.where(s_nan_row, float("nan"), float("-inf")), l_s)
+    l_s = torch.where(
+        l_s.isinf(), torch.where(s_nan_row, float("nan"), float("-inf")), l_s
+    )
     if prefix_output is None:
         l_p = torch.full_like(l_s, float("-inf"))
         o_p = torch.zeros_like(o_s)

@@ -59,7 +59,9 @@ class Window(Call):
     rows: int  # key rows filled
     nseg: int
     steps: int  # binary-search iterations over nseg segments
-    segs: torch.Tensor  # int32 device: nseg + 1 starts, then SEG_FIELDS - 1 arrays of nseg (dequant.py)
+    segs: (
+        torch.Tensor
+    )  # int32 device: nseg + 1 starts, then SEG_FIELDS - 1 arrays of nseg (dequant.py)
     segs_host: tuple[int, ...]
     has_chunk: bool  # some rows are the chunk's new tokens
     requests: tuple[int, ...]  # the requests whose queries it answers, in order
@@ -91,8 +93,13 @@ class Plan:
     max_window_rows: int  # the most rows any window fills
 
 
-def plan(query_start: tuple[int, ...], seq_lens: tuple[int, ...], capacity: int, device: torch.device,
-         stream=None) -> Plan:
+def plan(
+    query_start: tuple[int, ...],
+    seq_lens: tuple[int, ...],
+    capacity: int,
+    device: torch.device,
+    stream=None,
+) -> Plan:
     """The windows for these lengths (host ints, already validated), ``capacity`` key rows
     each (> the batch's query tokens). Memoized per CUDA stream: a forward step's layers
     share one plan and its device tensors (read-only), uploaded on that stream and read
@@ -105,7 +112,9 @@ def _plan(qsl, seq_lens, capacity, device, stream):
     b = len(seq_lens)
     n_tok = qsl[-1]
     if capacity <= n_tok:
-        raise AssertionError("capacity must exceed the query tokens (workspace.capacity)")
+        raise AssertionError(
+            "capacity must exceed the query tokens (workspace.capacity)"
+        )
     packed: list[int] = []  # every device int32 array of the plan, uploaded in one copy
     windows = []  # (kind, segments [(req, pos0, cached, qrow, new rows, query rows)], causal) before upload
 
@@ -118,7 +127,9 @@ def _plan(qsl, seq_lens, capacity, device, stream):
     def flush():
         nonlocal batch, batch_rows
         if batch:
-            steps.append(window("batch", batch[:-1], True))  # the last request's gap is not needed
+            steps.append(
+                window("batch", batch[:-1], True)
+            )  # the last request's gap is not needed
         batch, batch_rows = [], 0
 
     for r in range(b):
@@ -133,12 +144,18 @@ def _plan(qsl, seq_lens, capacity, device, stream):
             batch_rows += c + q + GAP
             continue
         flush()
-        tail = capacity - q  # cached tokens in the last window (>= 1: capacity > N >= q)
+        tail = (
+            capacity - q
+        )  # cached tokens in the last window (>= 1: capacity > N >= q)
         head = c - tail  # cached tokens before it (> 0: c + q > capacity)
         parts = -(-head // capacity)
         bounds = [head * i // parts for i in range(parts + 1)]  # balanced
-        ids = [window("part", [(r, bounds[i], bounds[i + 1] - bounds[i], qsl[r], 0, q)], False)
-               for i in range(parts)]
+        ids = [
+            window(
+                "part", [(r, bounds[i], bounds[i + 1] - bounds[i], qsl[r], 0, q)], False
+            )
+            for i in range(parts)
+        ]
         ids.append(window("last", [(r, head, tail, qsl[r], q, q)], True))
         steps.append((r, qsl[r], qsl[r + 1], ids))
     flush()
@@ -151,14 +168,22 @@ def _plan(qsl, seq_lens, capacity, device, stream):
         cu_q = [0]
         for *_, q in segs:
             cu_q.append(cu_q[-1] + q)
-        fields = starts + [s[0] for s in segs] + [s[1] for s in segs] + [s[2] for s in segs] + [s[3] for s in segs]
+        fields = (
+            starts
+            + [s[0] for s in segs]
+            + [s[1] for s in segs]
+            + [s[2] for s in segs]
+            + [s[3] for s in segs]
+        )
         assert len(fields) == SEG_FIELDS * len(segs) + 1
         spans.append((len(packed), len(fields), len(packed) + len(fields), len(cu_q)))
         packed.extend(fields)
         packed.extend(cu_q)
 
     host = torch.tensor(packed, dtype=torch.int32)
-    if device.type == "cuda":  # pinned, so the copy is asynchronous: no host-device sync
+    if (
+        device.type == "cuda"
+    ):  # pinned, so the copy is asynchronous: no host-device sync
         with torch.cuda.stream(stream or torch.cuda.current_stream(device)):
             dev = host.pin_memory().to(device, non_blocking=True)
     else:
@@ -167,15 +192,30 @@ def _plan(qsl, seq_lens, capacity, device, stream):
     made = []
     for (kind, segs, causal), (s0, ns, c0, nc) in zip(windows, spans):
         nseg = len(segs)
-        segs_host = tuple(packed[s0:s0 + ns])
-        starts = segs_host[:nseg + 1]
-        cu_q_host = tuple(packed[c0:c0 + nc])
-        made.append(Window(
-            kind=kind, q0=segs[0][3], q1=segs[0][3] + cu_q_host[-1], rows=starts[-1], nseg=nseg,
-            steps=max(1, nseg.bit_length()), segs=dev[s0:s0 + ns], segs_host=segs_host,
-            cu_q=dev[c0:c0 + nc], cu_k=dev[s0:s0 + nseg + 1], cu_q_host=cu_q_host, cu_k_host=starts,
-            max_q=max(seg[5] for seg in segs), max_k=max(seg[2] + seg[4] for seg in segs), causal=causal,
-            has_chunk=any(seg[4] > 0 for seg in segs), requests=tuple(seg[0] for seg in segs if seg[5])))
+        segs_host = tuple(packed[s0 : s0 + ns])
+        starts = segs_host[: nseg + 1]
+        cu_q_host = tuple(packed[c0 : c0 + nc])
+        made.append(
+            Window(
+                kind=kind,
+                q0=segs[0][3],
+                q1=segs[0][3] + cu_q_host[-1],
+                rows=starts[-1],
+                nseg=nseg,
+                steps=max(1, nseg.bit_length()),
+                segs=dev[s0 : s0 + ns],
+                segs_host=segs_host,
+                cu_q=dev[c0 : c0 + nc],
+                cu_k=dev[s0 : s0 + nseg + 1],
+                cu_q_host=cu_q_host,
+                cu_k_host=starts,
+                max_q=max(seg[5] for seg in segs),
+                max_k=max(seg[2] + seg[4] for seg in segs),
+                causal=causal,
+                has_chunk=any(seg[4] > 0 for seg in segs),
+                requests=tuple(seg[0] for seg in segs if seg[5]),
+            )
+        )
     out = []
     for s in steps:
         if isinstance(s, int):
@@ -183,15 +223,37 @@ def _plan(qsl, seq_lens, capacity, device, stream):
         else:
             r, q0, q1, ids = s
             out.append(LongRequest(r, q0, q1, tuple(made[i] for i in ids)))
-    return Plan(num_tokens=n_tok, capacity=capacity, steps=tuple(out),
-                max_window_rows=max((w.rows for w in made), default=0))
+    return Plan(
+        num_tokens=n_tok,
+        capacity=capacity,
+        steps=tuple(out),
+        max_window_rows=max((w.rows for w in made), default=0),
+    )
 
 
-def cached_window(request: int, start: int, length: int, device: torch.device) -> Window:
+def cached_window(
+    request: int, start: int, length: int, device: torch.device
+) -> Window:
     """A window of one request's cached tokens [start, start + length) and nothing else
     (the full-buffer reference path dequantizes a whole prefix with it)."""
     segs = (0, length, request, start, length, 0)
     dev = torch.tensor(segs, dtype=torch.int32, device=device)
-    return Window(kind="part", q0=0, q1=0, rows=length, nseg=1, steps=1, segs=dev, segs_host=segs, cu_q=dev[:2],
-                  cu_k=dev[:2], cu_q_host=(0, 0), cu_k_host=(0, length), max_q=0, max_k=length, causal=False,
-                  has_chunk=False, requests=(request,))
+    return Window(
+        kind="part",
+        q0=0,
+        q1=0,
+        rows=length,
+        nseg=1,
+        steps=1,
+        segs=dev,
+        segs_host=segs,
+        cu_q=dev[:2],
+        cu_k=dev[:2],
+        cu_q_host=(0, 0),
+        cu_k_host=(0, length),
+        max_q=0,
+        max_k=length,
+        causal=False,
+        has_chunk=False,
+        requests=(request,),
+    )

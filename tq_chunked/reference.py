@@ -18,8 +18,20 @@ from .format import dequantize_reference, resolve_config
 from .plan import cached_window
 
 
-def full_buffer_continuation_prefill(query, key_chunk, val_chunk, kv_cache, block_table, cached_len, *,
-                                     preset, centroids, rotation, scale, backend="auto"):
+def full_buffer_continuation_prefill(
+    query,
+    key_chunk,
+    val_chunk,
+    kv_cache,
+    block_table,
+    cached_len,
+    *,
+    preset,
+    centroids,
+    rotation,
+    scale,
+    backend="auto",
+):
     """Same arguments and result as ``continuation_prefill`` (no window, no workspace).
 
     Dequantizes [0, cached_len) with the window kernel into fp16 buffers (keys in the
@@ -34,29 +46,61 @@ def full_buffer_continuation_prefill(query, key_chunk, val_chunk, kv_cache, bloc
     backend = resolve_backend(backend, query.device, d)
     hk = key_chunk.shape[1]
     bt = block_table.reshape(1, -1)
-    k = torch.empty(cached_len, hk, d, dtype=torch.float16, device=query.device)  # O(cached_len)
+    k = torch.empty(
+        cached_len, hk, d, dtype=torch.float16, device=query.device
+    )  # O(cached_len)
     v = torch.empty_like(k)
-    fill_window(kv_cache, bt, cfg, centroids, rotation, key_chunk, val_chunk,
-                cached_window(0, 0, cached_len, query.device), 0, k, v, unrotate=False)
+    fill_window(
+        kv_cache,
+        bt,
+        cfg,
+        centroids,
+        rotation,
+        key_chunk,
+        val_chunk,
+        cached_window(0, 0, cached_len, query.device),
+        0,
+        k,
+        v,
+        unrotate=False,
+    )
     if not cfg.key_fp8:
-        k = (k.float() @ rotation.float()).half()  # k = k_rot @ rotation: back to the original space
+        k = (
+            k.float() @ rotation.float()
+        ).half()  # k = k_rot @ rotation: back to the original space
     k_full = torch.cat([k.to(query.dtype), key_chunk], 0)  # (cached_len + q_len, Hk, D)
     v_full = torch.cat([v.to(query.dtype), val_chunk], 0)
     out = torch.empty_like(query)
     call = make_call([lq], [cached_len + lq], True, query.device)
-    varlen_attention(call, query.contiguous(), k_full, v_full, scale, out, backend, flash_splits=0)  # as vLLM
+    varlen_attention(
+        call, query.contiguous(), k_full, v_full, scale, out, backend, flash_splits=0
+    )  # as vLLM
     return out
 
 
-def oracle_continuation_prefill(query, key_chunk, val_chunk, kv_cache, block_table, cached_len, *,
-                                preset, centroids, rotation, scale, fp8_e4b15=False):
+def oracle_continuation_prefill(
+    query,
+    key_chunk,
+    val_chunk,
+    kv_cache,
+    block_table,
+    cached_len,
+    *,
+    preset,
+    centroids,
+    rotation,
+    scale,
+    fp8_e4b15=False,
+):
     """Float64 attention over the exactly decoded cache: what both paths approximate.
 
     Returns (q_len, Hq, D) float64.
     """
     lq, hq, d = query.shape
     cfg = resolve_config(preset, d)
-    k, v = dequantize_reference(kv_cache, block_table, 0, cached_len, cfg, centroids, fp8_e4b15)
+    k, v = dequantize_reference(
+        kv_cache, block_table, 0, cached_len, cfg, centroids, fp8_e4b15
+    )
     k, v = k.double(), v.double()  # (Hk, cached_len, D)
     if not cfg.key_fp8:
         k = k @ rotation.double()
@@ -69,7 +113,7 @@ def oracle_continuation_prefill(query, key_chunk, val_chunk, kv_cache, block_tab
     hidden = j > i + cached_len  # (Lq, Lk) causal mask of the chunk
     out = torch.empty(lq, hq, d, dtype=torch.float64, device=k.device)
     for h in range(hk):  # one kv head at a time: bounded memory at long context
-        q = rearrange(query[:, h * g:(h + 1) * g].double(), "l g d -> g l d")
+        q = rearrange(query[:, h * g : (h + 1) * g].double(), "l g d -> g l d")
         s = (q @ k[h].T * scale).masked_fill(hidden, float("-inf"))  # (G, Lq, Lk)
         p = torch.softmax(s, -1)
         new = v[h][cached_len:]
@@ -77,6 +121,7 @@ def oracle_continuation_prefill(query, key_chunk, val_chunk, kv_cache, block_tab
             o = p @ v[h]
         else:  # a key a query does not see adds nothing, even an inf or NaN value (a matmul would add 0 * it)
             o = p[..., :cached_len] @ v[h][:cached_len] + torch.where(
-                ~hidden[:, cached_len:, None], p[..., cached_len:, None] * new, 0.0).sum(-2)
-        out[:, h * g:(h + 1) * g] = rearrange(o, "g l d -> l g d")
+                ~hidden[:, cached_len:, None], p[..., cached_len:, None] * new, 0.0
+            ).sum(-2)
+        out[:, h * g : (h + 1) * g] = rearrange(o, "g l d -> l g d")
     return out

@@ -63,8 +63,18 @@ BACKEND_MODULE = "vllm_backend"
 ROOTS = ("__init__", BACKEND_MODULE)
 # Modules that are tools around tq_chunked, not part of what vLLM runs: if a runtime
 # module ever imports one of them, the tool refuses rather than ship it.
-NOT_FOR_VLLM = frozenset({"bench", "bench_engine", "cli", "demo", "reference", "vllm_harness", "vllm_plugin",
-                          "vendor"})
+NOT_FOR_VLLM = frozenset(
+    {
+        "bench",
+        "bench_engine",
+        "cli",
+        "demo",
+        "reference",
+        "vllm_harness",
+        "vllm_plugin",
+        "vendor",
+    }
+)
 # What the copied code may import besides itself: the standard library and what vLLM
 # depends on already.
 THIRD_PARTY = frozenset({"torch", "triton", "vllm"})
@@ -80,11 +90,14 @@ class VendorError(Exception):
 # 1. The package copy
 # ---------------------------------------------------------------------------
 
+
 def _header(name: str) -> str:
-    return ("# SPDX-License-Identifier: Apache-2.0\n"
-            "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project\n"
-            f"# Vendored from tq_chunked {__version__} ({PACKAGE}/{name}.py) by `python -m tq_chunked.vendor`:\n"
-            "# change it there and vendor again (docs/vendoring.md in tq_chunked).\n")
+    return (
+        "# SPDX-License-Identifier: Apache-2.0\n"
+        "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project\n"
+        f"# Vendored from tq_chunked {__version__} ({PACKAGE}/{name}.py) by `python -m tq_chunked.vendor`:\n"
+        "# change it there and vendor again (docs/vendoring.md in tq_chunked).\n"
+    )
 
 
 def _package_deps(name: str, tree: ast.Module, available: set[str]) -> set[str]:
@@ -94,14 +107,27 @@ def _package_deps(name: str, tree: ast.Module, available: set[str]) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level > 1:
-                raise VendorError(f"{PACKAGE}/{name}.py:{node.lineno}: an import from above the package "
-                                  f"(level {node.level}); the package is flat")
-            if node.level == 1 or node.module == PACKAGE or (node.module or "").startswith(PACKAGE + "."):
-                sub = node.module if node.level == 1 else node.module[len(PACKAGE) + 1:] or None
+                raise VendorError(
+                    f"{PACKAGE}/{name}.py:{node.lineno}: an import from above the package "
+                    f"(level {node.level}); the package is flat"
+                )
+            if (
+                node.level == 1
+                or node.module == PACKAGE
+                or (node.module or "").startswith(PACKAGE + ".")
+            ):
+                sub = (
+                    node.module
+                    if node.level == 1
+                    else node.module[len(PACKAGE) + 1 :] or None
+                )
                 if sub:
                     deps.add(sub.split(".")[0])
                 else:  # from . import x: x is a module, or a name the package __init__ defines
-                    deps.update(a.name if a.name in available else "__init__" for a in node.names)
+                    deps.update(
+                        a.name if a.name in available else "__init__"
+                        for a in node.names
+                    )
         elif isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.startswith(PACKAGE + "."):
@@ -115,29 +141,46 @@ def _rewrite_imports(name: str, text: str) -> str:
     -> ``from . import x as y``). An import that would bind the name ``tq_chunked`` itself
     cannot be made relative and is refused."""
     lines = text.splitlines(keepends=True)
-    for node in sorted(ast.walk(ast.parse(text)), key=lambda n: -getattr(n, "lineno", 0)):
+    for node in sorted(
+        ast.walk(ast.parse(text)), key=lambda n: -getattr(n, "lineno", 0)
+    ):
         where = f"{PACKAGE}/{name}.py:{getattr(node, 'lineno', '?')}"
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and (
-                node.module == PACKAGE or node.module.startswith(PACKAGE + ".")):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and (node.module == PACKAGE or node.module.startswith(PACKAGE + "."))
+        ):
             i = node.lineno - 1
             pattern = re.compile(r"from\s+" + re.escape(node.module) + r"(?=\s)")
-            head, tail = lines[i][:node.col_offset], lines[i][node.col_offset:]
-            relative = "from ." + node.module[len(PACKAGE) + 1:]
+            head, tail = lines[i][: node.col_offset], lines[i][node.col_offset :]
+            relative = "from ." + node.module[len(PACKAGE) + 1 :]
             new_tail, n = pattern.subn(relative, tail, count=1)
             if n != 1:
-                raise VendorError(f"{where}: cannot find 'from {node.module}' on the import's first line")
+                raise VendorError(
+                    f"{where}: cannot find 'from {node.module}' on the import's first line"
+                )
             lines[i] = head + new_tail
-        elif isinstance(node, ast.Import) and any(a.name == PACKAGE or a.name.startswith(PACKAGE + ".")
-                                                  for a in node.names):
-            if len(node.names) != 1 or node.names[0].asname is None or node.names[0].name.count(".") != 1 \
-                    or node.lineno != node.end_lineno:
-                raise VendorError(f"{where}: 'import {', '.join(a.name for a in node.names)}' binds the name "
-                                  f"{PACKAGE}; write it as a relative import ('from . import x')")
+        elif isinstance(node, ast.Import) and any(
+            a.name == PACKAGE or a.name.startswith(PACKAGE + ".") for a in node.names
+        ):
+            if (
+                len(node.names) != 1
+                or node.names[0].asname is None
+                or node.names[0].name.count(".") != 1
+                or node.lineno != node.end_lineno
+            ):
+                raise VendorError(
+                    f"{where}: 'import {', '.join(a.name for a in node.names)}' binds the name "
+                    f"{PACKAGE}; write it as a relative import ('from . import x')"
+                )
             a = node.names[0]
             i = node.lineno - 1
             line = lines[i]
-            lines[i] = (line[:node.col_offset] + f"from . import {a.name.split('.')[1]} as {a.asname}"
-                        + line[node.end_col_offset:])
+            lines[i] = (
+                line[: node.col_offset]
+                + f"from . import {a.name.split('.')[1]} as {a.asname}"
+                + line[node.end_col_offset :]
+            )
     return "".join(lines)
 
 
@@ -148,23 +191,34 @@ def _check_imports(name: str, text: str, copied: set[str]) -> None:
         where = f"{PACKAGE}/{name}.py:{getattr(node, 'lineno', '?')}"
         if isinstance(node, ast.ImportFrom) and node.level:
             if node.module and node.module.split(".")[0] not in copied:
-                raise VendorError(f"{where}: imports .{node.module}, which is not copied")
+                raise VendorError(
+                    f"{where}: imports .{node.module}, which is not copied"
+                )
             continue
         if isinstance(node, ast.ImportFrom):
             tops = [node.module.split(".")[0]]
         elif isinstance(node, ast.Import):
             tops = [a.name.split(".")[0] for a in node.names]
-        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str)
-              and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")):
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and getattr(node.func, "attr", getattr(node.func, "id", None))
+            in ("import_module", "__import__")
+        ):
             tops = [node.args[0].value.split(".")[0]]  # a dynamic import by name
         else:
             continue
         for top in tops:
             if top == PACKAGE:
-                raise VendorError(f"{where}: still imports {PACKAGE} by name after the rewrite")
+                raise VendorError(
+                    f"{where}: still imports {PACKAGE} by name after the rewrite"
+                )
             if top not in THIRD_PARTY and top not in sys.stdlib_module_names:
-                raise VendorError(f"{where}: imports {top}, which vLLM does not depend on")
+                raise VendorError(
+                    f"{where}: imports {top}, which vLLM does not depend on"
+                )
 
 
 def package_files(source_dir: Path | None = None) -> dict[str, str]:
@@ -179,13 +233,17 @@ def package_files(source_dir: Path | None = None) -> dict[str, str]:
         if name in texts:
             continue
         if name not in available:
-            raise VendorError(f"{PACKAGE}/{name}.py is imported by the runtime modules but does not exist")
+            raise VendorError(
+                f"{PACKAGE}/{name}.py is imported by the runtime modules but does not exist"
+            )
         texts[name] = (source_dir / f"{name}.py").read_text()
         todo.extend(_package_deps(name, ast.parse(texts[name]), available))
     stray = sorted(NOT_FOR_VLLM & texts.keys())
     if stray:
-        raise VendorError(f"the runtime modules import {', '.join(m + '.py' for m in stray)}, which are not for "
-                          f"vLLM (benchmarks, demo, CLI, harness, plugin, this tool)")
+        raise VendorError(
+            f"the runtime modules import {', '.join(m + '.py' for m in stray)}, which are not for "
+            f"vLLM (benchmarks, demo, CLI, harness, plugin, this tool)"
+        )
     files = {}
     for name, text in sorted(texts.items()):
         text = _rewrite_imports(name, text)
@@ -198,10 +256,12 @@ def package_files(source_dir: Path | None = None) -> dict[str, str]:
 # 2. The edits of turboquant_attn.py
 # ---------------------------------------------------------------------------
 
+
 @dataclass
 class Edit:
     """Replace lines [start, end) (0-based) with ``new`` (lines without newlines); an
     insertion when start == end."""
+
     start: int
     end: int
     new: list[str]
@@ -222,8 +282,14 @@ def _call(indent: str, head: str, args: list[str]) -> list[str]:
 
 def _comment(indent: str, text: str) -> list[str]:
     """``text`` as comment lines of at most LINE columns."""
-    return textwrap.wrap(text, LINE, initial_indent=indent + "# ", subsequent_indent=indent + "# ",
-                         break_long_words=False, break_on_hyphens=False)
+    return textwrap.wrap(
+        text,
+        LINE,
+        initial_indent=indent + "# ",
+        subsequent_indent=indent + "# ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 def _is_comment(line: str) -> bool:
@@ -243,7 +309,11 @@ def _body_start(lines: list[str], fn: ast.FunctionDef) -> int:
     """The 0-based line where ``fn``'s body starts after its signature and docstring
     (comments between them belong to the body)."""
     first = fn.body[0]
-    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+    if (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    ):
         return first.end_lineno
     i = first.lineno - 1
     while i > fn.lineno - 1 and (_is_comment(lines[i - 1]) or not lines[i - 1].strip()):
@@ -256,21 +326,37 @@ def _docstring_only(fn: ast.FunctionDef) -> bool:
 
 
 def _references_self_attr(node: ast.AST, attr: str) -> bool:
-    return any(isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.value, ast.Name)
-               and n.value.id == "self" for n in ast.walk(node))
+    return any(
+        isinstance(n, ast.Attribute)
+        and n.attr == attr
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+        for n in ast.walk(node)
+    )
 
 
 def _is_get_simultaneous(stmt: ast.stmt) -> bool:
-    return (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
-            and isinstance(stmt.value.func, ast.Attribute) and stmt.value.func.attr == "get_simultaneous")
+    return (
+        isinstance(stmt, ast.Expr)
+        and isinstance(stmt.value, ast.Call)
+        and isinstance(stmt.value.func, ast.Attribute)
+        and stmt.value.func.attr == "get_simultaneous"
+    )
 
 
 def _is_fp16_pair(call: ast.Call) -> bool:
     """``get_simultaneous((shape, torch.float16), (shape, torch.float16))``: two buffers of
     one shape."""
-    return len(call.args) == 2 and all(
-        isinstance(a, ast.Tuple) and len(a.elts) == 2 and ast.unparse(a.elts[1]) == "torch.float16"
-        for a in call.args) and ast.unparse(call.args[0].elts[0]) == ast.unparse(call.args[1].elts[0])
+    return (
+        len(call.args) == 2
+        and all(
+            isinstance(a, ast.Tuple)
+            and len(a.elts) == 2
+            and ast.unparse(a.elts[1]) == "torch.float16"
+            for a in call.args
+        )
+        and ast.unparse(call.args[0].elts[0]) == ast.unparse(call.args[1].elts[0])
+    )
 
 
 def _module_imports(tree: ast.Module) -> dict[str, ast.stmt]:
@@ -301,9 +387,16 @@ def _method(cls, name, missing, params=None):
         return None
     for stmt in cls.body:
         if isinstance(stmt, ast.FunctionDef) and stmt.name == name:
-            args = [a.arg for a in stmt.args.posonlyargs + stmt.args.args + stmt.args.kwonlyargs]
-            if params is not None and (args != params or stmt.args.vararg or stmt.args.kwarg):
-                missing.append(f"{cls.name}.{name}{tuple(params)} (found {cls.name}.{name}{tuple(args)})")
+            args = [
+                a.arg
+                for a in stmt.args.posonlyargs + stmt.args.args + stmt.args.kwonlyargs
+            ]
+            if params is not None and (
+                args != params or stmt.args.vararg or stmt.args.kwarg
+            ):
+                missing.append(
+                    f"{cls.name}.{name}{tuple(params)} (found {cls.name}.{name}{tuple(args)})"
+                )
                 return None
             if _docstring_only(stmt):
                 missing.append(f"a body in {cls.name}.{name}")
@@ -316,6 +409,7 @@ def _method(cls, name, missing, params=None):
 @dataclass
 class Plan:
     """The edits for one turboquant_attn.py, and what they found (for the summary)."""
+
     edits: list[Edit]
     notes: list[str]
 
@@ -328,31 +422,60 @@ def plan_edits(text: str) -> Plan:
     missing: list[str] = []
     notes: list[str] = []
     imports = _module_imports(tree)
-    defined = {n.id for s in tree.body if isinstance(s, ast.Assign) for n in s.targets if isinstance(n, ast.Name)}
-    defined |= {s.name for s in tree.body if isinstance(s, (ast.FunctionDef, ast.ClassDef))}
+    defined = {
+        n.id
+        for s in tree.body
+        if isinstance(s, ast.Assign)
+        for n in s.targets
+        if isinstance(n, ast.Name)
+    }
+    defined |= {
+        s.name for s in tree.body if isinstance(s, (ast.FunctionDef, ast.ClassDef))
+    }
 
     impl = _class(tree, "TurboQuantAttentionImpl", missing)
     builder = _class(tree, "TurboQuantMetadataBuilder", missing)
     meta = _class(tree, "TurboQuantMetadata", missing)
     prefill = _method(impl, "_prefill_attention", missing, PREFILL_PARAMS)
     continuation = _method(impl, "_continuation_prefill", missing, CONTINUATION_PARAMS)
-    uses_manager = "current_workspace_manager" in imports  # the module takes buffers from a WorkspaceManager
-    has_flydsl = "is_flydsl_available" in imports  # the struct-of-arrays (FlyDSL) path exists
-    host_copies = meta is not None and any(isinstance(s, ast.AnnAssign) and ast.unparse(s.target) ==
-                                           "query_start_loc_cpu" for s in meta.body)
-    has_reserve = builder is not None and any(isinstance(s, ast.FunctionDef) and s.name == "_reserve_workspace"
-                                              for s in builder.body)
+    uses_manager = (
+        "current_workspace_manager" in imports
+    )  # the module takes buffers from a WorkspaceManager
+    has_flydsl = (
+        "is_flydsl_available" in imports
+    )  # the struct-of-arrays (FlyDSL) path exists
+    host_copies = meta is not None and any(
+        isinstance(s, ast.AnnAssign) and ast.unparse(s.target) == "query_start_loc_cpu"
+        for s in meta.body
+    )
+    has_reserve = builder is not None and any(
+        isinstance(s, ast.FunctionDef) and s.name == "_reserve_workspace"
+        for s in builder.body
+    )
     reserve = _method(builder, "_reserve_workspace", missing) if has_reserve else None
     # Where nothing reserves the workspace (0.21-0.23), the builder's __init__ will.
-    builder_init = _method(builder, "__init__", missing) if uses_manager and not has_reserve else None
+    builder_init = (
+        _method(builder, "__init__", missing)
+        if uses_manager and not has_reserve
+        else None
+    )
     build = None if host_copies else _method(builder, "build", missing)
-    taken = sorted({STATE, "ChunkedPrefill", "window_from_env", "attach_host_lengths"} & (defined | imports.keys()))
+    taken = sorted(
+        {STATE, "ChunkedPrefill", "window_from_env", "attach_host_lengths"}
+        & (defined | imports.keys())
+    )
     if taken:
         missing.append(f"free module-level names (already bound: {', '.join(taken)})")
-    vllm_imports = [s for s in tree.body if isinstance(s, ast.ImportFrom) and (s.module or "").startswith("vllm.")]
+    vllm_imports = [
+        s
+        for s in tree.body
+        if isinstance(s, ast.ImportFrom) and (s.module or "").startswith("vllm.")
+    ]
     if not vllm_imports:
         missing.append("a top-level 'from vllm... import' to place the import among")
-    first_def = next((s for s in tree.body if isinstance(s, (ast.FunctionDef, ast.ClassDef))), None)
+    first_def = next(
+        (s for s in tree.body if isinstance(s, (ast.FunctionDef, ast.ClassDef))), None
+    )
     if first_def is None or tree.body.index(first_def) == 0:
         missing.append("a module-level statement before the first function or class")
 
@@ -362,116 +485,234 @@ def plan_edits(text: str) -> Plan:
     if reserve is not None:
         body = reserve.body
         first = next((i for i, s in enumerate(body) if _is_get_simultaneous(s)), None)
-        block = body[first + 1:] if first is not None else []
-        if (first is None or not block or not _is_get_simultaneous(block[-1])
-                or not _is_fp16_pair(block[-1].value)
-                or "max_model_len" not in "".join(ast.unparse(s) for s in block)):
-            missing.append("in TurboQuantMetadataBuilder._reserve_workspace: the decode get_simultaneous(...), then "
-                           "statements ending in get_simultaneous((shape, torch.float16), (shape, torch.float16)) "
-                           "of a max_model_len-sized shape")
+        block = body[first + 1 :] if first is not None else []
+        if (
+            first is None
+            or not block
+            or not _is_get_simultaneous(block[-1])
+            or not _is_fp16_pair(block[-1].value)
+            or "max_model_len" not in "".join(ast.unparse(s) for s in block)
+        ):
+            missing.append(
+                "in TurboQuantMetadataBuilder._reserve_workspace: the decode get_simultaneous(...), then "
+                "statements ending in get_simultaneous((shape, torch.float16), (shape, torch.float16)) "
+                "of a max_model_len-sized shape"
+            )
         else:
             pair_block = block
     if not uses_manager and reserve is not None:
-        missing.append("current_workspace_manager imported at module level (the module has _reserve_workspace)")
+        missing.append(
+            "current_workspace_manager imported at module level (the module has _reserve_workspace)"
+        )
     build_return = None
     if build is not None:
         last = build.body[-1]
-        if not (isinstance(last, ast.Return) and isinstance(last.value, ast.Call)
-                and ast.unparse(last.value.func) == "TurboQuantMetadata"
-                and lines[last.lineno - 1][last.col_offset:].startswith("return ")):
-            missing.append("TurboQuantMetadataBuilder.build ending in 'return TurboQuantMetadata(...)'")
+        if not (
+            isinstance(last, ast.Return)
+            and isinstance(last.value, ast.Call)
+            and ast.unparse(last.value.func) == "TurboQuantMetadata"
+            and lines[last.lineno - 1][last.col_offset :].startswith("return ")
+        ):
+            missing.append(
+                "TurboQuantMetadataBuilder.build ending in 'return TurboQuantMetadata(...)'"
+            )
         elif len(build.args.args) < 3:
-            missing.append("TurboQuantMetadataBuilder.build(self, common_prefix_len, common_attn_metadata, ...)")
+            missing.append(
+                "TurboQuantMetadataBuilder.build(self, common_prefix_len, common_attn_metadata, ...)"
+            )
         elif "metadata" in {n.id for n in ast.walk(build) if isinstance(n, ast.Name)}:
-            missing.append("a free local name 'metadata' in TurboQuantMetadataBuilder.build")
+            missing.append(
+                "a free local name 'metadata' in TurboQuantMetadataBuilder.build"
+            )
         else:
             build_return = last
     if missing:
-        raise VendorError("turboquant_attn.py does not have the expected shape; not found: " + "; ".join(missing))
+        raise VendorError(
+            "turboquant_attn.py does not have the expected shape; not found: "
+            + "; ".join(missing)
+        )
 
     edits: list[Edit] = []
     # The import, in isort order among the module's vllm imports.
-    names = ["ChunkedPrefill"] + (["attach_host_lengths"] if not host_copies else []) + ["window_from_env"]
+    names = (
+        ["ChunkedPrefill"]
+        + (["attach_host_lengths"] if not host_copies else [])
+        + ["window_from_env"]
+    )
     module = f"{VENDORED}.{BACKEND_MODULE}"
     statement = f"from {module} import {', '.join(names)}"
-    new_import = [statement] if len(statement) <= LINE else \
-        [f"from {module} import ("] + [f"    {n}," for n in names] + [")"]
+    new_import = (
+        [statement]
+        if len(statement) <= LINE
+        else [f"from {module} import ("] + [f"    {n}," for n in names] + [")"]
+    )
     after = next((s for s in vllm_imports if s.module > module), None)
-    at = _start_with_comments(lines, after) if after is not None else vllm_imports[-1].end_lineno
+    at = (
+        _start_with_comments(lines, after)
+        if after is not None
+        else vllm_imports[-1].end_lineno
+    )
     edits.append(Edit(at, at, new_import, "the import"))
 
     # The module-level ChunkedPrefill, after the module's preamble (before its first def).
     preamble_end = tree.body[tree.body.index(first_def) - 1].end_lineno
-    where = "(vllm/v1/attention/ops/tq_chunked) computes prefill attention: every prefill request of a batch " \
-            "in one call, the cached prefix read in windows into one workspace"
+    where = (
+        "(vllm/v1/attention/ops/tq_chunked) computes prefill attention: every prefill request of a batch "
+        "in one call, the cached prefix read in windows into one workspace"
+    )
     if uses_manager:
-        comment = _comment("", f"tq_chunked {where} from the WorkspaceManager, shared by all layers.")
+        comment = _comment(
+            "", f"tq_chunked {where} from the WorkspaceManager, shared by all layers."
+        )
         args = ["current_workspace_manager", "window_from_env()"]
     else:
-        comment = _comment("", f"tq_chunked {where} per device, shared by all layers (this module takes no "
-                               f"buffers from a WorkspaceManager).")
+        comment = _comment(
+            "",
+            f"tq_chunked {where} per device, shared by all layers (this module takes no "
+            f"buffers from a WorkspaceManager).",
+        )
         args = ["workspace_manager=None", "window=window_from_env()"]
-    comment += _comment("", "TQ_CHUNKED_WINDOW=N sets the window (key rows per window).")
+    comment += _comment(
+        "", "TQ_CHUNKED_WINDOW=N sets the window (key rows per window)."
+    )
     state = _call("", f"{STATE} = ChunkedPrefill", args)
-    edits.append(Edit(preamble_end, preamble_end, [""] + comment + state, "the module-level ChunkedPrefill"))
+    edits.append(
+        Edit(
+            preamble_end,
+            preamble_end,
+            [""] + comment + state,
+            "the module-level ChunkedPrefill",
+        )
+    )
 
     # The two methods.
     for fn, call, why in (
-            (prefill, ["prefill_attention", ["self", "query", "key", "value", "kv_cache", "attn_metadata", "Pi",
-                                             "centroids"]],
-             "the whole prefill part of the batch in one call"),
-            (continuation, ["continuation_prefill", ["self"] + CONTINUATION_PARAMS[2:]],
-             "the cached prefix in windows, O(window) memory")):
+        (
+            prefill,
+            [
+                "prefill_attention",
+                [
+                    "self",
+                    "query",
+                    "key",
+                    "value",
+                    "kv_cache",
+                    "attn_metadata",
+                    "Pi",
+                    "centroids",
+                ],
+            ],
+            "the whole prefill part of the batch in one call",
+        ),
+        (
+            continuation,
+            ["continuation_prefill", ["self"] + CONTINUATION_PARAMS[2:]],
+            "the cached prefix in windows, O(window) memory",
+        ),
+    ):
         indent = " " * fn.body[0].col_offset
         start = _body_start(lines, fn)
-        if _references_self_attr(fn, "_soa_store"):  # keep the body, for that layout only
-            body = [f"{indent}if not self._soa_store:",
-                    *_comment(indent + "    ", f"tq_chunked: {why}. The struct-of-arrays cache layout (FlyDSL) "
-                                               f"keeps the path below."),
-                    *_call(indent + "    ", f"return {STATE}.{call[0]}", call[1])]
+        if _references_self_attr(
+            fn, "_soa_store"
+        ):  # keep the body, for that layout only
+            body = [
+                f"{indent}if not self._soa_store:",
+                *_comment(
+                    indent + "    ",
+                    f"tq_chunked: {why}. The struct-of-arrays cache layout (FlyDSL) "
+                    f"keeps the path below.",
+                ),
+                *_call(indent + "    ", f"return {STATE}.{call[0]}", call[1]),
+            ]
             edits.append(Edit(start, start, body, f"{fn.name}"))
         else:
-            body = [*_comment(indent, f"tq_chunked: {why}."), *_call(indent, f"return {STATE}.{call[0]}", call[1])]
+            body = [
+                *_comment(indent, f"tq_chunked: {why}."),
+                *_call(indent, f"return {STATE}.{call[0]}", call[1]),
+            ]
             edits.append(Edit(start, fn.end_lineno, body, f"{fn.name}"))
 
     # The workspace reservation.
     if pair_block is not None:
         indent = " " * pair_block[0].col_offset
         start = _start_with_comments(lines, pair_block[0])
-        what = "tq_chunked's prefill workspace (windows of the cached prefix, for max_num_batched_tokens query " \
-               "tokens)"
+        what = (
+            "tq_chunked's prefill workspace (windows of the cached prefix, for max_num_batched_tokens query "
+            "tokens)"
+        )
         if has_flydsl:
-            new = [*_comment(indent, f"{what} replaces the (1, Hk, max_model_len, D) K/V pair below, which only the "
-                                     f"struct-of-arrays (FlyDSL) path uses."),
-                   f"{indent}{STATE}.reserve(self)",
-                   f"{indent}if not is_flydsl_available():",
-                   f"{indent}    return",
-                   ""]
+            new = [
+                *_comment(
+                    indent,
+                    f"{what} replaces the (1, Hk, max_model_len, D) K/V pair below, which only the "
+                    f"struct-of-arrays (FlyDSL) path uses.",
+                ),
+                f"{indent}{STATE}.reserve(self)",
+                f"{indent}if not is_flydsl_available():",
+                f"{indent}    return",
+                "",
+            ]
             edits.append(Edit(start, start, new, "_reserve_workspace"))
         else:
-            new = [*_comment(indent, f"{what}, not a (1, Hk, max_model_len, D) K/V pair."),
-                   f"{indent}{STATE}.reserve(self)"]
-            edits.append(Edit(start, pair_block[-1].end_lineno, new, "_reserve_workspace"))
-    elif uses_manager:  # a WorkspaceManager that nothing reserves the prefill buffers in
+            new = [
+                *_comment(indent, f"{what}, not a (1, Hk, max_model_len, D) K/V pair."),
+                f"{indent}{STATE}.reserve(self)",
+            ]
+            edits.append(
+                Edit(start, pair_block[-1].end_lineno, new, "_reserve_workspace")
+            )
+    elif (
+        uses_manager
+    ):  # a WorkspaceManager that nothing reserves the prefill buffers in
         indent = " " * builder_init.body[-1].col_offset
         end = builder_init.end_lineno
-        edits.append(Edit(end, end, [*_comment(indent, "tq_chunked's prefill workspace, reserved before vLLM locks "
-                                                       "the WorkspaceManager."),
-                                     f"{indent}{STATE}.reserve(self)"], "TurboQuantMetadataBuilder.__init__"))
+        edits.append(
+            Edit(
+                end,
+                end,
+                [
+                    *_comment(
+                        indent,
+                        "tq_chunked's prefill workspace, reserved before vLLM locks "
+                        "the WorkspaceManager.",
+                    ),
+                    f"{indent}{STATE}.reserve(self)",
+                ],
+                "TurboQuantMetadataBuilder.__init__",
+            )
+        )
 
     # 0.20.x: the host copies of the lengths.
     if build_return is not None:
         i = build_return.lineno - 1
         col = build_return.col_offset
         indent = " " * col
-        edits.append(Edit(i, i + 1, [lines[i][:col] + "metadata = " + lines[i][col + len("return "):]],
-                          "TurboQuantMetadataBuilder.build"))
+        edits.append(
+            Edit(
+                i,
+                i + 1,
+                [lines[i][:col] + "metadata = " + lines[i][col + len("return ") :]],
+                "TurboQuantMetadataBuilder.build",
+            )
+        )
         end = build_return.end_lineno
         cam = build.args.args[2].arg
-        edits.append(Edit(end, end, [*_comment(indent, "tq_chunked: vLLM's host copies of the lengths, so that "
-                                                       "prefill reads no device tensor back."),
-                                     f"{indent}attach_host_lengths(metadata, {cam}, self.vllm_config)",
-                                     f"{indent}return metadata"], "TurboQuantMetadataBuilder.build"))
+        edits.append(
+            Edit(
+                end,
+                end,
+                [
+                    *_comment(
+                        indent,
+                        "tq_chunked: vLLM's host copies of the lengths, so that "
+                        "prefill reads no device tensor back.",
+                    ),
+                    f"{indent}attach_host_lengths(metadata, {cam}, self.vllm_config)",
+                    f"{indent}return metadata",
+                ],
+                "TurboQuantMetadataBuilder.build",
+            )
+        )
     return Plan(edits, notes)
 
 
@@ -482,7 +723,7 @@ def apply_edits(text: str, edits: list[Edit]) -> str:
         if b.start < a.end:
             raise VendorError(f"internal: the edits of {a.what} and {b.what} overlap")
     for e in sorted(edits, key=lambda e: (e.start, e.end), reverse=True):
-        lines[e.start:e.end] = e.new
+        lines[e.start : e.end] = e.new
     return "\n".join(lines) + ("\n" if text.endswith("\n") else "")
 
 
@@ -493,24 +734,34 @@ def vendored_text(text: str) -> tuple[str, list[str]]:
     try:
         new_tree = ast.parse(new)
     except SyntaxError as e:  # a bug of this tool: never write it
-        raise VendorError(f"internal: the edited turboquant_attn.py does not parse ({e})") from None
+        raise VendorError(
+            f"internal: the edited turboquant_attn.py does not parse ({e})"
+        ) from None
     old_tree = ast.parse(text)
-    unused = sorted(n for n in _module_imports(new_tree)
-                    if n in _used_names(old_tree) and n not in _used_names(new_tree))
+    unused = sorted(
+        n
+        for n in _module_imports(new_tree)
+        if n in _used_names(old_tree) and n not in _used_names(new_tree)
+    )
     if unused:  # the brief of this tool is to touch nothing else: say it, leave them
-        plan.notes.append(f"note: no longer used in turboquant_attn.py (left in place; ruff F401 will ask): "
-                          f"{', '.join(unused)}")
+        plan.notes.append(
+            f"note: no longer used in turboquant_attn.py (left in place; ruff F401 will ask): "
+            f"{', '.join(unused)}"
+        )
     return new, plan.notes
 
 
 def is_vendored(text: str) -> bool:
-    return any(isinstance(n, ast.ImportFrom) and (n.module or "").startswith(VENDORED)
-               for n in ast.walk(ast.parse(text)))
+    return any(
+        isinstance(n, ast.ImportFrom) and (n.module or "").startswith(VENDORED)
+        for n in ast.walk(ast.parse(text))
+    )
 
 
 # ---------------------------------------------------------------------------
 # 3. The command
 # ---------------------------------------------------------------------------
+
 
 def _write_package(ops_dir: Path, files: dict[str, str]) -> Path:
     """The package written next to its place, then renamed into it (never half there)."""
@@ -533,27 +784,43 @@ def vendor(root: Path, check: bool = False, out=None) -> int:
     out = out or sys.stdout
     target = root / TARGET
     if not target.is_file():
-        raise VendorError(f"{target} does not exist: VLLM_SOURCE_DIR must contain the vllm/ package "
-                          f"(a vLLM checkout or site-packages) with the TurboQuant backend")
+        raise VendorError(
+            f"{target} does not exist: VLLM_SOURCE_DIR must contain the vllm/ package "
+            f"(a vLLM checkout or site-packages) with the TurboQuant backend"
+        )
     package_dir = root / VENDORED_DIR
     files = package_files()
     text = target.read_text()
     if is_vendored(text):
-        same = package_dir.is_dir() and {p.name: p.read_text() for p in package_dir.glob("*.py")} == files
+        same = (
+            package_dir.is_dir()
+            and {p.name: p.read_text() for p in package_dir.glob("*.py")} == files
+        )
         if same:
-            print(f"{TARGET} already calls {VENDORED}, and {VENDORED_DIR}/ holds what tq_chunked {__version__} "
-                  f"writes: nothing to do", file=out)
+            print(
+                f"{TARGET} already calls {VENDORED}, and {VENDORED_DIR}/ holds what tq_chunked {__version__} "
+                f"writes: nothing to do",
+                file=out,
+            )
             return 0
-        raise VendorError(f"{TARGET} already calls {VENDORED}, but {VENDORED_DIR}/ is not what tq_chunked "
-                          f"{__version__} writes (another version, or edited): restore vLLM's {TARGET} and "
-                          f"remove {VENDORED_DIR}/ (in a checkout: git checkout -- {TARGET}; rm -r {VENDORED_DIR}), "
-                          f"then run this again")
+        raise VendorError(
+            f"{TARGET} already calls {VENDORED}, but {VENDORED_DIR}/ is not what tq_chunked "
+            f"{__version__} writes (another version, or edited): restore vLLM's {TARGET} and "
+            f"remove {VENDORED_DIR}/ (in a checkout: git checkout -- {TARGET}; rm -r {VENDORED_DIR}), "
+            f"then run this again"
+        )
     if package_dir.exists():
-        raise VendorError(f"{package_dir} exists but {TARGET} does not call it: remove it (a copy from another "
-                          f"tool or an interrupted run), then run this again")
+        raise VendorError(
+            f"{package_dir} exists but {TARGET} does not call it: remove it (a copy from another "
+            f"tool or an interrupted run), then run this again"
+        )
     new, notes = vendored_text(text)
-    diff = difflib.unified_diff(text.splitlines(keepends=True), new.splitlines(keepends=True),
-                                fromfile=f"a/{TARGET.as_posix()}", tofile=f"b/{TARGET.as_posix()}")
+    diff = difflib.unified_diff(
+        text.splitlines(keepends=True),
+        new.splitlines(keepends=True),
+        fromfile=f"a/{TARGET.as_posix()}",
+        tofile=f"b/{TARGET.as_posix()}",
+    )
     out.write("".join(diff))
     if not check:
         written = _write_package(package_dir.parent, files)
@@ -563,8 +830,12 @@ def vendor(root: Path, check: bool = False, out=None) -> int:
             shutil.rmtree(written)  # nothing half-applied
             raise
     verb = "would add" if check else "added"
-    print(f"{verb} {VENDORED_DIR.as_posix()}/ ({len(files)} files from tq_chunked {__version__}: "
-          f"{', '.join(sorted(files))})" + ("; --check: nothing written" if check else ""), file=out)
+    print(
+        f"{verb} {VENDORED_DIR.as_posix()}/ ({len(files)} files from tq_chunked {__version__}: "
+        f"{', '.join(sorted(files))})"
+        + ("; --check: nothing written" if check else ""),
+        file=out,
+    )
     for note in notes:
         print(note, file=out)
     return 0
@@ -574,10 +845,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tq_chunked.vendor",
         description="Write tq_chunked into a vLLM source tree as a vendored change: the package as "
-                    f"{VENDORED}, and vLLM's turboquant_attn.py calling it. Prints the diff.")
-    parser.add_argument("vllm_source_dir", type=Path, metavar="VLLM_SOURCE_DIR",
-                        help="the directory holding the vllm/ package (a vLLM checkout, or site-packages)")
-    parser.add_argument("--check", action="store_true", help="print the diff and the files; write nothing")
+        f"{VENDORED}, and vLLM's turboquant_attn.py calling it. Prints the diff.",
+    )
+    parser.add_argument(
+        "vllm_source_dir",
+        type=Path,
+        metavar="VLLM_SOURCE_DIR",
+        help="the directory holding the vllm/ package (a vLLM checkout, or site-packages)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="print the diff and the files; write nothing",
+    )
     args = parser.parse_args(argv)
     try:
         return vendor(args.vllm_source_dir, check=args.check)

@@ -16,6 +16,7 @@ import torch
 def vllm_available() -> bool:
     try:
         import vllm.v1.attention.backends.turboquant_attn  # noqa: F401
+
         return True
     except Exception:
         return False
@@ -35,17 +36,28 @@ class VllmTQ:
         return self.layer._tq_centroids
 
 
-def build_vllm_tq(preset: str, num_q_heads: int, num_kv_heads: int, head_dim: int, device="cuda") -> VllmTQ:
-    """vLLM's impl for ``preset`` inside a default VllmConfig, and its layer."""
+def build_vllm_tq(
+    preset: str, num_q_heads: int, num_kv_heads: int, head_dim: int, device="cuda"
+) -> VllmTQ:
+    """VLLM's impl for ``preset`` inside a default VllmConfig, and its layer."""
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
+    from vllm.model_executor.layers.quantization.turboquant.centroids import (
+        get_centroids,
+    )
     from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionImpl
 
     with set_current_vllm_config(VllmConfig()):
-        impl = TurboQuantAttentionImpl(num_heads=num_q_heads, head_size=head_dim, scale=head_dim**-0.5,
-                                       num_kv_heads=num_kv_heads, kv_cache_dtype=preset)
+        impl = TurboQuantAttentionImpl(
+            num_heads=num_q_heads,
+            head_size=head_dim,
+            scale=head_dim**-0.5,
+            num_kv_heads=num_kv_heads,
+            kv_cache_dtype=preset,
+        )
     layer = torch.nn.Module()
-    layer._tq_centroids = get_centroids(head_dim, impl.tq_config.centroid_bits).to(device)
+    layer._tq_centroids = get_centroids(head_dim, impl.tq_config.centroid_bits).to(
+        device
+    )
     impl._ensure_on_device(layer, torch.device(device))
     return VllmTQ(impl, layer)
 
@@ -55,16 +67,28 @@ def vllm_store(tq: VllmTQ, key, value, kv_cache, slot_mapping) -> None:
     tq.impl.do_kv_cache_update(tq.layer, key, value, kv_cache, slot_mapping)
 
 
-def vllm_continuation_prefill(tq: VllmTQ, query, key_chunk, val_chunk, kv_cache, block_table, cached_len):
+def vllm_continuation_prefill(
+    tq: VllmTQ, query, key_chunk, val_chunk, kv_cache, block_table, cached_len
+):
     """The installed vLLM's own ``_continuation_prefill``."""
-    return tq.impl._continuation_prefill(tq.layer, query, key_chunk, val_chunk, kv_cache,
-                                         block_table.reshape(1, -1), cached_len, cached_len + query.shape[0],
-                                         tq.rotation, tq.centroids)
+    return tq.impl._continuation_prefill(
+        tq.layer,
+        query,
+        key_chunk,
+        val_chunk,
+        kv_cache,
+        block_table.reshape(1, -1),
+        cached_len,
+        cached_len + query.shape[0],
+        tq.rotation,
+        tq.centroids,
+    )
 
 
 def latest_available() -> bool:
     try:
         import vllm_latest  # noqa: F401  (.gpu-carry/latest on PYTHONPATH)
+
         return True
     except Exception:
         return False
@@ -83,11 +107,23 @@ def prepare_latest(tq: VllmTQ, device, fresh_workspace=False) -> None:
         tq.layer._tq_latest_prepared = True
 
 
-def latest_continuation_prefill(tq: VllmTQ, query, key_chunk, val_chunk, kv_cache, block_table, cached_len):
+def latest_continuation_prefill(
+    tq: VllmTQ, query, key_chunk, val_chunk, kv_cache, block_table, cached_len
+):
     """The latest vLLM release's ``_continuation_prefill``, run in the installed runtime."""
     import vllm_latest
 
     prepare_latest(tq, query.device)
-    return vllm_latest.latest_continuation_prefill(tq.impl, tq.layer, query, key_chunk, val_chunk, kv_cache,
-                                                   block_table.reshape(1, -1), cached_len,
-                                                   cached_len + query.shape[0], tq.rotation, tq.centroids)
+    return vllm_latest.latest_continuation_prefill(
+        tq.impl,
+        tq.layer,
+        query,
+        key_chunk,
+        val_chunk,
+        kv_cache,
+        block_table.reshape(1, -1),
+        cached_len,
+        cached_len + query.shape[0],
+        tq.rotation,
+        tq.centroids,
+    )

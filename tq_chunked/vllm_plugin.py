@@ -60,6 +60,7 @@ LOGGER_NAME = "vllm.tq_chunked"  # vLLM configures only its "vllm" logger: under
 def _logger():
     try:
         from vllm.logger import init_logger
+
         return init_logger(LOGGER_NAME)
     except Exception:  # vLLM's logger is a nicety: the standard one says the same
         return logging.getLogger(LOGGER_NAME)
@@ -73,10 +74,36 @@ def make_prefill_attention(original, prefill: ChunkedPrefill):
     """The replacement ``_prefill_attention``: every request of the prefill part in one call."""
 
     @functools.wraps(original)
-    def _prefill_attention(self, query, key, value, kv_cache, attn_metadata, Pi, centroids, PiT=None, layer=None):
-        if getattr(self, "_soa_store", False):  # AMD's struct-of-arrays cache: another format
-            return original(self, query, key, value, kv_cache, attn_metadata, Pi, centroids, PiT, layer)
-        return prefill.prefill_attention(self, query, key, value, kv_cache, attn_metadata, Pi, centroids)
+    def _prefill_attention(
+        self,
+        query,
+        key,
+        value,
+        kv_cache,
+        attn_metadata,
+        Pi,
+        centroids,
+        PiT=None,
+        layer=None,
+    ):
+        if getattr(
+            self, "_soa_store", False
+        ):  # AMD's struct-of-arrays cache: another format
+            return original(
+                self,
+                query,
+                key,
+                value,
+                kv_cache,
+                attn_metadata,
+                Pi,
+                centroids,
+                PiT,
+                layer,
+            )
+        return prefill.prefill_attention(
+            self, query, key, value, kv_cache, attn_metadata, Pi, centroids
+        )
 
     setattr(_prefill_attention, PATCH_MARK, True)
     return _prefill_attention
@@ -86,13 +113,47 @@ def make_continuation_prefill(original, prefill: ChunkedPrefill):
     """The replacement ``_continuation_prefill``: one request, same answer, O(window) memory."""
 
     @functools.wraps(original)
-    def _continuation_prefill(self, layer, query, key_chunk, val_chunk, kv_cache, block_table, cached_len,
-                              seq_len, Pi, centroids):
-        if getattr(self, "_soa_store", False):  # AMD's struct-of-arrays cache: another format
-            return original(self, layer, query, key_chunk, val_chunk, kv_cache, block_table, cached_len,
-                            seq_len, Pi, centroids)
-        return prefill.continuation_prefill(self, query, key_chunk, val_chunk, kv_cache, block_table, cached_len,
-                                            seq_len, Pi, centroids)
+    def _continuation_prefill(
+        self,
+        layer,
+        query,
+        key_chunk,
+        val_chunk,
+        kv_cache,
+        block_table,
+        cached_len,
+        seq_len,
+        Pi,
+        centroids,
+    ):
+        if getattr(
+            self, "_soa_store", False
+        ):  # AMD's struct-of-arrays cache: another format
+            return original(
+                self,
+                layer,
+                query,
+                key_chunk,
+                val_chunk,
+                kv_cache,
+                block_table,
+                cached_len,
+                seq_len,
+                Pi,
+                centroids,
+            )
+        return prefill.continuation_prefill(
+            self,
+            query,
+            key_chunk,
+            val_chunk,
+            kv_cache,
+            block_table,
+            cached_len,
+            seq_len,
+            Pi,
+            centroids,
+        )
 
     setattr(_continuation_prefill, PATCH_MARK, True)
     return _continuation_prefill
@@ -118,7 +179,9 @@ class _WithoutContinuationReservation:
         return getattr(self._manager, name)
 
     def get_simultaneous(self, *shapes_and_dtypes):
-        if len(shapes_and_dtypes) == 2 and all((tuple(s), dt) == self._pair for s, dt in shapes_and_dtypes):
+        if len(shapes_and_dtypes) == 2 and all(
+            (tuple(s), dt) == self._pair for s, dt in shapes_and_dtypes
+        ):
             return [None, None]
         return self._manager.get_simultaneous(*shapes_and_dtypes)
 
@@ -129,7 +192,9 @@ def _check_signature(cls, name, expected):
         raise UnsupportedVllm(f"TurboQuantAttentionImpl has no {name}")
     params = list(inspect.signature(method).parameters)
     if params != expected:
-        raise UnsupportedVllm(f"{name}{tuple(params)} is not the expected {tuple(expected)}")
+        raise UnsupportedVllm(
+            f"{name}{tuple(params)} is not the expected {tuple(expected)}"
+        )
     return method
 
 
@@ -139,9 +204,13 @@ def plan_patches(tqa, window):
     builder_cls = getattr(tqa, "TurboQuantMetadataBuilder", None)
     meta_cls = getattr(tqa, "TurboQuantMetadata", None)
     if impl_cls is None or builder_cls is None or meta_cls is None:
-        raise UnsupportedVllm("turboquant_attn has no TurboQuantAttentionImpl, TurboQuantMetadataBuilder or "
-                              "TurboQuantMetadata")
-    continuation = _check_signature(impl_cls, "_continuation_prefill", CONTINUATION_PARAMS)
+        raise UnsupportedVllm(
+            "turboquant_attn has no TurboQuantAttentionImpl, TurboQuantMetadataBuilder or "
+            "TurboQuantMetadata"
+        )
+    continuation = _check_signature(
+        impl_cls, "_continuation_prefill", CONTINUATION_PARAMS
+    )
     prefill = _check_signature(impl_cls, "_prefill_attention", PREFILL_PARAMS)
     if getattr(prefill, PATCH_MARK, False):
         return []  # already patched in this process
@@ -149,8 +218,14 @@ def plan_patches(tqa, window):
     # The same object the vendored change creates in turboquant_attn.py (vllm_backend.py):
     # the workspace from vLLM's manager where the module takes its buffers from one.
     chunked = ChunkedPrefill(getattr(tqa, "current_workspace_manager", None), window)
-    plan = [(impl_cls, "_prefill_attention", make_prefill_attention(prefill, chunked)),
-            (impl_cls, "_continuation_prefill", make_continuation_prefill(continuation, chunked))]
+    plan = [
+        (impl_cls, "_prefill_attention", make_prefill_attention(prefill, chunked)),
+        (
+            impl_cls,
+            "_continuation_prefill",
+            make_continuation_prefill(continuation, chunked),
+        ),
+    ]
 
     original_init = builder_cls.__init__
 
@@ -159,39 +234,56 @@ def plan_patches(tqa, window):
         original_init(self, *args, **kwargs)
         w, nbytes = chunked.reserve(self)  # before vLLM locks its manager
         _log_active(log, w, nbytes)
+
     plan.append((builder_cls, "__init__", builder_init))
 
-    if "query_start_loc_cpu" not in getattr(meta_cls, "__dataclass_fields__", {}):  # 0.20.x: no host copies
+    if "query_start_loc_cpu" not in getattr(
+        meta_cls, "__dataclass_fields__", {}
+    ):  # 0.20.x: no host copies
         original_build = builder_cls.build
 
         @functools.wraps(original_build)
         def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
-            meta = original_build(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
+            meta = original_build(
+                self, common_prefix_len, common_attn_metadata, *args, **kwargs
+            )
             attach_host_lengths(meta, common_attn_metadata, self.vllm_config)
             return meta
+
         plan.append((builder_cls, "build", build))
 
     original_reserve = getattr(builder_cls, "_reserve_workspace", None)
     if chunked.workspaces.uses_manager and original_reserve is not None:
+
         @functools.wraps(original_reserve)
         def reserve_workspace(self):
             if getattr(tqa, "is_flydsl_available", lambda: False)():
-                return original_reserve(self)  # the SoA path keeps vLLM's own methods and buffers
+                return original_reserve(
+                    self
+                )  # the SoA path keeps vLLM's own methods and buffers
             real = tqa.current_workspace_manager
             pair = continuation_reservation(self)
-            tqa.current_workspace_manager = lambda: _WithoutContinuationReservation(real(), pair)
+            tqa.current_workspace_manager = lambda: _WithoutContinuationReservation(
+                real(), pair
+            )
             try:
                 original_reserve(self)
             finally:
                 tqa.current_workspace_manager = real
+
         plan.append((builder_cls, "_reserve_workspace", reserve_workspace))
     return plan
 
 
 @functools.cache
 def _log_active(log, window, nbytes):
-    log.info("tq_chunked %s active: prefill attention batched and windowed (windows of %d tokens), "
-             "workspace %.1f MiB per ubatch", __version__, window, nbytes / 2**20)
+    log.info(
+        "tq_chunked %s active: prefill attention batched and windowed (windows of %d tokens), "
+        "workspace %.1f MiB per ubatch",
+        __version__,
+        window,
+        nbytes / 2**20,
+    )
 
 
 def register() -> bool:
@@ -203,13 +295,19 @@ def register() -> bool:
     try:
         import vllm.v1.attention.backends.turboquant_attn as tqa
     except ImportError as e:
-        log.debug("tq_chunked: vLLM has no TurboQuant backend (%s); nothing to patch", e)
+        log.debug(
+            "tq_chunked: vLLM has no TurboQuant backend (%s); nothing to patch", e
+        )
         return False
     window = window_from_env()
     try:
         plan = plan_patches(tqa, window)
     except UnsupportedVllm as e:
-        log.warning("tq_chunked %s: unsupported vLLM TurboQuant backend (%s); vLLM left unpatched", __version__, e)
+        log.warning(
+            "tq_chunked %s: unsupported vLLM TurboQuant backend (%s); vLLM left unpatched",
+            __version__,
+            e,
+        )
         return False
     for owner, name, value in plan:  # all checks passed: apply everything
         setattr(owner, name, value)
@@ -221,5 +319,6 @@ def is_patched(tqa=None) -> bool:
     if tqa is None:
         import vllm.v1.attention.backends.turboquant_attn as tqa
     impl = tqa.TurboQuantAttentionImpl
-    return getattr(impl._prefill_attention, PATCH_MARK, False) and getattr(impl._continuation_prefill, PATCH_MARK,
-                                                                            False)
+    return getattr(impl._prefill_attention, PATCH_MARK, False) and getattr(
+        impl._continuation_prefill, PATCH_MARK, False
+    )

@@ -34,7 +34,9 @@ import torch
 from ._utils import as_int
 
 ALIGN = 256
-DEFAULT_WINDOW_BYTES = 96 << 20  # K + V of a window's rows; chosen by measurement: benchmarks/NOTES.md
+DEFAULT_WINDOW_BYTES = (
+    96 << 20
+)  # K + V of a window's rows; chosen by measurement: benchmarks/NOTES.md
 DEFAULT_WORKSPACE_BYTES = 128 << 20  # the budget that groups a long request's kv heads
 
 
@@ -83,20 +85,39 @@ def layout_bytes(kind, rows, group_q_heads, group_kv_heads, head_dim, cap, dtype
     return layout(kind, rows, group_q_heads, group_kv_heads, head_dim, cap, dtype)[1]
 
 
-def kv_head_group(rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int, cap: int,
-                  dtype: torch.dtype = torch.float16, max_bytes: int | None = None) -> int:
-    """kv heads a long request of ``rows`` query rows runs at once: the largest divisor of
+def kv_head_group(
+    rows: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cap: int,
+    dtype: torch.dtype = torch.float16,
+    max_bytes: int | None = None,
+) -> int:
+    """Kv heads a long request of ``rows`` query rows runs at once: the largest divisor of
     num_kv_heads whose layout fits max_bytes (default DEFAULT_WORKSPACE_BYTES), or 1."""
     max_bytes = DEFAULT_WORKSPACE_BYTES if max_bytes is None else max_bytes
     g = num_q_heads // num_kv_heads
     for hk_g in range(num_kv_heads, 0, -1):
-        if num_kv_heads % hk_g == 0 and layout_bytes("long", rows, g * hk_g, hk_g, head_dim, cap, dtype) <= max_bytes:
+        if (
+            num_kv_heads % hk_g == 0
+            and layout_bytes("long", rows, g * hk_g, hk_g, head_dim, cap, dtype)
+            <= max_bytes
+        ):
             return hk_g
     return 1
 
 
-def workspace_bytes(q_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, window: int,
-                    dtype: torch.dtype = torch.float16, *, max_bytes: int | None = None) -> int:
+def workspace_bytes(
+    q_tokens: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    window: int,
+    dtype: torch.dtype = torch.float16,
+    *,
+    max_bytes: int | None = None,
+) -> int:
     """Exact bytes of workspace that suffice for a continuation prefill of q_tokens query
     tokens (all requests of a batch together) in ``dtype`` (the query's) with this window,
     however those tokens are split into requests and whatever the cached lengths: the
@@ -111,21 +132,33 @@ def workspace_bytes(q_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim
     head_dim = as_int("head_dim", head_dim, 1)
     window = as_int("window", window, 1)
     if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
     if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16 (the query's), got {dtype}")
+        raise ValueError(
+            f"dtype must be torch.float16 or torch.bfloat16 (the query's), got {dtype}"
+        )
     if max_bytes is not None:
         max_bytes = as_int("max_bytes", max_bytes, 1)
-    return _workspace_bytes(q_tokens, num_q_heads, num_kv_heads, head_dim, window, dtype, max_bytes)
+    return _workspace_bytes(
+        q_tokens, num_q_heads, num_kv_heads, head_dim, window, dtype, max_bytes
+    )
 
 
 @functools.lru_cache(maxsize=64)  # an engine asks once per layer with the same numbers
-def _workspace_bytes(q_tokens, num_q_heads, num_kv_heads, head_dim, window, dtype, max_bytes):
+def _workspace_bytes(
+    q_tokens, num_q_heads, num_kv_heads, head_dim, window, dtype, max_bytes
+):
     cap = capacity(window, q_tokens)
     g = num_q_heads // num_kv_heads
     batch = layout_bytes("batch", 0, num_q_heads, num_kv_heads, head_dim, cap, dtype)
-    hk_g = kv_head_group(q_tokens, num_q_heads, num_kv_heads, head_dim, cap, dtype, max_bytes)
-    return max(batch, layout_bytes("long", q_tokens, g * hk_g, hk_g, head_dim, cap, dtype))
+    hk_g = kv_head_group(
+        q_tokens, num_q_heads, num_kv_heads, head_dim, cap, dtype, max_bytes
+    )
+    return max(
+        batch, layout_bytes("long", q_tokens, g * hk_g, hk_g, head_dim, cap, dtype)
+    )
 
 
 @dataclass
@@ -140,8 +173,17 @@ class Buffers:
 _carved: dict = {}  # device -> (buffer key, {layout key: Buffers}): the views of the last caller-owned buffer
 
 
-def carve(buffer: torch.Tensor, kind, rows, group_q_heads, group_kv_heads, head_dim, cap, dtype,
-          reuse: bool = False) -> Buffers:
+def carve(
+    buffer: torch.Tensor,
+    kind,
+    rows,
+    group_q_heads,
+    group_kv_heads,
+    head_dim,
+    cap,
+    dtype,
+    reuse: bool = False,
+) -> Buffers:
     """Views of a layout's regions inside ``buffer`` (uint8, contiguous, large enough).
 
     reuse: the buffer is the caller's and lives on (an engine passes the same one to
@@ -158,19 +200,25 @@ def carve(buffer: torch.Tensor, kind, rows, group_q_heads, group_kv_heads, head_
         held = _carved[buffer.device] = (buffer_key, {})
     views = held[1]
     if key not in views:
-        if len(views) >= 8:  # the layouts of a few steps; more would be one step's odd batch
+        if (
+            len(views) >= 8
+        ):  # the layouts of a few steps; more would be one step's odd batch
             views.clear()
         views[key] = _carve(buffer, layout(*key)[0])
     return views[key]
 
 
 def _carve(buffer, offsets):
-    buf = buffer[(-buffer.data_ptr()) % ALIGN:]  # from the first aligned byte
+    buf = buffer[(-buffer.data_ptr()) % ALIGN :]  # from the first aligned byte
     typed = {}
     views = {}
     for name, (off, shape, t) in offsets.items():
         if t not in typed:
-            typed[t] = buf[:buf.numel() // t.itemsize * t.itemsize].view(t)
-        strides = (shape[1] * shape[2], shape[2], 1) if len(shape) == 3 else (shape[1], 1)
-        views[name] = typed[t].as_strided(shape, strides, typed[t].storage_offset() + off // t.itemsize)
+            typed[t] = buf[: buf.numel() // t.itemsize * t.itemsize].view(t)
+        strides = (
+            (shape[1] * shape[2], shape[2], 1) if len(shape) == 3 else (shape[1], 1)
+        )
+        views[name] = typed[t].as_strided(
+            shape, strides, typed[t].storage_offset() + off // t.itemsize
+        )
     return Buffers(**views)
