@@ -3,7 +3,7 @@ empty query and key segments, causal and not."""
 
 import pytest
 import torch
-from conftest import DEVICE, rel_err
+from conftest import DEVICE
 
 from tq_chunked.attention import (
     BACKENDS,
@@ -12,23 +12,21 @@ from tq_chunked.attention import (
     resolve_backend,
     varlen_attention,
 )
+from tq_chunked.testing import rel_err
 
 AVAILABLE = [b for b in BACKENDS if backend_available(b, torch.device(DEVICE), 128)[0]]
 
 
 def reference(call, q, k, v, scale):
-    """float64, one sequence at a time: (out (Nq, Hq, D), lse (Hq, Nq)); no key: 0 and -inf."""
+    """float64, one sequence at a time: (out (Nq, Hq, D), lse (Hq, Nq)); no key: 0
+    and -inf."""
     nq, hq, d = q.shape
     g = hq // k.shape[1]
     out = torch.zeros(nq, hq, d, dtype=torch.float64, device=q.device)
     lse = torch.full((hq, nq), float("-inf"), dtype=torch.float64, device=q.device)
     for b in range(len(call.cu_q_host) - 1):
-        q0, q1, k0, k1 = (
-            call.cu_q_host[b],
-            call.cu_q_host[b + 1],
-            call.cu_k_host[b],
-            call.cu_k_host[b + 1],
-        )
+        q0, q1 = call.cu_q_host[b], call.cu_q_host[b + 1]
+        k0, k1 = call.cu_k_host[b], call.cu_k_host[b + 1]
         if q1 == q0 or k1 == k0:
             continue
         qq = q[q0:q1].double().transpose(0, 1)
@@ -74,7 +72,8 @@ def test_backend_matches_float64(backend, dtype, case):
     tol = 4e-3 if dtype == torch.float16 else 2e-2
     assert rel_err(out[seen.T], o_ref[seen.T]) < tol
     assert rel_err(lse[seen], l_ref[seen]) < 1e-3
-    # A row that saw no key: zero output, lse -inf (FlashAttention: +inf; merge.py reads both as empty).
+    # A row that saw no key: zero output, lse -inf (FlashAttention: +inf; merge.py
+    # reads both as empty).
     assert (out[~seen.T] == 0).all() and torch.isinf(lse[~seen]).all()
     if backend != "flash":
         assert (lse[~seen] < 0).all()

@@ -1,9 +1,10 @@
-"""continuation_prefill, the one-request form: exact against the full-buffer path at every
-served head size and block size, both cache layouts, window edges; clear errors."""
+"""continuation_prefill, the one-request form: exact against the full-buffer path at
+every served head size and block size, both cache layouts, window edges; clear
+errors."""
 
 import pytest
 import torch
-from conftest import DEVICE, TRITON_OK, make_case, rel_err
+from conftest import DEVICE, TRITON_OK
 
 from tq_chunked import PRESETS, continuation_prefill, workspace_bytes
 from tq_chunked.format import MAX_HEAD_DIM
@@ -11,24 +12,20 @@ from tq_chunked.reference import (
     full_buffer_continuation_prefill,
     oracle_continuation_prefill,
 )
+from tq_chunked.testing import make_case, rel_err
 
 BACKEND = "triton" if TRITON_OK else "torch"
 
 
 def check_exact(case, window, backend=BACKEND):
-    """‖chunked − oracle‖ ≤ 1.1 ‖full − oracle‖ + 1e-4, relative; the cache untouched."""
+    """‖chunked − oracle‖ ≤ 1.1 ‖full − oracle‖ + 1e-4, relative; the cache
+    untouched."""
     cache_before = case.kv_cache.clone()
     lq, hq, d = case.query.shape
-    ws = torch.full(
-        (
-            workspace_bytes(
-                lq, hq, case.key_chunk.shape[1], d, window, case.query.dtype
-            ),
-        ),
-        0xFF,
-        dtype=torch.uint8,
-        device=case.query.device,
-    )  # NaN everywhere
+    hk = case.key_chunk.shape[1]
+    nbytes = workspace_bytes(lq, hq, hk, d, window, case.query.dtype)
+    # NaN everywhere
+    ws = torch.full((nbytes,), 0xFF, dtype=torch.uint8, device=case.query.device)
     out = continuation_prefill(
         *case.args, **case.kwargs, window=window, workspace=ws, backend=backend
     )
@@ -123,11 +120,8 @@ def test_block_sizes_and_both_layouts(block_size, layout):
 @pytest.mark.parametrize(
     "cached_len,q_len,window",
     [
-        (
-            250,
-            40,
-            16,
-        ),  # window of one block; cached_len not a multiple of block_size nor of window
+        # window of one block; cached_len not a multiple of block_size nor of window
+        (250, 40, 16),
         (100, 40, 4096),  # window larger than cached_len
         (300, 129, 128),  # q_len longer than the window
         (0, 40, 64),  # nothing cached: the chunk alone

@@ -5,11 +5,12 @@ bad block ids (NaN rows, recorded, never read outside the cache)."""
 
 import pytest
 import torch
-from conftest import TRITON_OK, make_batch
+from conftest import TRITON_OK
 
 from tq_chunked.dequant import GAP_ROW, fill_window
 from tq_chunked.format import PRESETS, TQConfig, dequantize_reference
 from tq_chunked.plan import LongRequest, plan
+from tq_chunked.testing import make_batch
 
 pytestmark = pytest.mark.skipif(
     not TRITON_OK, reason="Triton needs a GPU or TRITON_INTERPRET=1"
@@ -38,8 +39,9 @@ def windows_of(batch, capacity):
 
 
 def reference_rows(batch, cfg, w, unrotate, dtype):
-    """The window's rows from the reference decoder and the chunk: (rows, Hk, D) float64
-    (keys un-rotated in float64 from their fp16 rotated values), and the fp16 rotated keys."""
+    """The window's rows from the reference decoder and the chunk: (rows, Hk, D)
+    float64 (keys un-rotated in float64 from their fp16 rotated values), and the fp16
+    rotated keys."""
     ks, vs, krot = [], [], []
     for s in range(w.nseg):
         start, req, pos0, cached, qrow = w.segment(s)
@@ -114,18 +116,18 @@ def check(batch, capacity, unrotate, dtype=torch.float16, tag=""):
         if not unrotate:
             assert torch.equal(k, k_rot.to(dtype)), tag
             continue
-        # Once rounded to fp16 (then to the window dtype): within half an fp16 ulp of the
-        # exact product, plus 2^-20 of the terms' magnitudes for the float32 sums.
+        # Once rounded to fp16 (then to the window dtype): within half an fp16 ulp of
+        # the exact product, plus 2^-20 of the terms' magnitudes for the float32 sums.
         terms = k_rot.double().abs() @ batch.kwargs["rotation"].double().abs()
         ulp = torch.finfo(torch.float16).eps * torch.exp2(
             torch.floor(torch.log2(k_ref.abs().clamp(min=2**-14)))
         )
         slack = 0.5 * ulp + terms * 2**-20
         if dtype == torch.bfloat16:
-            slack = (
-                slack * 1.01 + k_ref.abs() * 2**-8
-            )  # and the second rounding, to bf16
+            # and the second rounding, to bf16
+            slack = slack * 1.01 + k_ref.abs() * 2**-8
         assert ((k.double() - k_ref).abs() <= slack).all(), tag
+    assert torch.equal(batch.kv_cache, before), tag
 
 
 @pytest.mark.parametrize("preset,head_dim", SERVED)
@@ -143,9 +145,8 @@ def test_cached_rows_are_the_reference_decoder_bit_for_bit(preset, head_dim, lay
         seed=seed,
     )
     check(batch, 48, unrotate=False, tag=f"seed {seed}")
-    check(
-        batch, 600, unrotate=False, tag=f"seed {seed}, gaps"
-    )  # requests side by side, gaps between
+    # requests side by side, gaps between
+    check(batch, 600, unrotate=False, tag=f"seed {seed}, gaps")
 
 
 @pytest.mark.parametrize(
@@ -183,8 +184,8 @@ def test_bf16_windows_round_through_fp16(preset):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_bit_identity_holds_over_seeds_at_the_rounding_prone_presets(seed):
-    # 4-bit keys with norm correction showed one-ulp differences on 6 of 80 draws when the
-    # reference took torch's float32 sqrt; it now takes the correctly rounded one.
+    # 4-bit keys with norm correction showed one-ulp differences on 6 of 80 draws when
+    # the reference took torch's float32 sqrt; it now takes the correctly rounded one.
     batch = make_batch(
         [(150, 1), (20, 1)],
         "turboquant_4bit_nc",
@@ -204,15 +205,13 @@ def test_bad_block_ids_read_nothing_decode_to_nan_and_are_recorded(bad):
     nb = batch.kv_cache.shape[0]
     batch.block_table[1, 1] = {"num_blocks": nb, "num_blocks+5": nb + 5}.get(bad, bad)
     cfg = TQConfig.from_preset("turboquant_3bit_nc", 64)
-    w = windows_of(batch, 400)[
-        0
-    ]  # both requests in one batch window, a gap between them
+    # both requests in one batch window, a gap between them
+    w = windows_of(batch, 400)[0]
     assert w.requests == (0, 1)
     err = torch.full((1,), 2**63 - 1, dtype=torch.int64, device=batch.query.device)
     k, v = fill(batch, w, cfg, torch.float16, True, err)
-    rows = w.segment(2)[0] + torch.arange(
-        16, 32
-    )  # request 1, tokens 16-31: block column 1
+    # request 1, tokens 16-31: block column 1
+    rows = w.segment(2)[0] + torch.arange(16, 32)
     assert k[rows].isnan().all() and v[rows].isnan().all()
     others = torch.ones(w.rows, dtype=torch.bool)
     others[rows] = False

@@ -1,5 +1,5 @@
-"""GPU suite (``pytest -m gpu``): long contexts, batches with FlashAttention, flat memory,
-no host-device synchronization, and real vLLM kernels.
+"""GPU suite (``pytest -m gpu``): long contexts, batches with FlashAttention, flat
+memory, no host-device synchronization, and real vLLM kernels.
 
 Runs on the H200 machine; CI (no GPU) skips it. The vLLM tests need vLLM importable
 (there: ``source .gpu-carry/setup.sh``, see benchmarks/run_on_device.sh).
@@ -7,7 +7,6 @@ Runs on the H200 machine; CI (no GPU) skips it. The vLLM tests need vLLM importa
 
 import pytest
 import torch
-from conftest import make_batch, rel_err
 from test_promises import (
     NONFINITE_CASES,
     REQUESTS,
@@ -24,12 +23,12 @@ from tq_chunked import (
     workspace_bytes,
 )
 from tq_chunked.attention import BACKENDS, backend_available
-from tq_chunked.demo import build_batch, build_case
 from tq_chunked.format import TQConfig, encode_reference, unpack_bits
 from tq_chunked.reference import (
     full_buffer_continuation_prefill,
     oracle_continuation_prefill,
 )
+from tq_chunked.testing import build_batch, build_case, make_batch, rel_err
 from tq_chunked.vllm_harness import (
     build_vllm_tq,
     vllm_available,
@@ -58,7 +57,8 @@ def test_long_context_matches_full_buffer(preset, cached_len):
         out = continuation_prefill(*args, **kwargs, backend=backend)
         e = rel_err(out, oracle)
         print(
-            f"{preset} cached {cached_len} {backend}: chunked {e:.3e}, full {e_full:.3e}"
+            f"{preset} cached {cached_len} {backend}: chunked {e:.3e}, "
+            f"full {e_full:.3e}"
         )
         assert e <= 1.1 * e_full + 1e-4, (backend, e, e_full)
 
@@ -76,8 +76,9 @@ BATCH = [
 
 
 def _request_errors(b, out, backend, min_q_len):
-    """(request, cached, q_len, error of out, error of the full-buffer path), both against
-    the float64 oracle, for each request of BATCH with at least min_q_len query tokens."""
+    """(request, cached, q_len, error of out, error of the full-buffer path), both
+    against the float64 oracle, for each request of BATCH with at least min_q_len query
+    tokens."""
     qsl = b["query_start_loc"]
     for r, (cached, q_len) in enumerate(BATCH):
         if q_len < min_q_len:
@@ -110,7 +111,8 @@ def _request_errors(b, out, backend, min_q_len):
 )
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_batch_matches_each_requests_full_buffer(preset, head_dim, dtype):
-    """First chunks, short and long continuations in one call, windows across requests."""
+    """First chunks, short and long continuations in one call, windows across
+    requests."""
     b = build_batch(preset, BATCH, 16, 4, head_dim, 16, dtype, "cuda", seed=head_dim)
     qsl, lens = b["query_start_loc"], b["seq_lens"]
     for backend in _backends(head_dim):
@@ -133,7 +135,8 @@ def test_batch_matches_each_requests_full_buffer(preset, head_dim, dtype):
         ):
             factor = 1.1 if q_len >= 4 else 1.6  # see tests/test_varlen.py
             print(
-                f"{preset} D{head_dim} {dtype} {backend} request {r} ({cached}, {q_len}): {e:.3e} full {e_full:.3e}"
+                f"{preset} D{head_dim} {dtype} {backend} request {r} "
+                f"({cached}, {q_len}): {e:.3e} full {e_full:.3e}"
             )
             assert e <= factor * e_full + 1e-4, (backend, r, e, e_full)
 
@@ -141,8 +144,9 @@ def test_batch_matches_each_requests_full_buffer(preset, head_dim, dtype):
 @pytest.mark.parametrize("budget", ["all heads", "groups"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_long_requests_and_kv_head_groups_with_flash_attention(budget, dtype):
-    """Requests longer than a window (part windows, the last one with the chunk, merged),
-    all kv heads at once or one at a time (head-sliced, non-contiguous inputs to FA)."""
+    """Requests longer than a window (part windows, the last one with the chunk,
+    merged), all kv heads at once or one at a time (head-sliced, non-contiguous inputs
+    to FA)."""
     b = build_batch("turboquant_4bit_nc", BATCH, 16, 4, 128, 16, dtype, "cuda", seed=41)
     max_bytes = None if budget == "all heads" else 1
     for backend in _backends():
@@ -210,9 +214,8 @@ def test_no_host_device_synchronization(check):
     torch.cuda.set_sync_debug_mode("error")
     try:
         call(b["seq_lens"])  # a plan from the cache
-        out = call(
-            [s + 1 if s > 64 else s for s in b["seq_lens"]]
-        )  # a new plan: one more cached token each
+        # a new plan: one more cached token each
+        out = call([s + 1 if s > 64 else s for s in b["seq_lens"]])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(out).all() and not torch.equal(out, ref)
@@ -299,19 +302,22 @@ def test_peak_memory_is_output_plus_workspace():
             dtype=torch.uint8,
             device="cuda",
         )
-        call = lambda: continuation_prefill_varlen(
-            b["query"],
-            b["key"],
-            b["value"],
-            b["kv_cache"],
-            b["block_table"],
-            None,
-            None,
-            **b["kwargs"],
-            query_start_loc_cpu=b["query_start_loc"],
-            seq_lens_cpu=b["seq_lens"],
-            workspace=ws,
-        )
+
+        def call(b=b, ws=ws):
+            return continuation_prefill_varlen(
+                b["query"],
+                b["key"],
+                b["value"],
+                b["kv_cache"],
+                b["block_table"],
+                None,
+                None,
+                **b["kwargs"],
+                query_start_loc_cpu=b["query_start_loc"],
+                seq_lens_cpu=b["seq_lens"],
+                workspace=ws,
+            )
+
         call()  # warm-up
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -321,7 +327,7 @@ def test_peak_memory_is_output_plus_workspace():
         extra[name] = (
             torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
         ) / 2**20
-        del out, b, ws
+        del out, b, ws, call
     print({k: f"{v:.2f} MiB" for k, v in extra.items()})
     assert all(v <= 8 for v in extra.values()), extra
 
@@ -339,7 +345,8 @@ def test_one_million_cached_tokens():
     e_full = rel_err(full_buffer_continuation_prefill(*args, **kwargs), oracle)
     e = rel_err(out, oracle)
     print(
-        f"1M cached, q 64: chunked {e:.3e}, full {e_full:.3e}, peak extra {peak:.1f} MiB"
+        f"1M cached, q 64: chunked {e:.3e}, full {e_full:.3e}, "
+        f"peak extra {peak:.1f} MiB"
     )
     assert e <= 1.1 * e_full + 1e-4 and peak < 128
 
@@ -347,7 +354,8 @@ def test_one_million_cached_tokens():
 @pytest.mark.parametrize("where,value,token", NONFINITE_CASES, ids=lambda x: str(x))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_non_finite_values_propagate_with_flash_attention(where, value, token, dtype):
-    """tests/test_promises.py's cases with FlashAttention (num_splits=1, its NaN marks)."""
+    """tests/test_promises.py's cases with FlashAttention (num_splits=1, its NaN
+    marks)."""
     if "flash" not in _backends(64):
         pytest.skip("FlashAttention is not available")
     seed = 31 + len(where) + token
@@ -391,7 +399,8 @@ def test_non_finite_values_propagate_with_flash_attention(where, value, token, d
 )
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_unrotation_on_tensor_cores_is_within_half_an_fp16_ulp(preset, head_dim, dtype):
-    """tests/test_dequant.py's bound, on the H200's tensor cores (fp16 MMA, float32 sums)."""
+    """tests/test_dequant.py's bound, on the H200's tensor cores (fp16 MMA, float32
+    sums)."""
     from test_dequant import check
 
     batch = make_batch(
@@ -408,10 +417,11 @@ def test_unrotation_on_tensor_cores_is_within_half_an_fp16_ulp(preset, head_dim,
 
 
 def test_kernels_launch_through_the_direct_launcher():
-    """After the first launch of a specialization, the compiled kernel is called directly."""
+    """After the first launch of a specialization, the compiled kernel is called
+    directly."""
     from tq_chunked._utils import Launcher
-    from tq_chunked.dequant import _fill
-    from tq_chunked.merge import _merge
+    from tq_chunked.dequant import launch_fill
+    from tq_chunked.merge import launch_merge
 
     b = build_batch(
         "turboquant_3bit_nc",
@@ -439,7 +449,8 @@ def test_kernels_launch_through_the_direct_launcher():
     )
     first = call()
     second = call()
-    assert Launcher.direct is not None and _fill.compiled and _merge.compiled
+    assert Launcher.direct is not None
+    assert launch_fill.compiled and launch_merge.compiled
     assert torch.equal(first, second)
 
 
@@ -495,7 +506,8 @@ def test_encoder_agrees_with_vllm_store(preset):
     x = (v - vmin) / ((vmax - vmin) / (2**cfg.value_bits - 1)).clamp(min=1e-8) + 0.5
     boundary = (x - x.round()).abs() < 1e-5 * x.abs().clamp(min=1)
     print(
-        f"{preset}: {differ.sum().item()} of {differ.numel()} value indices differ, all by one at a boundary"
+        f"{preset}: {differ.sum().item()} of {differ.numel()} value indices differ, "
+        f"all by one at a boundary"
     )
     assert ((ia - ib).abs() <= 1).all() and (boundary | ~differ).all()
     assert differ.float().mean().item() < 1e-4
@@ -519,8 +531,10 @@ def test_answer_agrees_with_vllm_continuation_prefill(preset, layout):
     for backend in _backends():
         ours = continuation_prefill(*args, **kwargs, backend=backend)
         e = rel_err(ours, oracle)
+        apart = rel_err(ours, theirs.double())
         print(
-            f"{preset} {layout} {backend}: chunked {e:.3e}, vLLM {e_vllm:.3e}, apart {rel_err(ours, theirs.double()):.3e}"
+            f"{preset} {layout} {backend}: chunked {e:.3e}, vLLM {e_vllm:.3e}, "
+            f"apart {apart:.3e}"
         )
         assert e <= 1.1 * e_vllm + 1e-4, (backend, e, e_vllm)
 
@@ -542,23 +556,23 @@ def _forward_script():
 
 @needs_vllm
 def test_vllm_forward_with_the_plugin_keeps_every_prefix_hit_exact():
-    """VLLM's real forward on a batch where a first chunk is the longest request
-    (vllm-project/vllm issue 46460): unpatched, the prefix hits lose their cached prefix;
-    patched, every request is within the criterion; decodes are vLLM's own rows."""
+    """The real vLLM forward on a batch where a first chunk is the longest request
+    (vllm-project/vllm issue 46460): unpatched, the prefix hits lose their cached
+    prefix; patched, every request is within the criterion; decodes are vLLM's own
+    rows."""
     result = {}
     _forward_script().scenario_46460(result)
     r = result["issue_46460"]
     for u, p in zip(r["unpatched"], r["patched"]):
         print(
-            f"request {u['request']} (cached {u['cached']}, q {u['q_len']}): unpatched {u['error']:.2e}, "
-            f"patched {p['error']:.2e}, full {p['full_error']:.2e}"
+            f"request {u['request']} (cached {u['cached']}, q {u['q_len']}): "
+            f"unpatched {u['error']:.2e}, patched {p['error']:.2e}, "
+            f"full {p['full_error']:.2e}"
         )
-        if (
-            p["request"] < 2
-        ):  # the two decodes: vLLM's own kernel, the same rows patched or not
+        if p["request"] < 2:
+            # the two decodes: vLLM's own kernel, the same rows patched or not
             assert p["error"] == u["error"]
         else:
             assert p["error"] <= 1.1 * p["full_error"] + 1e-4
-    assert all(
-        u["error"] > 0.1 for u in r["unpatched"][3:]
-    )  # the prefix hits lost their prefix
+    # the prefix hits lost their prefix
+    assert all(u["error"] > 0.1 for u in r["unpatched"][3:])

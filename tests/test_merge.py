@@ -1,11 +1,13 @@
-"""The log-sum-exp merge against float64, in place and across dtypes, and its rules for
-empty and non-finite sides (merge.py's docstring); each implementation named explicitly."""
+"""The log-sum-exp merge against float64, in place and across dtypes, and its rules
+for empty and non-finite sides (merge.py's docstring); each implementation named
+explicitly."""
 
 import pytest
 import torch
-from conftest import DEVICE, TRITON_OK, rel_err
+from conftest import DEVICE, TRITON_OK
 
 from tq_chunked.merge import merge_attn_states
+from tq_chunked.testing import rel_err
 
 IMPLS = ["torch"] + (["triton"] if TRITON_OK else [])
 INF, NAN = float("inf"), float("nan")
@@ -17,9 +19,8 @@ def _ref(op, lp, os, ls):
     lse = torch.logaddexp(lp, ls)
     wp = torch.where(torch.isinf(lp), 0.0, torch.exp(lp - lse))
     ws = torch.where(torch.isinf(ls), 0.0, torch.exp(ls - lse))
-    return wp.T[..., None] * op.double().nan_to_num() + ws.T[
-        ..., None
-    ] * os.double(), lse
+    out = wp.T[..., None] * op.double().nan_to_num() + ws.T[..., None] * os.double()
+    return out, lse
 
 
 def _sides(seed, n=24, h=3, d=64):
@@ -42,9 +43,8 @@ def _merge(impl, op, lp, os, ls, out_dtype=torch.float32):
 @pytest.mark.parametrize("d", [64, 80, 128, 256])
 def test_merge_matches_float64(impl, d):
     op, lp, os, ls = _sides(d, d=d)
-    os = (
-        os.transpose(0, 1).contiguous().transpose(0, 1)
-    )  # a token stride that is not H * D
+    # a token stride that is not H * D
+    os = os.transpose(0, 1).contiguous().transpose(0, 1)
     out, lse = _merge(impl, op, lp, os, ls)
     o_ref, l_ref = _ref(op, lp, os, ls)
     assert rel_err(out, o_ref) < 1e-6, f"seed {d}"
@@ -54,19 +54,14 @@ def test_merge_matches_float64(impl, d):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_empty_sides_contribute_nothing(impl):
     op, lp, os, ls = _sides(1)
-    lp[
-        0
-    ] = (
-        -INF
-    )  # head 0: no prefix keys; its state was never written (NaN) and is not read
+    # head 0: no prefix keys; its state was never written (NaN) and is not read
+    lp[0] = -INF
     op[:, 0] = NAN
-    ls[
-        1, :5
-    ] = -INF  # head 1, rows 0-4: no suffix keys (a zero row, as attention writes it)
+    # head 1, rows 0-4: no suffix keys (a zero row, as attention writes it)
+    ls[1, :5] = -INF
     os[:5, 1] = 0
-    ls[2, :3] = (
-        INF  # head 2, rows 0-2: FlashAttention's +inf with a zero row: no keys too
-    )
+    # head 2, rows 0-2: FlashAttention's +inf with a zero row: no keys too
+    ls[2, :3] = INF
     os[:3, 2] = 0
     lp[2, :2] = -INF  # head 2, rows 0-1: both sides empty
     out, lse = _merge(impl, op, lp, os, ls)
@@ -91,9 +86,8 @@ def test_a_side_whose_sum_is_not_a_number_makes_the_row_nan(impl):
         assert out[r, h].isnan().all() and lse[h, r].isnan(), (h, r)
     bad = torch.zeros_like(lse, dtype=torch.bool)
     bad[0, 3] = bad[1, 4] = bad[2, 5] = bad[2, 6] = True
-    assert (
-        torch.isfinite(out[~bad.T]).all() and torch.isfinite(lse[~bad]).all()
-    )  # every other row finite
+    # every other row finite
+    assert torch.isfinite(out[~bad.T]).all() and torch.isfinite(lse[~bad]).all()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -150,8 +144,8 @@ def test_in_place_over_a_partial_kept_in_the_outputs_bytes(impl, dtype):
 
 def test_unknown_impl_and_half_a_prefix_are_refused():
     x = torch.zeros(1, 1, 64, device=DEVICE)
-    l = torch.zeros(1, 1, device=DEVICE)
+    lse = torch.zeros(1, 1, device=DEVICE)
     with pytest.raises(ValueError, match="impl"):
-        merge_attn_states(x, x, l, x, l, impl="cuda")
+        merge_attn_states(x, x, lse, x, lse, impl="cuda")
     with pytest.raises(ValueError, match="prefix_output and prefix_lse"):
-        merge_attn_states(x, x, None, x, l)
+        merge_attn_states(x, x, None, x, lse)

@@ -1,21 +1,22 @@
-"""What the batched call promises (docs/design.md, "What the call promises"): non-finite
-values propagate exactly as in one softmax over all keys (the float64 oracle is the
-judge), no call writes into its inputs or reads what it writes, and every bad argument is
-a ValueError naming it, raised before anything runs, with the inputs and ``out``
-untouched."""
+"""What the batched call promises (docs/design.md, "What the call promises"):
+non-finite values propagate exactly as in one softmax over all keys (the float64 oracle
+is the judge), no call writes into its inputs or reads what it writes, and every bad
+argument is a ValueError naming it, raised before anything runs, with the inputs and
+``out`` untouched."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE, TRITON_OK, make_batch, strided
+from conftest import DEVICE, TRITON_OK
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tq_chunked import continuation_prefill_varlen, workspace_bytes
 from tq_chunked.format import TQConfig
 from tq_chunked.reference import oracle_continuation_prefill
+from tq_chunked.testing import make_batch, strided
 
 BACKEND = "triton" if TRITON_OK else "torch"
 NAN, INF = float("nan"), float("inf")
@@ -25,11 +26,12 @@ REQUESTS = [(220, 12), (30, 6)]
 WINDOW = 64
 
 
-# --- non-finite values ------------------------------------------------------------------------
+# --- non-finite values ----------------------------------------------------------------
 
 
 def _set_fp16(batch, request, token, head, offset, value):
-    """The fp16 at byte ``offset`` of a cached token's slot (a key norm, a value scale)."""
+    """The fp16 at byte ``offset`` of a cached token's slot (a key norm, a value
+    scale)."""
     bs = batch.kv_cache.shape[1]
     block = int(batch.block_table[request, token // bs])
     bits = FP16_BITS[value]
@@ -39,10 +41,11 @@ def _set_fp16(batch, request, token, head, offset, value):
 
 def poison(batch, where, value, token):
     """Put a NaN or inf into one place of the batch (request 0 unless said otherwise).
-    Returns the elements that may come out NaN though one softmax over the keys each query
-    sees is finite there: a new token's inf or NaN value in the rows of the earlier tokens
-    of its request (attention kernels weigh a key a query does not see by exactly 0 within
-    a tile, and 0 * inf is NaN, as in one matmul over all keys); else None."""
+    Returns the elements that may come out NaN though one softmax over the keys each
+    query sees is finite there: a new token's inf or NaN value in the rows of the
+    earlier tokens of its request (attention kernels weigh a key a query does not see
+    by exactly 0 within a tile, and 0 * inf is NaN, as in one matmul over all keys);
+    else None."""
     cfg = TQConfig.from_preset(batch.kwargs["preset"], batch.query.shape[2])
     if where == "chunk value":
         r = next(
@@ -73,11 +76,10 @@ def poison(batch, where, value, token):
 
 def _first(mask):
     i = mask.nonzero()
-    return (
-        f"{int(mask.sum())} elements, the first at (row, head, d) {tuple(i[0].tolist())}"
-        if len(i)
-        else "none"
-    )
+    if not len(i):
+        return "none"
+    first = tuple(i[0].tolist())
+    return f"{int(mask.sum())} elements, the first at (row, head, d) {first}"
 
 
 def check_against_oracle(batch, out, allowed=None, bound=None):
@@ -117,8 +119,8 @@ def check_against_oracle(batch, out, allowed=None, bound=None):
 
 
 NONFINITE_CASES = [
-    # (where, value, token): cached tokens 0-219 of request 0 lie in part windows 0-2 and the
-    # last window (tokens 168-219), token 10 of request 1 in its batch window
+    # (where, value, token): cached tokens 0-219 of request 0 lie in part windows 0-2
+    # and the last window (tokens 168-219), token 10 of request 1 in its batch window
     ("key norm", NAN, 5),
     ("key norm", NAN, 100),
     ("key norm", NAN, 200),
@@ -143,8 +145,8 @@ def test_non_finite_values_propagate_as_in_one_softmax_over_all_keys(
     where, value, token, dtype
 ):
     seed = 31 + len(where) + token
-    # A small query keeps every softmax weight far from underflow, so that inf * weight is
-    # inf in every dtype (a weight rounded to 0 would make it NaN, in any attention).
+    # A small query keeps every softmax weight far from underflow, so that inf * weight
+    # is inf in every dtype (a weight rounded to 0 would make it NaN, in any attention).
     batch = make_batch(
         REQUESTS, "turboquant_3bit_nc", dtype, num_q_heads=4, num_kv_heads=2, seed=seed
     )
@@ -169,7 +171,7 @@ def test_non_finite_values_propagate_as_in_one_softmax_over_all_keys(
     check_against_oracle(batch, out, allowed)
 
 
-# --- overlaps and layouts of what the call writes ------------------------------------------
+# --- overlaps and layouts of what the call writes -------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -258,9 +260,8 @@ def test_what_the_call_writes_may_not_share_memory_with_what_it_reads_or_writes(
     n, hq, d = small.query.shape
     ws_bytes = workspace_bytes(n, hq, 2, d, 64)
     ws = torch.zeros(ws_bytes, dtype=torch.uint8, device=DEVICE)
-    rot16 = (
-        small.kwargs["rotation"].half().repeat(8, 8)
-    )  # the rotation: the top-left corner
+    # the rotation: the top-left corner
+    rot16 = small.kwargs["rotation"].half().repeat(8, 8)
     big = torch.zeros(n * hq * d * 4 + ws_bytes, dtype=torch.uint8, device=DEVICE)
     out_big = _as_bytes_of(big, torch.float16, (n, hq, d))
     override, names = {
@@ -328,16 +329,12 @@ def test_what_the_call_writes_may_not_share_memory_with_what_it_reads_or_writes(
 def test_written_tensors_must_not_overlap_themselves(small, case):
     n, hq, d = small.query.shape
     if case == "out stride 0":
-        override = dict(
-            out=torch.zeros(1, hq, d, dtype=torch.float16, device=DEVICE).expand(
-                n, hq, d
-            )
-        )
+        out = torch.zeros(1, hq, d, dtype=torch.float16, device=DEVICE)
+        override = dict(out=out.expand(n, hq, d))
     elif case == "out overlapping rows":
         base = torch.zeros(n * d + hq * d, dtype=torch.float16, device=DEVICE)
-        override = dict(
-            out=base.as_strided((n, hq, d), (d, d, 1))
-        )  # token t, head h+1 = token t+1, head h
+        # token t, head h+1 = token t+1, head h
+        override = dict(out=base.as_strided((n, hq, d), (d, d, 1)))
     else:
         override = dict(
             lse=torch.zeros(1, n, device=DEVICE).expand(hq, n), return_lse=True
@@ -346,7 +343,7 @@ def test_written_tensors_must_not_overlap_themselves(small, case):
     _refused(small, f"{name} must not have elements that share memory", **override)
 
 
-# --- every bad argument is a ValueError naming it ------------------------------------------
+# --- every bad argument is a ValueError naming it -------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -438,7 +435,7 @@ def test_a_given_lse_is_written_and_returned(small):
     assert torch.equal(lse, ref)
 
 
-# --- bad input drawn at random ----------------------------------------------------------------
+# --- bad input drawn at random --------------------------------------------------------
 
 ARGUMENT_NAMES = (
     "query",
@@ -504,7 +501,7 @@ MUTATIONS = {
 
 
 def _out_over_key(batch):
-    """Key and out laid over the same bytes."""
+    """The key and out laid over the same bytes."""
     buf = torch.zeros(29 * 4 * 64, dtype=batch.key.dtype, device=DEVICE)
     key = buf[: 29 * 2 * 64].view(29, 2, 64)
     key.copy_(batch.key)
@@ -569,9 +566,8 @@ def test_random_bad_input_is_refused_by_name_or_answered_as_the_oracle(
         batch.kwargs.update(
             {k: override[k] for k in ("rotation", "scale") if k in override}
         )
-        check_against_oracle(
-            batch, out, allowed, bound=6e-3
-        )  # an fp16 rotation: a looser bound
+        # an fp16 rotation: a looser bound
+        check_against_oracle(batch, out, allowed, bound=6e-3)
     for t, b in zip(inputs, before):
         if t is not out:
             assert torch.equal(_bits(t), b), (

@@ -1,11 +1,11 @@
-"""continuation_prefill_varlen: every request of a batch exact against its own full-buffer
-path and the float64 oracle, the window schedule, bounded memory, inputs honoured
-through their strides or refused by name."""
+"""continuation_prefill_varlen: every request of a batch exact against its own
+full-buffer path and the float64 oracle, the window schedule, bounded memory, inputs
+honoured through their strides or refused by name."""
 
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE, TRITON_OK, make_batch, rel_err, strided
+from conftest import DEVICE, TRITON_OK
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +21,7 @@ from tq_chunked.reference import (
     full_buffer_continuation_prefill,
     oracle_continuation_prefill,
 )
+from tq_chunked.testing import make_batch, rel_err, strided
 
 BACKEND = "triton" if TRITON_OK else "torch"
 MIXED = [(150, 65), (0, 24), (40, 8), (0, 0), (90, 1), (130, 0), (17, 70), (33, 33)]
@@ -68,18 +69,18 @@ def run_batch(batch, window, backend=BACKEND, **kw):
     return res
 
 
-# Both paths round each cached key to fp16 once (the full path after un-rotating it, this
-# one before), so their errors are two independent draws of the same size. Over the few
-# hundred outputs of a request with 1-3 query tokens the ratio of two such draws spreads
-# widely: over 12 seeds at q_len 1 it ranged 0.55-1.57 around a median of 0.87 (both
-# paths; tests/test_varlen.py history, benchmarks/NOTES.md). From 4 query tokens on it
-# stays under 1.02, and the stated bound holds.
+# Both paths round each cached key to fp16 once (the full path after un-rotating it,
+# this one before), so their errors are two independent draws of the same size. Over
+# the few hundred outputs of a request with 1-3 query tokens the ratio of two such draws
+# spreads widely: over 12 seeds at q_len 1 it ranged 0.55-1.57 around a median of 0.87
+# (both paths; tests/test_varlen.py history, benchmarks/NOTES.md). From 4 query tokens
+# on it stays under 1.02, and the stated bound holds.
 SHORT_REQUEST_FACTOR = 1.6
 
 
 def check_batch(batch, window, backend=BACKEND, **kw):
-    """Per request: ‖out − oracle‖ ≤ 1.1 ‖full − oracle‖ + 1e-4 (relative; 1.6 for requests
-    of 1-3 query tokens, see above); the cache untouched."""
+    """Per request: ‖out − oracle‖ ≤ 1.1 ‖full − oracle‖ + 1e-4 (relative; 1.6 for
+    requests of 1-3 query tokens, see above); the cache untouched."""
     before = batch.kv_cache.clone()
     out = run_batch(batch, window, backend, **kw)
     assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
@@ -113,9 +114,8 @@ def test_mixed_batch_every_preset_and_dtype(preset, dtype):
 
 
 @pytest.mark.parametrize("layout", ["v020", "v033"])
-@pytest.mark.parametrize(
-    "window", [40, 100, 4096]
-)  # several windows across request boundaries; one window
+# several windows across request boundaries; one window
+@pytest.mark.parametrize("window", [40, 100, 4096])
 def test_windows_and_layouts(layout, window):
     check_batch(
         make_batch(MIXED, "turboquant_4bit_nc", block_size=32, layout=layout, seed=12),
@@ -144,7 +144,8 @@ def test_long_requests_run_in_windows_and_kv_head_groups_under_a_budget():
         num_kv_heads=4,
         seed=14,
     )
-    budget = 180_000  # room for a window with all kv heads, not with a long request's state too
+    # room for a window with all kv heads, not with a long request's state too
+    budget = 180_000
     steps, groups, cap, need = schedule(
         tuple(batch.query_start_loc),
         tuple(batch.seq_lens),
@@ -163,12 +164,8 @@ def test_long_requests_run_in_windows_and_kv_head_groups_under_a_budget():
         else ("batch", s.requests)
         for s in steps
     ]
-    assert kinds == [
-        ("long", 0, 2),
-        ("batch", (1,)),
-        ("batch", (2,)),
-        ("long", 3, 3),
-    ]  # 1 and 2: no room for the gap
+    # 1 and 2: no room for the gap
+    assert kinds == [("long", 0, 2), ("batch", (1,)), ("batch", (2,)), ("long", 3, 3)]
     assert groups == (2, 4, 4, 2) and need <= budget
     check_batch(batch, window=64, max_workspace_bytes=budget)
 
@@ -266,7 +263,7 @@ def test_return_lse_matches_float64(dtype, budget):
         assert rel_err(lse[:, q0 : q0 + lq], ref) < 1e-3
 
 
-# --- the schedule -------------------------------------------------------------------------
+# --- the schedule ---------------------------------------------------------------------
 
 
 def test_requests_that_fit_share_causal_windows_and_long_ones_run_alone():
@@ -274,21 +271,12 @@ def test_requests_that_fit_share_causal_windows_and_long_ones_run_alone():
     p = plan(qsl, lens, 1600, torch.device("cpu"))
     assert [type(s).__name__ for s in p.steps] == ["Window", "LongRequest", "Window"]
     first, long, last = p.steps
-    assert (
-        first.requests == (0, 1, 2) and first.causal
-    )  # 300 + 564 + 134 keys, 256 zero rows between two
-    assert first.cu_k_host == (0, 300, 556, 1120, 1376, 1510) and first.cu_q_host == (
-        0,
-        64,
-        64,
-        128,
-        128,
-        192,
-    )
-    assert last.requests == (4,) and last.cu_k_host == last.cu_q_host == (
-        0,
-        64,
-    )  # a first chunk
+    # 300 + 564 + 134 keys, 256 zero rows between two
+    assert first.requests == (0, 1, 2) and first.causal
+    assert first.cu_k_host == (0, 300, 556, 1120, 1376, 1510)
+    assert first.cu_q_host == (0, 64, 64, 128, 128, 192)
+    # a first chunk
+    assert last.requests == (4,) and last.cu_k_host == last.cu_q_host == (0, 64)
     assert [w.kind for w in long.windows] == ["part", "last"]
     assert [w.causal for w in long.windows] == [False, True]
     assert sum(w.rows for w in long.windows) == 2064 and long.windows[-1].rows == 1600
@@ -319,31 +307,25 @@ def test_a_batch_of_short_hits_is_one_fill_and_one_attention_call_without_merges
         counts.clear()
         run_batch(batch, window, backend="torch")
         seen.append(dict(counts))
-    assert seen[0] == {
-        "fill_window": 1,
-        "varlen_attention": 1,
-    }  # 6 x 68 keys and 5 gaps: one window
-    assert seen[1] == {
-        "fill_window": 4,
-        "varlen_attention": 4,
-        "merge_attn_states": 4,
-    }  # 3 parts and the last
+    # 6 x 68 keys and 5 gaps: one window
+    assert seen[0] == {"fill_window": 1, "varlen_attention": 1}
+    # 3 parts and the last
+    assert seen[1] == {"fill_window": 4, "varlen_attention": 4, "merge_attn_states": 4}
 
 
-# --- memory ---------------------------------------------------------------------------------
+# --- memory ---------------------------------------------------------------------------
 
 
 def test_workspace_bytes_is_the_documented_layout():
     up = lambda x: -(-x // 256) * 256
     n, hq, hk, d, w = 60, 4, 2, 64, 64
     batch = 2 * up(w * hk * d * 2) + 256  # k_buf, v_buf
-    long = (
-        2 * up(w * hk * d * 2) + up(n * hq * d * 4) + up(hq * n * 4) + 256
-    )  # + the float32 state
+    # + the float32 state
+    long = 2 * up(w * hk * d * 2) + up(n * hq * d * 4) + up(hq * n * 4) + 256
     assert workspace_bytes(n, hq, hk, d, w) == max(batch, long)
-    assert workspace_bytes(n, hq, hk, d, w, torch.bfloat16) == long + up(
-        n * hq * d * 2
-    )  # + the query in fp16
+    # + the query in fp16
+    long_bf16 = long + up(n * hq * d * 2)
+    assert workspace_bytes(n, hq, hk, d, w, torch.bfloat16) == long_bf16
     assert (
         workspace_bytes(100, hq, hk, d, w)
         == 2 * up(101 * hk * d * 2) + up(100 * hq * d * 4) + up(hq * 100 * 4) + 256
@@ -360,9 +342,8 @@ def test_workspace_bytes_suffice_whatever_the_cached_lengths_and_batch_size(requ
     out = continuation_prefill_varlen(
         *batch.args, **batch.kwargs, window=64, workspace=ws[:need], backend=BACKEND
     )
-    assert (
-        torch.isfinite(out).all() and (ws[need:] == 0x5A).all()
-    )  # nothing written past it
+    # nothing written past it
+    assert torch.isfinite(out).all() and (ws[need:] == 0x5A).all()
 
 
 def test_a_smaller_workspace_runs_fewer_kv_heads_at_once_down_to_one():
@@ -402,7 +383,7 @@ def test_no_query_tokens_gives_an_empty_output():
     assert out.shape == (0, 4, 64)
 
 
-# --- inputs honoured through their strides ------------------------------------------------
+# --- inputs honoured through their strides --------------------------------------------
 
 
 def test_strided_inputs_give_the_contiguous_answer():
@@ -412,8 +393,9 @@ def test_strided_inputs_give_the_contiguous_answer():
     kwargs = dict(
         batch.kwargs,
         centroids=strided(batch.kwargs["centroids"], 0),
+        # same values, strides (1, D)
         rotation=batch.kwargs["rotation"].T.contiguous().T,
-    )  # same values, strides (1, D)
+    )
     out = torch.full_like(q, float("nan"))
     strided_out = strided(out, 0)
     res = continuation_prefill_varlen(
@@ -433,7 +415,7 @@ def test_strided_inputs_give_the_contiguous_answer():
     assert torch.allclose(res.float(), ref.float(), rtol=0, atol=2e-3)
 
 
-# --- bad input ----------------------------------------------------------------------------
+# --- bad input ------------------------------------------------------------------------
 
 
 def _bad(batch, match, **override):
@@ -593,7 +575,7 @@ def test_unchecked_bad_block_ids_read_nothing_and_make_their_request_nan(bad_id)
     assert torch.equal(out[20:], good[20:])  # the other request is untouched
 
 
-# --- scalars --------------------------------------------------------------------------------
+# --- scalars --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", ["numpy", "tensor"])

@@ -1,4 +1,5 @@
-"""tq_chunked: windowed continuation prefill over a TurboQuant-compressed paged KV cache."""
+"""tq_chunked: windowed continuation prefill over a TurboQuant-compressed paged KV
+cache."""
 
 from .chunked import (
     check_block_tables,

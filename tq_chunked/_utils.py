@@ -1,7 +1,8 @@
-"""Helpers shared by the kernel and argument modules: where Triton runs, bf16 rounding
-under the interpreter, argument checks that raise ValueError naming the argument, byte
-ranges of tensors, and a launcher that calls a compiled Triton kernel without the
-per-call work of Triton's own launch path.
+"""Helpers shared by the kernel and argument modules: where Triton runs, bf16
+rounding under the interpreter, argument checks that raise ValueError naming the
+argument, byte ranges of tensors and the checks that written tensors share no memory,
+and a launcher that calls a compiled Triton kernel without the per-call work of
+Triton's own launch path.
 """
 
 from __future__ import annotations
@@ -29,15 +30,15 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 def interpreter_rounds_bf16(dtype: torch.dtype) -> bool:
-    """Triton's CPU interpreter (3.9) converts float32 to bf16 by truncation; kernels that
-    store bf16 round to nearest even themselves there (``round_bf16``)."""
+    """Triton's CPU interpreter (3.9) converts float32 to bf16 by truncation; kernels
+    that store bf16 round to nearest even themselves there (``round_bf16``)."""
     return dtype == torch.bfloat16 and interpreting()
 
 
 @triton.jit
 def round_bf16(x, ROUND: tl.constexpr):
-    """X (float32), rounded to the nearest bf16 (ties to even) when ROUND, so that a
-    truncating conversion to bf16 afterwards is exact. NaN and inf pass unchanged."""
+    """The float32 x, rounded to the nearest bf16 (ties to even) when ROUND, so that
+    a truncating conversion to bf16 afterwards is exact. NaN and inf pass unchanged."""
     if ROUND:
         bits = x.to(tl.uint32, bitcast=True)
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(
@@ -53,12 +54,12 @@ def round_bf16(x, ROUND: tl.constexpr):
 
 
 def as_int(name, value, minimum=None, maximum=None):
-    """operator.index(value) (Python and numpy ints, 0-d integer tensors on the CPU), or a
-    ValueError naming the argument."""
+    """operator.index(value) (Python and numpy ints, 0-d integer tensors on the
+    CPU), or a ValueError naming the argument."""
     if isinstance(value, torch.Tensor) and value.device.type != "cpu":
         raise ValueError(
-            f"{name} must be a host integer (a {value.device} tensor would need a synchronization), "
-            f"got {value!r}"
+            f"{name} must be a host integer (a {value.device} tensor would need a "
+            f"synchronization), got {value!r}"
         )
     if isinstance(value, bool):
         raise ValueError(f"{name} must be an int, got bool {value!r}")
@@ -76,8 +77,8 @@ def as_int(name, value, minimum=None, maximum=None):
 
 
 def check_tensor(name, t, ndim, dtypes=None, device=None, unit_last=False):
-    """A ValueError naming the argument unless ``t`` is a tensor of that rank, dtype and
-    device (and, with unit_last, unit stride over its last dimension)."""
+    """A ValueError naming the argument unless ``t`` is a tensor of that rank, dtype
+    and device (and, with unit_last, unit stride over its last dimension)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.ndim != ndim:
@@ -94,7 +95,8 @@ def check_tensor(name, t, ndim, dtypes=None, device=None, unit_last=False):
         )
     if unit_last and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(
-            f"{name} must have unit stride over its last dimension, got strides {t.stride()}"
+            f"{name} must have unit stride over its last dimension, got strides "
+            f"{t.stride()}"
         )
 
 
@@ -124,14 +126,44 @@ def self_overlapping(t: torch.Tensor) -> bool:
     return False
 
 
+# Layouts already checked: every layer of a step passes the same tensors' places.
+_no_overlap: dict = {}
+
+
+def check_overlaps(written, read):
+    """A ValueError naming both tensors if a written one shares bytes with another one.
+    ``written`` and ``read`` are lists of (name, tensor or None). Memoized on the
+    tensors' places (address, shape, strides, element size), which fix their byte
+    ranges: 33-52 us of host per call on the H200 machine otherwise (NOTES.md)."""
+    key = tuple(
+        None if t is None else (t.data_ptr(), t.shape, t.stride(), t.element_size())
+        for _, t in written + read
+    )
+    if key in _no_overlap:
+        return
+    spans = [(name, byte_span(t)) for name, t in written + read if t is not None]
+    for i, (name, span) in enumerate(spans[: sum(t is not None for _, t in written)]):
+        if span is None:
+            continue
+        for other, o in spans[i + 1 :]:
+            if o is not None and span[0] < o[1] and o[0] < span[1]:
+                raise ValueError(
+                    f"{name} must not share memory with {other}: the call writes "
+                    f"{name} while it reads {other}"
+                )
+    if len(_no_overlap) >= 256:
+        _no_overlap.clear()
+    _no_overlap[key] = True
+
+
 # ---------------------------------------------------------------------------
 # Launching Triton kernels
 # ---------------------------------------------------------------------------
 
 
 def _passes_constexprs() -> bool | None:
-    """Whether this Triton's CompiledKernel.run takes the constexpr arguments too (3.3 on)
-    or only the others (earlier); None if the launch path has another shape."""
+    """Whether this Triton's CompiledKernel.run takes the constexpr arguments too (3.3
+    on) or only the others (earlier); None if the launch path has another shape."""
     try:
         src = inspect.getsource(triton.runtime.jit.JITFunction.run)
     except (OSError, TypeError, AttributeError):
@@ -150,26 +182,38 @@ def _hooks_set() -> bool:
     if runtime is None or not hasattr(runtime, "launch_enter_hook"):
         return True  # unknown: take Triton's own path
     for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
-        if hook is not None and (
-            not hasattr(hook, "calls") or hook.calls
-        ):  # a hook, or a HookChain with some
+        # a hook, or a HookChain with some
+        if hook is not None and (not hasattr(hook, "calls") or hook.calls):
             return True
     return False
 
 
-class Launcher:
-    """Calls a ``@triton.jit`` kernel as ``kernel[grid](*args, **options)`` does, keeping
-    the compiled kernel of each specialization and launching it directly next time.
+def _param_kind(p) -> str:
+    """How a kernel parameter enters the key: "constexpr", or "int" / "free" (whether
+    Triton specializes on the value), plus "+align" where it specializes on 16-byte
+    alignment."""
+    if p.is_constexpr:
+        return "constexpr"
+    kind = "free" if p.do_not_specialize else "int"
+    if not getattr(p, "do_not_specialize_on_alignment", False):
+        kind += "+align"
+    return kind
 
-    Triton's launch path binds and specializes every argument, builds a cache key string
-    and checks globals on each call: 33-48 us of host per launch on the H200 machine
-    (Triton 3.6, 25-40 arguments; benchmarks/NOTES.md), where the launch itself is a few.
-    The key here is at least as fine as Triton's specialization (each tensor's dtype and
-    16-byte alignment, each specialized int's value class, the constexprs and options),
-    so a kept kernel is the one Triton would pick. Used on CUDA only, with Triton's
-    launch hooks unset and a launch path of the known shape; otherwise every call goes
-    through ``kernel[grid]``. ``args`` are all of the kernel's parameters, in order,
-    constexprs included.
+
+class Launcher:
+    """Calls a ``@triton.jit`` kernel as ``kernel[grid](*args, **options)`` does,
+    keeping the compiled kernel of each specialization and launching it directly next
+    time.
+
+    Triton's launch path binds and specializes every argument, builds a cache key
+    string and checks globals on each call: 33-48 us of host per launch on the H200
+    machine (Triton 3.6, 25-40 arguments; benchmarks/NOTES.md), where the launch itself
+    is a few. The key here is at least as fine as Triton's specialization (each
+    tensor's dtype and 16-byte alignment, each specialized int's value class, the
+    constexprs and options), so a kept kernel is the one Triton would pick. Used on
+    CUDA only, with Triton's launch hooks unset and a launch path of the known shape;
+    otherwise every call goes through ``kernel[grid]``. ``args`` are all of the
+    kernel's parameters, in order, constexprs included.
     """
 
     direct = None  # decided on first use: _passes_constexprs(), None if unusable
@@ -180,17 +224,7 @@ class Launcher:
         params = getattr(kernel, "params", None)
         self._kinds = None
         if params is not None and all(hasattr(p, "do_not_specialize") for p in params):
-            self._kinds = tuple(
-                "constexpr"
-                if p.is_constexpr
-                else ("free" if p.do_not_specialize else "int")
-                + (
-                    ""
-                    if getattr(p, "do_not_specialize_on_alignment", False)
-                    else "+align"
-                )
-                for p in params
-            )
+            self._kinds = tuple(_param_kind(p) for p in params)
             self._constexpr = tuple(
                 i for i, k in enumerate(self._kinds) if k == "constexpr"
             )
@@ -199,12 +233,8 @@ class Launcher:
         key = [torch.cuda.current_device(), options]
         for a, kind in zip(args, self._kinds):
             if isinstance(a, torch.Tensor):
-                key.append(
-                    (
-                        a.dtype,
-                        a.data_ptr() % 16 == 0 if kind.endswith("+align") else None,
-                    )
-                )
+                aligned = a.data_ptr() % 16 == 0 if kind.endswith("+align") else None
+                key.append((a.dtype, aligned))
             elif isinstance(a, bool) or kind == "constexpr" or a is None:
                 key.append(a)
             elif isinstance(a, int):

@@ -1,10 +1,11 @@
-"""Variable-length partial attention with its log-sum-exp, so that results over disjoint
-key sets can be merged exactly. One call covers many sequences (requests):
+"""Variable-length partial attention with its log-sum-exp, so that results over
+disjoint key sets can be merged exactly. One call covers many sequences (requests):
 
     q: (Nq, Hq, D)  k, v: (Nk, Hk, D)  token-major, unit stride over D
     sequence b: queries cu_q[b]:cu_q[b+1] attend to keys cu_k[b]:cu_k[b+1]
     Hq = G * Hk, query head h uses kv head h // G
-    -> out (Nq, Hq, D) in q's dtype (written in place), lse (Hq, Nq) float32, natural log
+    -> out (Nq, Hq, D) in q's dtype (written in place),
+       lse (Hq, Nq) float32, natural log
 
 ``causal=True`` masks bottom-right aligned per sequence: query i sees keys
 j <= i + Lk - Lq. A query that sees no key gets out = 0 and lse = -inf; a query whose
@@ -91,8 +92,9 @@ def _attention_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    DOT_F32: tl.constexpr,  # float32 dot operands (the CPU interpreter's bf16 dot is wrong)
-    ROUND_BF16: tl.constexpr,  # see dequant.round_bf16
+    # float32 dot operands (the CPU interpreter's bf16 dot is wrong)
+    DOT_F32: tl.constexpr,
+    ROUND_BF16: tl.constexpr,  # see _utils.round_bf16
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -103,9 +105,8 @@ def _attention_kernel(
     k_start = tl.load(cu_k_ptr + seq)
     lk = tl.load(cu_k_ptr + seq + 1) - k_start
     if m_block * BLOCK_M < lq:
-        offs_m = m_block * BLOCK_M + tl.arange(
-            0, BLOCK_M
-        )  # (BLOCK_M,) query within the sequence
+        # (BLOCK_M,) query within the sequence
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         m_mask = offs_m < lq
@@ -144,9 +145,8 @@ def _attention_kernel(
                 valid = valid & (n[None, :] <= offs_m[:, None] + shift)
             s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(
-                m_new == float("-inf"), 0.0, m_new
-            )  # rows with no key yet
+            # rows with no key yet
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
@@ -176,9 +176,8 @@ def _attention_kernel(
 
 
 def _triton_attention(call, q, k, v, scale, out):
-    q, k, v = (
-        x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v)
-    )  # as FlashAttention does
+    # as FlashAttention does
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     nq, hq, d = q.shape
     hk = k.shape[1]
     lse = torch.empty(hq, nq, dtype=torch.float32, device=q.device)
@@ -246,22 +245,22 @@ def _torch_attention(call, q, k, v, scale, out):
             i = torch.arange(lq, device=q.device)[:, None]
             j = torch.arange(lk, device=q.device)[None, :]
             s = s.masked_fill(j > i + (lk - lq), float("-inf"))
-        l = torch.logsumexp(
-            s, -1
-        )  # -inf where no key; +inf or NaN where the sum is not a number
-        p = torch.exp(s - torch.where(l == float("-inf"), 0.0, l)[..., None])
+        # -inf where no key; +inf or NaN where the sum is not a number
+        lse_b = torch.logsumexp(s, -1)
+        p = torch.exp(s - torch.where(lse_b == float("-inf"), 0.0, lse_b)[..., None])
         out[q0:q1] = (p @ vv).transpose(0, 1)
-        lse[:, q0:q1] = torch.where(l == float("inf"), float("nan"), l)
+        lse[:, q0:q1] = torch.where(lse_b == float("inf"), float("nan"), lse_b)
     return lse
 
 
 @functools.cache
-def _vllm_flash(head_dim: int):
-    """(vLLM's flash_attn_varlen_func, its FA version for this head size), or None with
-    the reason logged. Only vLLM's own FlashAttention 2 or 3 is taken: the merge relies on
-    its ``return_softmax_lse``/``out`` arguments and its empty-row lse (measured on FA3);
-    ROCm's upstream flash_attn and FA4 have other interfaces. A missing module means
-    "unavailable"; any other error is a broken install and is raised."""
+def vllm_flash(head_dim: int):
+    """(vLLM's flash_attn_varlen_func, its FA version for this head size), or None
+    with the reason logged. Only vLLM's own FlashAttention 2 or 3 is taken: the merge
+    relies on its ``return_softmax_lse``/``out`` arguments and its empty-row lse
+    (measured on FA3); ROCm's upstream flash_attn and FA4 have other interfaces. A
+    missing module means "unavailable"; any other error is a broken install and is
+    raised."""
     try:
         from vllm.v1.attention.backends import fa_utils
     except ImportError as e:
@@ -271,14 +270,15 @@ def _vllm_flash(head_dim: int):
         return None
     if not fa_utils.is_flash_attn_varlen_func_available():
         log.debug(
-            "tq_chunked: back end 'flash' unavailable: vLLM reports no flash_attn_varlen_func"
+            "tq_chunked: back end 'flash' unavailable: vLLM reports no "
+            "flash_attn_varlen_func"
         )
         return None
     fn = fa_utils.flash_attn_varlen_func
     if not getattr(fn, "__module__", "").startswith("vllm.vllm_flash_attn"):
         log.debug(
-            "tq_chunked: back end 'flash' unavailable: vLLM's flash_attn_varlen_func is %s's, not "
-            "vllm.vllm_flash_attn's",
+            "tq_chunked: back end 'flash' unavailable: vLLM's flash_attn_varlen_func "
+            "is %s's, not vllm.vllm_flash_attn's",
             getattr(fn, "__module__", "?"),
         )
         return None
@@ -288,7 +288,8 @@ def _vllm_flash(head_dim: int):
         version = fa_utils.get_flash_attn_version()
     if version not in (2, 3):
         log.debug(
-            "tq_chunked: back end 'flash' unavailable: vLLM picks FlashAttention %s for head size %d",
+            "tq_chunked: back end 'flash' unavailable: vLLM picks FlashAttention %s "
+            "for head size %d",
             version,
             head_dim,
         )
@@ -297,7 +298,7 @@ def _vllm_flash(head_dim: int):
 
 
 def _flash_attention(call, q, k, v, scale, out, splits=1):
-    fn, version = _vllm_flash(q.shape[2])
+    fn, version = vllm_flash(q.shape[2])
     _, lse = fn(
         q=q,
         k=k,
@@ -343,10 +344,11 @@ def backend_available(
                 False,
                 f"FlashAttention supports head sizes up to 256, not {head_dim}",
             )
-        if _vllm_flash(head_dim) is None:
+        if vllm_flash(head_dim) is None:
             return (
                 False,
-                "vLLM's own FlashAttention 2 or 3 is not available for this head size (see the debug log)",
+                "vLLM's own FlashAttention 2 or 3 is not available for this head size "
+                "(see the debug log)",
             )
         return True, ""
     raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {name!r}")
@@ -394,10 +396,10 @@ def varlen_attention(
     backend: str,
     flash_splits: int = 1,
 ) -> torch.Tensor:
-    """Attention of the sequences of ``call`` (a ``Call`` or a ``plan.Window``; see the module
-    docstring for shapes); writes ``out`` and returns lse (Hq, Nq). ``backend`` must be
-    resolved (``resolve_backend``). flash_splits: FlashAttention-3's num_splits (0: its
-    own choice, as vLLM calls it; the full-buffer reference path does)."""
+    """Attention of the sequences of ``call`` (a ``Call`` or a ``plan.Window``; see the
+    module docstring for shapes); writes ``out`` and returns lse (Hq, Nq). ``backend``
+    must be resolved (``resolve_backend``). flash_splits: FlashAttention-3's num_splits
+    (0: its own choice, as vLLM calls it; the full-buffer reference path does)."""
     if backend == "flash":
         return _flash_attention(call, q, k, v, scale, out, flash_splits)
     return _IMPLS[backend](call, q, k, v, scale, out)

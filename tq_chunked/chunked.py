@@ -2,15 +2,16 @@
 prefixes through fixed-size windows instead of dequantizing them whole, and its
 one-request form.
 
-    schedule from the host lengths (plan.py, workspace.py)     once per step, memoized
-    for each batch window (requests that fit one):              all kv heads
-        fill it: cached keys dequantized and un-rotated, then    k_buf, v_buf (rows, Hk, D)
-            the chunk's own keys after them (dequant.py)
-        one causal varlen attention call                         -> out rows, final
+    schedule from the host lengths (plan.py, workspace.py)  once per step, memoized
+    for each batch window (requests that fit one):          all kv heads
+        fill it: cached keys dequantized and un-rotated,    k_buf, v_buf (rows, Hk, D)
+            then the chunk's own keys after them (dequant.py)
+        one causal varlen attention call                    -> out rows, final
     for each long request, for each group of its kv heads:
-        for each part window: fill, attend (not causal)         a partial, merged into the state
-        last window (the rest, and the chunk): fill, attend      a partial in out's bytes
-            causal, merge the state into it                      -> out rows, final
+        for each part window: fill, attend (not causal)     a partial, merged into
+                                                            the state
+        last window (the rest, and the chunk): fill,        a partial in out's bytes
+            attend causal, merge the state into it          -> out rows, final
 
 Memory is the workspace: independent of the cached lengths and of the batch size.
 What the call promises for bad input, non-finite values and overlapping tensors:
@@ -25,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._utils import as_int, byte_span, check_tensor, self_overlapping
+from ._utils import as_int, check_overlaps, check_tensor, self_overlapping
 from .attention import resolve_backend, varlen_attention
 from .dequant import fill_window
 from .format import TQConfig, resolve_config
@@ -52,8 +53,8 @@ INT32_MAX = 2**31 - 1
 def _as_scale(scale):
     if isinstance(scale, torch.Tensor) and scale.device.type != "cpu":
         raise ValueError(
-            f"scale must be a host number (a {scale.device} tensor would need a synchronization), "
-            f"got {scale!r}"
+            f"scale must be a host number (a {scale.device} tensor would need a "
+            f"synchronization), got {scale!r}"
         )
     if isinstance(scale, (bool, str, bytes)):
         raise ValueError(f"scale must be a finite positive float, got {scale!r}")
@@ -61,7 +62,8 @@ def _as_scale(scale):
         value = float(scale)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(
-            f"scale must be a finite positive float, got {type(scale).__name__} {scale!r}"
+            f"scale must be a finite positive float, got {type(scale).__name__} "
+            f"{scale!r}"
         ) from None
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"scale must be a finite positive float, got {scale!r}")
@@ -69,8 +71,8 @@ def _as_scale(scale):
 
 
 def _host_ints(name, cpu, device_tensor, device):
-    """A tuple of host ints from the *_cpu argument, else (one synchronization) from the
-    device tensor; each entry in [0, 2**31)."""
+    """A tuple of host ints from the *_cpu argument, else (one synchronization) from
+    the device tensor; each entry in [0, 2**31)."""
     src = cpu if cpu is not None else device_tensor
     shown = name + ("_cpu" if cpu is not None else "")
     if src is None:
@@ -78,8 +80,8 @@ def _host_ints(name, cpu, device_tensor, device):
     if isinstance(src, torch.Tensor):
         if cpu is not None and src.device.type != "cpu":
             raise ValueError(
-                f"{shown} must be on the CPU (a host copy); a {src.device} tensor would need a "
-                f"synchronization: pass it as {name} instead"
+                f"{shown} must be on the CPU (a host copy); a {src.device} tensor "
+                f"would need a synchronization: pass it as {name} instead"
             )
         if cpu is None and src.device != device:
             raise ValueError(
@@ -92,7 +94,8 @@ def _host_ints(name, cpu, device_tensor, device):
             or src.dtype == torch.bool
         ):
             raise ValueError(
-                f"{shown} must be a 1-D integer tensor, got {src.dtype} of shape {tuple(src.shape)}"
+                f"{shown} must be a 1-D integer tensor, got {src.dtype} of shape "
+                f"{tuple(src.shape)}"
             )
         try:
             values = src.tolist()
@@ -100,19 +103,20 @@ def _host_ints(name, cpu, device_tensor, device):
             raise ValueError(
                 f"{shown} cannot be read on the host ({src.device}): {e}"
             ) from None
-    elif type(src).__module__ == "numpy" and hasattr(
-        src, "ndim"
-    ):  # a numpy array, as vLLM's host copies
+    elif type(src).__module__ == "numpy" and hasattr(src, "ndim"):
+        # a numpy array, as vLLM's host copies
         if src.ndim != 1 or src.dtype.kind not in "iu":
             raise ValueError(
-                f"{shown} must be a 1-D integer array, got {src.dtype} of shape {src.shape}"
+                f"{shown} must be a 1-D integer array, got {src.dtype} of shape "
+                f"{src.shape}"
             )
         values = [int(v) for v in src]
     elif isinstance(src, Sequence) and not isinstance(src, (str, bytes)):
         values = [as_int(f"{shown}[{i}]", v) for i, v in enumerate(src)]
     else:
         raise ValueError(
-            f"{shown} must be a tensor, a numpy array or a sequence of ints, got {type(src).__name__}"
+            f"{shown} must be a tensor, a numpy array or a sequence of ints, got "
+            f"{type(src).__name__}"
         )
     for i, v in enumerate(values):
         if not 0 <= v <= INT32_MAX:
@@ -148,15 +152,16 @@ def _validate(
     hk = kv_cache.shape[2]
     if hk == 0 or kv_cache.shape[3] != cfg.slot_bytes or kv_cache.shape[1] == 0:
         raise ValueError(
-            f"kv_cache must have shape (num_blocks, block_size, Hk, {cfg.slot_bytes}) with block_size, "
-            f"Hk >= 1 for preset {preset} at D={d}, got {tuple(kv_cache.shape)}"
+            f"kv_cache must have shape (num_blocks, block_size, Hk, {cfg.slot_bytes}) "
+            f"with block_size, Hk >= 1 for preset {preset} at D={d}, got "
+            f"{tuple(kv_cache.shape)}"
         )
     for name, t in ((key_name, key), (value_name, value)):
         check_tensor(name, t, 3, (query.dtype,), dev)
         if tuple(t.shape) != (n, hk, d):
             raise ValueError(
-                f"{name} must have shape ({n}, {hk}, {d}): the query's tokens and head size, "
-                f"kv_cache's {hk} kv heads; got {tuple(t.shape)}"
+                f"{name} must have shape ({n}, {hk}, {d}): the query's tokens and head "
+                f"size, kv_cache's {hk} kv heads; got {tuple(t.shape)}"
             )
     if hq % hk:
         raise ValueError(
@@ -179,12 +184,14 @@ def _validate(
     ):
         if t is None:
             raise ValueError(
-                f"{name} is required for preset {preset}, whose keys are centroid indices: pass {what}"
+                f"{name} is required for preset {preset}, whose keys are centroid "
+                f"indices: pass {what}"
             )
     check_tensor("centroids", centroids, 1, (torch.float32,), dev)
     if centroids.shape[0] != 2**cfg.key_bits:
         raise ValueError(
-            f"centroids must have {2**cfg.key_bits} entries for preset {preset}, got {centroids.shape[0]}"
+            f"centroids must have {2**cfg.key_bits} entries for preset {preset}, got "
+            f"{centroids.shape[0]}"
         )
     check_tensor(
         "rotation", rotation, 2, (torch.float32, torch.float16, torch.bfloat16), dev
@@ -195,30 +202,30 @@ def _validate(
         )
 
 
-@functools.lru_cache(
-    maxsize=32
-)  # every layer of a step passes the same lengths: checked once
+# every layer of a step passes the same lengths: checked once
+@functools.lru_cache(maxsize=32)
 def _validate_lengths(qsl, seq_lens, n, block_size, max_blocks):
     if qsl[0] != 0 or qsl[-1] != n:
         raise ValueError(
-            f"query_start_loc must start at 0 and end at the number of query tokens ({n}), "
-            f"got {qsl[0]} ... {qsl[-1]}"
+            f"query_start_loc must start at 0 and end at the number of query tokens "
+            f"({n}), got {qsl[0]} ... {qsl[-1]}"
         )
     for r, s in enumerate(seq_lens):
         q_len = qsl[r + 1] - qsl[r]
         if q_len < 0:
             raise ValueError(
-                f"query_start_loc must be non-decreasing, got {qsl[r]} then {qsl[r + 1]} at request {r}"
+                f"query_start_loc must be non-decreasing, got {qsl[r]} then "
+                f"{qsl[r + 1]} at request {r}"
             )
         if s < q_len:
             raise ValueError(
-                f"seq_lens[{r}] ({s}) must be at least the request's query tokens ({q_len}): "
-                f"seq_lens counts cached + new tokens"
+                f"seq_lens[{r}] ({s}) must be at least the request's query tokens "
+                f"({q_len}): seq_lens counts cached + new tokens"
             )
         if q_len and -(-(s - q_len) // block_size) > max_blocks:
             raise ValueError(
-                f"seq_lens[{r}] ({s}) needs more cached blocks than block_table has columns "
-                f"({max_blocks} x block_size {block_size})"
+                f"seq_lens[{r}] ({s}) needs more cached blocks than block_table has "
+                f"columns ({max_blocks} x block_size {block_size})"
             )
 
 
@@ -234,45 +241,17 @@ def _check_block_ids_on_host(block_table, qsl, lens, block_size, num_blocks):
                 c = int(bad[0, 0])
                 raise ValueError(
                     f"block_table[{r}, {c}] = {int(ids[c])} is not a block of kv_cache "
-                    f"(num_blocks {num_blocks}); pass check_block_table=False only if your tables "
-                    f"are trusted"
+                    f"(num_blocks {num_blocks}); pass check_block_table=False only if "
+                    f"your tables are trusted"
                 )
 
 
 def _check_written(name, t):
     if self_overlapping(t):
         raise ValueError(
-            f"{name} must not have elements that share memory (a stride-0 or overlapping layout), "
-            f"got shape {tuple(t.shape)} with strides {t.stride()}"
+            f"{name} must not have elements that share memory (a stride-0 or "
+            f"overlapping layout), got shape {tuple(t.shape)} with strides {t.stride()}"
         )
-
-
-_no_overlap: dict = {}  # layouts already checked: every layer of a step passes the same tensors' places
-
-
-def _check_overlaps(written, read):
-    """A ValueError naming both tensors if a written one shares bytes with another one.
-    Memoized on the tensors' places (address, shape, strides, element size), which fix
-    their byte ranges: 33-52 us of host per call on the H200 machine otherwise (NOTES.md)."""
-    key = tuple(
-        None if t is None else (t.data_ptr(), t.shape, t.stride(), t.element_size())
-        for _, t in written + read
-    )
-    if key in _no_overlap:
-        return
-    spans = [(name, byte_span(t)) for name, t in written + read if t is not None]
-    for i, (name, span) in enumerate(spans[: sum(t is not None for _, t in written)]):
-        if span is None:
-            continue
-        for other, o in spans[i + 1 :]:
-            if o is not None and span[0] < o[1] and o[0] < span[1]:
-                raise ValueError(
-                    f"{name} must not share memory with {other}: the call writes {name} while it "
-                    f"reads {other}"
-                )
-    if len(_no_overlap) >= 256:
-        _no_overlap.clear()
-    _no_overlap[key] = True
 
 
 # ---------------------------------------------------------------------------
@@ -280,7 +259,8 @@ def _check_overlaps(written, read):
 # ---------------------------------------------------------------------------
 
 _NO_ERROR = 2**63 - 1
-_block_errors: dict = {}  # device -> [device int64 (1,), pinned host int64 (1,), event or None]
+# device -> [device int64 (1,), pinned host int64 (1,), event or None]
+_block_errors: dict = {}
 
 
 def _block_error_slot(device):
@@ -302,18 +282,19 @@ def _raise_block_error(slot):
     slot[1][0] = _NO_ERROR
     r, c = code >> 32, code & 0xFFFFFFFF
     raise ValueError(
-        f"block_table[{r}, {c}] read by an earlier call on this device is not a block of its kv_cache "
-        f"(outside [0, num_blocks)): nothing outside kv_cache was read, and that call's output rows for "
-        f"request {r} are NaN. Checked on the device and reported at the next call "
-        f"(tq_chunked.check_block_tables() waits for it)"
+        f"block_table[{r}, {c}] read by an earlier call on this device is not a block "
+        f"of its kv_cache (outside [0, num_blocks)): nothing outside kv_cache was "
+        f"read, and that call's output rows for request {r} are NaN. Checked on the "
+        f"device and reported at the next call (tq_chunked.check_block_tables() waits "
+        f"for it)"
     )
 
 
 def check_block_tables(device=None) -> None:
-    """Wait for the block-id checks of the calls made so far on ``device`` (default: the
-    current CUDA device) and raise the ValueError of the first bad id found, if any.
-    Calls with ``check_block_table=True`` record bad ids on the device and report them at
-    the next call without synchronizing; this synchronizes."""
+    """Wait for the block-id checks of the calls made so far on ``device`` (default:
+    the current CUDA device) and raise the ValueError of the first bad id found, if
+    any. Calls with ``check_block_table=True`` record bad ids on the device and report
+    them at the next call without synchronizing; this synchronizes."""
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if device is None
@@ -361,49 +342,57 @@ def continuation_prefill_varlen(
     check_block_table: bool = True,
     max_workspace_bytes: int | None = None,
 ):
-    """Attention of a batch of prefill chunks, each over its own cached prefix and itself.
+    """Attention of a batch of prefill chunks, each over its cached prefix and itself.
 
-    Requests are packed in vLLM's terms. Request r has ``q_len_r = query_start_loc[r+1]
-    - query_start_loc[r]`` new tokens at positions ``cached_r .. seq_lens[r] - 1``, where
-    ``cached_r = seq_lens[r] - q_len_r`` tokens are already in the cache. A request
-    with nothing cached (a first chunk) or with no new tokens is allowed.
+    Requests are packed in vLLM's terms. Request r has
+    ``q_len_r = query_start_loc[r+1] - query_start_loc[r]`` new tokens at positions
+    ``cached_r .. seq_lens[r] - 1``, where ``cached_r = seq_lens[r] - q_len_r`` tokens
+    are already in the cache. A request with nothing cached (a first chunk) or with no
+    new tokens is allowed.
 
     Args:
         query: (N, Hq, D), fp16 or bf16, any strides: all requests' new tokens.
-        key, value: (N, Hk, D), the query's dtype, any strides: their own K/V.
-        kv_cache: uint8 (num_blocks, block_size, Hk, slot_bytes), any strides with a unit
-            last stride (vLLM 0.20's layout, or 0.33's head-major one seen through
-            ``.transpose(1, 2)``). Each request's tokens [0, cached_r) are read; never written.
+        key: (N, Hk, D), the query's dtype, any strides: their own K.
+        value: (N, Hk, D), the query's dtype, any strides: their own V.
+        kv_cache: uint8 (num_blocks, block_size, Hk, slot_bytes), any strides with a
+            unit last stride (vLLM 0.20's layout, or 0.33's head-major one seen
+            through ``.transpose(1, 2)``). Each request's tokens [0, cached_r) are
+            read; never written.
         block_table: int32 (B, max_blocks), any strides: each request's blocks.
-        query_start_loc: int32 (B + 1,) on the device; read only without ``query_start_loc_cpu``.
-        seq_lens: int32 (B,) on the device (cached + new tokens); read only without ``seq_lens_cpu``.
+        query_start_loc: int32 (B + 1,) on the device; read only without
+            ``query_start_loc_cpu``.
+        seq_lens: int32 (B,) on the device (cached + new tokens); read only without
+            ``seq_lens_cpu``.
         preset: a ``turboquant_*`` name or a ``TQConfig``.
         centroids: float32 (2**key_bits,), the centroids the cache was written with
             (vLLM: ``layer._tq_centroids``); unused, may be None, for fp8-key presets.
-        rotation: (D, D) orthonormal matrix the keys were rotated by (vLLM: ``layer._tq_Pi``);
-            unused for fp8-key presets.
+        rotation: (D, D) orthonormal matrix the keys were rotated by (vLLM:
+            ``layer._tq_Pi``); unused for fp8-key presets.
         scale: softmax scale, finite and positive.
-        query_start_loc_cpu, seq_lens_cpu: host copies of the two (CPU tensors, numpy
-            arrays or int sequences, as vLLM keeps them). Given, the call never
-            synchronizes with the GPU; absent, it reads the device tensors once.
+        query_start_loc_cpu: host copy of ``query_start_loc`` (a CPU tensor, a numpy
+            array or an int sequence, as vLLM keeps it).
+        seq_lens_cpu: host copy of ``seq_lens``, in the same forms. With both host
+            copies given, the call never synchronizes with the GPU; without one, it
+            reads that device tensor once.
         window: key rows per window (at least N + 1 are used); default
             ``default_window(Hk, D, block_size)``.
-        workspace: optional contiguous uint8 buffer of at least ``workspace_bytes(N, Hq,
-            Hk, D, window, query.dtype, max_bytes=max_workspace_bytes)`` bytes on the
-            query's device; allocated per call when None.
-        backend: "auto", "flash", "triton" or "torch" (see attention.py). A named back end
-            that is unavailable raises; it is never silently replaced.
+        workspace: optional contiguous uint8 buffer of at least ``workspace_bytes(N,
+            Hq, Hk, D, window, query.dtype, max_bytes=max_workspace_bytes)`` bytes on
+            the query's device; allocated per call when None.
+        backend: "auto", "flash", "triton" or "torch" (see attention.py). A named
+            back end that is unavailable raises; it is never silently replaced.
         return_lse: also return the (Hq, N) float32 log-sum-exp (natural log).
-        out: optional (N, Hq, D) tensor of the query's dtype, unit stride over D, to write into.
-        lse: optional (Hq, N) float32 tensor, unit stride over N, to write the log-sum-exp
-            into (returned with ``return_lse``).
-        check_block_table: record block ids outside [0, num_blocks) among those read, and
-            raise a ValueError naming the first one at the next call on the device (or at
-            ``check_block_tables()``), without synchronizing (on a CPU: before anything
-            runs). Checked or not, such an id is never read: its request's rows come out
-            NaN.
-        max_workspace_bytes: the budget that sets how many kv heads a long request runs
-            at once (``workspace.kv_head_group``); default 128 MiB.
+        out: optional (N, Hq, D) tensor of the query's dtype, unit stride over D, to
+            write into.
+        lse: optional (Hq, N) float32 tensor, unit stride over N, to write the
+            log-sum-exp into (returned with ``return_lse``).
+        check_block_table: record block ids outside [0, num_blocks) among those read,
+            and raise a ValueError naming the first one at the next call on the device
+            (or at ``check_block_tables()``), without synchronizing (on a CPU: before
+            anything runs). Checked or not, such an id is never read: its request's
+            rows come out NaN.
+        max_workspace_bytes: the budget that sets how many kv heads a long request
+            runs at once (``workspace.kv_head_group``); default 128 MiB.
 
     Returns:
         (N, Hq, D) in the query's dtype; with return_lse, (out, lse).
@@ -420,12 +409,13 @@ def continuation_prefill_varlen(
     lens = _host_ints("seq_lens", seq_lens_cpu, seq_lens, query.device)
     if len(lens) != b:
         raise ValueError(
-            f"seq_lens must have one entry per request (len(query_start_loc) - 1 = {b}), got {len(lens)}"
+            f"seq_lens must have one entry per request (len(query_start_loc) - 1 = "
+            f"{b}), got {len(lens)}"
         )
     if block_table.shape[0] != b:
         raise ValueError(
-            f"block_table must have one row per request ({b}, as query_start_loc and seq_lens), "
-            f"got {block_table.shape[0]}"
+            f"block_table must have one row per request ({b}, as query_start_loc and "
+            f"seq_lens), got {block_table.shape[0]}"
         )
     if query_start_loc_cpu is not None:
         _check_device_lengths("query_start_loc", query_start_loc, b + 1, query.device)
@@ -476,8 +466,9 @@ def continuation_prefill(
     check_block_table: bool = True,
     max_workspace_bytes: int | None = None,
 ):
-    """One request's chunk over its cached prefix and itself: ``continuation_prefill_varlen``
-    with a batch of one (same engine, same arguments but these):
+    """One request's chunk over its cached prefix and itself:
+    ``continuation_prefill_varlen`` with a batch of one (same engine, same arguments
+    but these):
 
         query: (q_len, Hq, D); key_chunk, val_chunk: (q_len, Hk, D): the chunk.
         block_table: int32 (max_blocks,) or (1, max_blocks): the request's blocks.
@@ -546,7 +537,8 @@ def _run(
     n, hq, d = query.shape
     if not isinstance(preset, (str, TQConfig)):
         raise ValueError(
-            f"preset must be a turboquant_* name or a TQConfig, got {type(preset).__name__}"
+            f"preset must be a turboquant_* name or a TQConfig, got "
+            f"{type(preset).__name__}"
         )
     cfg = resolve_config(preset, d)
     shown = preset if isinstance(preset, str) else "the given TQConfig"
@@ -565,7 +557,8 @@ def _run(
         max_workspace_bytes = as_int("max_workspace_bytes", max_workspace_bytes, 1)
     if not isinstance(backend, str):
         raise ValueError(
-            f"backend must be one of 'auto', 'flash', 'triton', 'torch', got {backend!r}"
+            f"backend must be one of 'auto', 'flash', 'triton', 'torch', got "
+            f"{backend!r}"
         )
     backend = resolve_backend(backend, query.device, d)
     if not isinstance(check_block_table, bool):
@@ -576,14 +569,16 @@ def _run(
         check_tensor("out", out, 3, (query.dtype,), query.device, unit_last=True)
         if out.shape != query.shape:
             raise ValueError(
-                f"out must have the query's shape {tuple(query.shape)}, got {tuple(out.shape)}"
+                f"out must have the query's shape {tuple(query.shape)}, got "
+                f"{tuple(out.shape)}"
             )
         _check_written("out", out)
     if lse is not None:
         check_tensor("lse", lse, 2, (torch.float32,), query.device, unit_last=True)
         if tuple(lse.shape) != (hq, n):
             raise ValueError(
-                f"lse must have shape ({hq}, {n}) (heads, tokens), got {tuple(lse.shape)}"
+                f"lse must have shape ({hq}, {n}) (heads, tokens), got "
+                f"{tuple(lse.shape)}"
             )
         _check_written("lse", lse)
     elif return_lse:
@@ -596,7 +591,7 @@ def _run(
         if not workspace.is_contiguous():
             raise ValueError("workspace must be contiguous")
         budget = min(budget, workspace.numel())
-    _check_overlaps(
+    check_overlaps(
         [("out", out), ("lse", lse), ("workspace", workspace)],
         [
             ("query", query),
@@ -613,8 +608,8 @@ def _run(
         return (out, lse) if return_lse else out
     if query.is_cuda and torch.cuda.is_current_stream_capturing():
         raise ValueError(
-            "continuation_prefill_varlen cannot run inside CUDA graph capture: it plans its windows "
-            "on the host from the lengths of each batch"
+            "continuation_prefill_varlen cannot run inside CUDA graph capture: it "
+            "plans its windows on the host from the lengths of each batch"
         )
     err = None
     if check_block_table:
@@ -627,15 +622,14 @@ def _run(
     steps, groups, cap, need = schedule(
         qsl, lens, window, hq, hk, d, query.dtype, budget, query.device, stream
     )
-    reuse = (
-        workspace is not None
-    )  # the caller's: its views can be kept for the next call
+    # the caller's: its views can be kept for the next call
+    reuse = workspace is not None
     if need and workspace is None:
         workspace = torch.empty(need, dtype=torch.uint8, device=query.device)
     elif need and workspace.numel() < need:
         raise ValueError(
-            f"workspace must hold at least workspace_bytes(...) = {need} bytes for this call, "
-            f"got {workspace.numel()}"
+            f"workspace must hold at least workspace_bytes(...) = {need} bytes for "
+            f"this call, got {workspace.numel()}"
         )
     run = _Call(
         query,
@@ -660,9 +654,8 @@ def _run(
             run.long_request(step, hk_g)
         else:
             run.batch_window(step)
-    if (
-        err is not None
-    ):  # the bad-id record, copied back for the next call to read (no sync)
+    if err is not None:
+        # the bad-id record, copied back for the next call to read (no sync)
         err[1].copy_(err[0], non_blocking=True)
         if err[2] is None:
             err[2] = torch.cuda.Event()
@@ -718,20 +711,10 @@ class _Call:
         cap,
         err,
     ):
-        self.query, self.key, self.value, self.kv_cache, self.block_table = (
-            query,
-            key,
-            value,
-            kv_cache,
-            block_table,
-        )
-        self.out, self.lse, self.cfg, self.scale, self.backend = (
-            out,
-            lse,
-            cfg,
-            scale,
-            backend,
-        )
+        self.query, self.key, self.value = query, key, value
+        self.kv_cache, self.block_table = kv_cache, block_table
+        self.out, self.lse, self.cfg = out, lse, cfg
+        self.scale, self.backend = scale, backend
         self.centroids, self.rotation = centroids, None if cfg.key_fp8 else rotation
         self.workspace, self.reuse, self.cap, self.err = workspace, reuse, cap, err
 
@@ -776,8 +759,9 @@ class _Call:
             self.lse[:, rows].copy_(lse)
 
     def long_request(self, step, hk_g):
-        """A request longer than a window, hk_g kv heads at a time: part windows merged into
-        a float32 state, then the last window (its new tokens too), merged into out."""
+        """A request longer than a window, hk_g kv heads at a time: part windows merged
+        into a float32 state, then the last window (its new tokens too), merged into
+        out."""
         n, hq, d = self.query.shape
         hk = self.key.shape[1]
         g = hq // hk

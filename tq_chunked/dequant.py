@@ -1,21 +1,24 @@
-"""Window fill: the key/value rows one attention call reads, written into the workspace.
+"""Window fill: the key/value rows one attention call reads, written into the
+workspace.
 
 A window holds segments, one per request (plan.py): a segment's first rows are cached
-tokens, dequantized from the paged TurboQuant cache, and its last rows, if any, are the
-chunk's own new tokens, copied from ``key``/``value``. Row ``t`` of the window belongs to
-segment ``s`` with ``seg_start[s] <= t < seg_start[s + 1]`` (found by binary search).
-One launch fills every segment of a window, ``cdiv(rows, BLOCK_T)`` programs per kv head,
-element by element; a gap between segments (plan.GAP) is written as zeros.
+tokens, dequantized from the paged TurboQuant cache, and its last rows, if any, are
+the chunk's own new tokens, copied from ``key``/``value``. Row ``t`` of the window
+belongs to segment ``s`` with ``seg_start[s] <= t < seg_start[s + 1]`` (found by
+binary search). One launch fills every segment of a window, ``cdiv(rows, BLOCK_T)``
+programs per kv head, element by element; a gap between segments (plan.GAP) is
+written as zeros.
 
-MSE keys are cached in the rotated space ``k_rot = k @ rotation^T``. With ``unrotate`` a
-second launch turns each cached key back in place, ``k = fp16(k_rot) @ rotation``, on the
-tensor cores: the rotation is split into an fp16 part and an fp16 remainder scaled by
-2^12, so every product is exact and sums in float32 (22 significant bits of the rotation,
-against the one fp16 rounding that follows), as vLLM's own path computes it
-(``k_rot.float() @ Pi``, then ``.half()``). The query and the chunk's keys then stay as
-they are: one attention call over [cached | new] keys is exactly the full-buffer
-computation. Values, and keys of fp8 presets, are not rotated. (The un-rotation fused
-into the first kernel ran 15-20% slower on the H200 machine: benchmarks/NOTES.md §12.)
+MSE keys are cached in the rotated space ``k_rot = k @ rotation^T``. With ``unrotate``
+a second launch turns each cached key back in place, ``k = fp16(k_rot) @ rotation``,
+on the tensor cores: the rotation is split into an fp16 part and an fp16 remainder
+scaled by 2^12, so every product is exact and sums in float32 (22 significant bits of
+the rotation, against the one fp16 rounding that follows), as vLLM's own path
+computes it (``k_rot.float() @ Pi``, then ``.half()``). The query and the chunk's
+keys then stay as they are: one attention call over [cached | new] keys is exactly the
+full-buffer computation. Values, and keys of fp8 presets, are not rotated. (The
+un-rotation fused into the first kernel ran 15-20% slower on the H200 machine:
+benchmarks/NOTES.md §12.)
 
 Rounding: a cached element is rounded to fp16 (as vLLM's dequant writes it), then to
 the window dtype (bf16 windows: a second rounding, as vLLM's ``.to(query.dtype)``).
@@ -43,13 +46,15 @@ from ._utils import (
 )
 from .format import TQConfig, dequantize_reference
 
-SEG_FIELDS = 5  # per segment, in plan.Window.segs: start (cumulative), request, first cached position,
-# cached rows, first chunk row in key/value (GAP_ROW: a gap of zero rows, plan.GAP)
+# Per segment, in plan.Window.segs: start (cumulative), request, first cached position,
+# cached rows, first chunk row in key/value (GAP_ROW: a gap of zero rows, plan.GAP).
+SEG_FIELDS = 5
 GAP_ROW = -(1 << 30)
 
 
 def fp8_e4b15_for(device: torch.device) -> bool:
-    """VLLM writes fp8 keys as e4b15 on GPUs below SM 8.9, e4m3 elsewhere."""
+    """Whether vLLM writes fp8 keys as e4b15 here: on GPUs below SM 8.9 (e4m3
+    elsewhere)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
 
 
@@ -79,15 +84,15 @@ def _indices_at(ptr, d, mask, BITS: tl.constexpr):
     """Indices d (a tensor of positions) of a little-endian BITS-wide stream at ptr."""
     bit = d * BITS
     lo = tl.load(ptr + bit // 8, mask=mask, other=0).to(tl.int32)
-    hi = tl.load(ptr + bit // 8 + 1, mask=mask, other=0).to(
-        tl.int32
-    )  # inside the slot: a norm/scale follows
+    # inside the slot: a norm/scale follows
+    hi = tl.load(ptr + bit // 8 + 1, mask=mask, other=0).to(tl.int32)
     return ((lo | (hi << 8)) >> (bit % 8)) & ((1 << BITS) - 1)
 
 
 @triton.jit
 def _to_window(x, OUT_BF16: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """A float32 cached element -> the window dtype: fp16, then bf16 for bf16 windows."""
+    """A float32 cached element -> the window dtype: fp16, then bf16 for bf16
+    windows."""
     x = x.to(tl.float16)
     if OUT_BF16:
         x = round_bf16(x.to(tl.float32), ROUND_BF16).to(tl.bfloat16)
@@ -151,9 +156,8 @@ def _fill_kernel(
     t_mask = t < n_rows
     tt = tl.where(t_mask, t, 0)
     seg = _segment_of(seg_ptr, tt, nseg, steps)
-    fields = (
-        seg_ptr + nseg + 1 + seg
-    )  # the per-segment arrays follow the nseg + 1 starts
+    # the per-segment arrays follow the nseg + 1 starts
+    fields = seg_ptr + nseg + 1 + seg
     off = tt - tl.load(seg_ptr + seg)
     cached = tl.load(fields + 2 * nseg)
     in_cache = t_mask & (off < cached)
@@ -183,9 +187,8 @@ def _fill_kernel(
     out_mask = t_mask[:, None] & (d < D)
     nan = float("nan")
     if HAS_CHUNK:
-        crow = (tl.load(fields + 3 * nseg) + off - cached).to(
-            tl.int64
-        )  # row of key/value; < 0 in a gap
+        # row of key/value; < 0 in a gap
+        crow = (tl.load(fields + 3 * nseg) + off - cached).to(tl.int64)
         chunk = t_mask & (off >= cached)
         cmask = (chunk & (crow >= 0))[:, None] & (d < D)
         crow = crow[:, None]
@@ -199,9 +202,8 @@ def _fill_kernel(
             k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
         idx = _indices_at(cache_ptr + slot, d, mask, KEY_BITS)
-        c = tl.load(
-            centroids_ptr + idx * s_centroid, mask=mask, other=0.0
-        )  # (BLOCK_T, BLOCK_D) float32
+        # (BLOCK_T, BLOCK_D) float32
+        c = tl.load(centroids_ptr + idx * s_centroid, mask=mask, other=0.0)
         if NORM_CORRECTION:
             c64 = c.to(tl.float64)
             sumsq = tl.sum(c64 * c64, axis=1).to(tl.float32)
@@ -237,7 +239,7 @@ def _fill_kernel(
     tl.store(v_out_ptr + row * s_v_tok + head * s_v_head + d, vw, mask=out_mask)
 
 
-_fill = Launcher(_fill_kernel)
+launch_fill = Launcher(_fill_kernel)
 
 
 @triton.jit(do_not_specialize=["n_rows", "nseg", "steps", "head0"])
@@ -267,9 +269,9 @@ def _unrotate_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """The second pass of a two-pass fill: the window's cached keys, written by the first
-    pass as fp16 in the rotated space, turned back in place (``k16_ptr`` and ``k_out_ptr``
-    are the same bytes); the chunk's new keys copied from key."""
+    """The second pass of a two-pass fill: the window's cached keys, written by the
+    first pass as fp16 in the rotated space, turned back in place (``k16_ptr`` and
+    ``k_out_ptr`` are the same bytes); the chunk's new keys copied from key."""
     head = tl.program_id(1).to(tl.int64)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = t < n_rows
@@ -290,9 +292,8 @@ def _unrotate_kernel(
         a = a.to(tl.float32)
     if HAS_CHUNK:
         chunk = t_mask & (off >= cached)
-        crow = (tl.load(fields + 3 * nseg) + off - cached).to(tl.int64)[
-            :, None
-        ]  # < 0 in a gap
+        crow = (tl.load(fields + 3 * nseg) + off - cached).to(tl.int64)
+        crow = crow[:, None]  # < 0 in a gap
     dr = tl.arange(0, BLOCK_D)[:, None]
     for n0 in tl.static_range(0, BLOCK_D, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)[None, :]
@@ -321,10 +322,11 @@ def _unrotate_kernel(
         )
 
 
-_unrotate = Launcher(_unrotate_kernel)
+launch_unrotate = Launcher(_unrotate_kernel)
 
-# The un-rotation's launch configuration, (rows per program, output columns per dot, warps),
-# by padded head size. Not tuned yet: benchmarks/fill_configs.py sweeps them (NOTES.md §12).
+# The un-rotation's launch configuration, (rows per program, output columns per dot,
+# warps), by padded head size. Not tuned yet: benchmarks/fill_configs.py sweeps them
+# (NOTES.md §12).
 UNROTATE = {
     16: (64, 16, 4),
     32: (64, 32, 4),
@@ -353,16 +355,16 @@ def fill_window(
     """Write the rows of ``window`` (a ``plan.Window``), kv heads [head0, head0 +
     k_out.shape[1]), into k_out and v_out.
 
-    kv_cache: uint8 (num_blocks, block_size, Hk, slot_bytes), unit stride over slot bytes.
-    block_table: int32 (B, max_blocks), any strides. centroids: float32 (2**key_bits,),
-    any stride (unused for fp8 keys). rotation: (D, D), any float dtype and strides
-    (unused for fp8 keys, or without ``unrotate``). key, value: (N, Hk, D) fp16/bf16, any
-    strides: the chunk's own tokens (read for the window's new rows).
+    kv_cache: uint8 (num_blocks, block_size, Hk, slot_bytes), unit stride over slot
+    bytes. block_table: int32 (B, max_blocks), any strides. centroids: float32
+    (2**key_bits,), any stride (unused for fp8 keys). rotation: (D, D), any float dtype
+    and strides (unused for fp8 keys, or without ``unrotate``). key, value: (N, Hk, D)
+    fp16/bf16, any strides: the chunk's own tokens (read for the window's new rows).
     k_out, v_out: fp16 or bf16 (>= window.rows, Hk_group, D), unit stride over D.
     err: int64 (1,) on the device, or None: lowered to ``request << 32 | column`` of a
     bad block id read. unrotate: False writes MSE keys in the rotated space.
-    config: the un-rotation's launch configuration (rows, columns, warps); default: UNROTATE.
-    Arguments are trusted: ``continuation_prefill_varlen`` validates them.
+    config: the un-rotation's launch configuration (rows, columns, warps); default:
+    UNROTATE. Arguments are trusted: ``continuation_prefill_varlen`` validates them.
     """
     if window.rows <= 0:
         return
@@ -385,18 +387,15 @@ def fill_window(
         )
         return
     block_d = triton.next_power_of_2(cfg.head_dim)
-    # Element-wise: one warp, 4096 elements per program (4-bit keys: 1024), measured (NOTES.md).
-    block_t = (
-        16
-        if interpreting()
-        else max(1, (1024 if cfg.key_bits == 4 else 4096) // block_d)
-    )
+    # Element-wise: one warp, 4096 elements per program (4-bit keys: 1024), measured
+    # (NOTES.md).
+    elements = 1024 if cfg.key_bits == 4 else 4096
+    block_t = 16 if interpreting() else max(1, elements // block_d)
     centroids = centroids if centroids is not None else kv_cache  # fp8 keys: not read
     k_bf16 = k_out.dtype == torch.bfloat16
-    k_first = (
-        k_out.view(torch.float16) if rotate else k_out
-    )  # rotated fp16 keys, where the second pass reads them
-    _fill(
+    # rotated fp16 keys, where the second pass reads them
+    k_first = k_out.view(torch.float16) if rotate else k_out
+    launch_fill(
         (triton.cdiv(window.rows, block_t), k_out.shape[1]),
         kv_cache,
         block_table,
@@ -452,7 +451,7 @@ def fill_window(
         block_t, block_n, warps = config if config is not None else UNROTATE[block_d]
         if interpreting():
             block_t = 16
-        _unrotate(
+        launch_unrotate(
             (triton.cdiv(window.rows, block_t), k_out.shape[1]),
             k_first,
             k_out,
@@ -502,7 +501,7 @@ def _fill_torch(
     for s in range(window.nseg):
         start, req, pos0, cached, qrow = window.segment(s)
         if cached:
-            k, v = dequantize_reference(
+            k, v = dequantize_reference(  # (Hk, n, D) float32
                 kv_cache[:, :, heads],
                 block_table[req],
                 pos0,
@@ -510,7 +509,7 @@ def _fill_torch(
                 cfg,
                 centroids,
                 fp8_e4b15,
-            )  # (Hk, n, D) float32
+            )
             k = k.transpose(0, 1).half()
             if rotation is not None:
                 k = (k.float() @ rotation.float()).half()

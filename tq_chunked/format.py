@@ -29,7 +29,8 @@ import torch
 
 # Head sizes vLLM's TurboQuant serves: its store kernel packs values in groups of 8
 # dimensions, FlashAttention takes up to 256, and MSE keys need a Sylvester Hadamard
-# rotation, which exists at powers of two only (fp8 keys are not rotated: 80, 96, 112, ...).
+# rotation, which exists at powers of two only (fp8 keys are not rotated: 80, 96,
+# 112, ...).
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 PRESETS: dict[str, tuple[int, int, bool]] = {
@@ -57,12 +58,13 @@ class TQConfig:
             raise ValueError(f"value_bits must be 3 or 4, got {self.value_bits}")
         if not (MIN_HEAD_DIM <= self.head_dim <= MAX_HEAD_DIM) or self.head_dim % 8:
             raise ValueError(
-                f"head_dim must be a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {self.head_dim}"
+                f"head_dim must be a multiple of 8 in "
+                f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {self.head_dim}"
             )
         if not self.key_fp8 and self.head_dim & (self.head_dim - 1):
             raise ValueError(
-                f"head_dim must be a power of two for MSE keys (vLLM's Hadamard rotation), "
-                f"got {self.head_dim}"
+                f"head_dim must be a power of two for MSE keys (vLLM's Hadamard "
+                f"rotation), got {self.head_dim}"
             )
 
     @classmethod
@@ -128,7 +130,8 @@ def _preset_config(preset: str, head_dim: int) -> TQConfig:
 
 @functools.cache
 def hadamard(d: int) -> torch.Tensor:
-    """(d, d) float32 normalized Sylvester Hadamard matrix: orthonormal and symmetric."""
+    """(d, d) float32 normalized Sylvester Hadamard matrix: orthonormal and
+    symmetric."""
     if d <= 0 or d & (d - 1):
         raise ValueError(f"d must be a power of two, got {d}")
     h = torch.ones(1, 1, dtype=torch.float64)
@@ -167,13 +170,13 @@ def lloyd_max_centroids(d: int, bits: int, iters: int = 500) -> torch.Tensor:
 
 
 def pack_bits(idx: torch.Tensor, bits: int) -> torch.Tensor:
-    """(..., D) integer indices < 2**bits -> (..., ceil(D*bits/8)) uint8, little-endian stream."""
+    """(..., D) integer indices < 2**bits -> (..., ceil(D*bits/8)) uint8,
+    little-endian stream."""
     d = idx.shape[-1]
     nbytes = math.ceil(d * bits / 8)
     weights = 2 ** torch.arange(bits, device=idx.device)  # (bits,)
-    stream = ((idx.long().unsqueeze(-1) // weights) % 2).flatten(
-        -2
-    )  # (..., D*bits), bit 0 first
+    # (..., D*bits), bit 0 first
+    stream = ((idx.long().unsqueeze(-1) // weights) % 2).flatten(-2)
     stream = torch.nn.functional.pad(stream, (0, nbytes * 8 - d * bits))
     byte_weights = 2 ** torch.arange(8, device=idx.device)
     return (stream.unflatten(-1, (nbytes, 8)) * byte_weights).sum(-1).to(torch.uint8)
@@ -235,9 +238,8 @@ def encode_reference(
         rotation = hadamard(d).to(key.device) if rotation is None else rotation
         k = key.float().reshape(-1, d)
         norms = k.norm(dim=1, keepdim=True)
-        y = (
-            k / (norms + 1e-8)
-        ) @ rotation.float().T.contiguous()  # rotated unit keys (as vLLM: x @ PiT)
+        # rotated unit keys (as vLLM: x @ PiT)
+        y = (k / (norms + 1e-8)) @ rotation.float().T.contiguous()
         c = centroids.float().sort().values.to(key.device)
         midpoints = (c[:-1] + c[1:]) / 2
         idx = torch.bucketize(y, midpoints, right=True)  # count of midpoints <= y
@@ -265,11 +267,12 @@ def encode_reference(
 def gather_slots(
     kv_cache: torch.Tensor, block_table: torch.Tensor, start: int, length: int
 ):
-    """Raw slots of tokens [start, start + length): (length, Hk, slot_bytes) uint8, and
-    which positions have a block (length,) bool.
+    """Raw slots of tokens [start, start + length): (length, Hk, slot_bytes) uint8,
+    and which positions have a block (length,) bool.
 
-    A position whose block id is outside [0, num_blocks), or whose block-table column is
-    past the table, reads as zero bytes and has no block: nothing outside the cache is read."""
+    A position whose block id is outside [0, num_blocks), or whose block-table column
+    is past the table, reads as zero bytes and has no block: nothing outside the cache
+    is read."""
     block_size, num_blocks = kv_cache.shape[1], kv_cache.shape[0]
     table = block_table.reshape(-1).long()
     col = torch.arange(start, start + length, device=kv_cache.device) // block_size
@@ -281,11 +284,8 @@ def gather_slots(
         blocks.clamp(0, num_blocks - 1),
         torch.arange(start, start + length, device=kv_cache.device) % block_size,
     ]
-    return torch.where(
-        ok[:, None, None],
-        slots,
-        torch.zeros((), dtype=slots.dtype, device=slots.device),
-    ), ok
+    zero = torch.zeros((), dtype=slots.dtype, device=slots.device)
+    return torch.where(ok[:, None, None], slots, zero), ok
 
 
 def dequantize_reference(
@@ -297,11 +297,12 @@ def dequantize_reference(
     centroids: torch.Tensor,
     fp8_e4b15: bool = False,
 ):
-    """Decode tokens [start, start + length) to float32 K and V of shape (Hk, length, D).
+    """Decode tokens [start, start + length) to float32 K and V, (Hk, length, D).
 
     MSE keys stay in the rotated space. Every operation is exactly rounded, in the
-    order the Triton kernel uses, so ``.half()`` of the result is bit-identical to it. A
-    token without a block (an id outside [0, num_blocks)) decodes to NaN, as in the kernel.
+    order the Triton kernel uses, so ``.half()`` of the result is bit-identical to it.
+    A token without a block (an id outside [0, num_blocks)) decodes to NaN, as in the
+    kernel.
     """
     d = cfg.head_dim
     slots, ok = gather_slots(kv_cache, block_table, start, length)
@@ -318,15 +319,14 @@ def dequantize_reference(
         c = centroids.float().to(kv_cache.device)[
             unpack_bits(kb[..., : cfg.key_index_bytes], cfg.key_bits, d)
         ]
-        norm = _bytes_fp16(
-            kb[..., cfg.key_index_bytes : cfg.key_bytes].unsqueeze(-2)
-        )  # (Hk, n, 1)
+        # (Hk, n, 1)
+        norm = _bytes_fp16(kb[..., cfg.key_index_bytes : cfg.key_bytes].unsqueeze(-2))
         if cfg.norm_correction:
             sumsq = (c.double() * c.double()).sum(-1, keepdim=True).float()
-            # The kernel's sqrt_rn is the correctly rounded float32 square root. torch's
-            # float32 sqrt on a CPU is not (one ulp off for 14% of inputs in [0.5, 2)); a
-            # float64 square root rounded to float32 is, since 53 >= 2 * 24 + 2 bits make
-            # the double rounding innocuous.
+            # The kernel's sqrt_rn is the correctly rounded float32 square root.
+            # torch's float32 sqrt on a CPU is not (one ulp off for 14% of inputs in
+            # [0.5, 2)); a float64 square root rounded to float32 is, since
+            # 53 >= 2 * 24 + 2 bits make the double rounding innocuous.
             root = torch.sqrt((sumsq + 1e-16).double()).float()
             c = c * (1.0 / root)
         k = norm * c

@@ -36,7 +36,8 @@ from ._utils import Launcher, interpreter_rounds_bf16, round_bf16, use_triton
 
 @triton.jit
 def _term(w, o):
-    """W * o, where a zero weight still carries o's inf and NaN elements."""
+    """The product w * o, where a zero weight still carries o's inf and NaN
+    elements."""
     finite = (o == o) & (tl.abs(o) < float("inf"))
     return tl.where(w == 0.0, tl.where(finite, 0.0, o), w * o)
 
@@ -72,9 +73,8 @@ def _merge_kernel(
     r64 = r.to(tl.int64)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     dm = mask[:, None] & (d < D)
-    o_s = tl.load(s_ptr + r64 * s_s_tok + head * s_s_head + d, mask=dm, other=0.0).to(
-        tl.float32
-    )
+    o_s = tl.load(s_ptr + r64 * s_s_tok + head * s_s_head + d, mask=dm, other=0.0)
+    o_s = o_s.to(tl.float32)
     l_s = tl.load(ls_ptr + head * s_ls_head + r, mask=mask, other=float("-inf"))
     s_nan_row = tl.max(tl.where(o_s != o_s, 1, 0), axis=1) > 0
     s_inf = (l_s == float("inf")) | (l_s == float("-inf"))
@@ -108,7 +108,7 @@ def _merge_kernel(
         )
 
 
-_merge = Launcher(_merge_kernel)
+launch_merge = Launcher(_merge_kernel)
 
 
 def merge_attn_states(
@@ -121,16 +121,18 @@ def merge_attn_states(
     *,
     impl: str | None = None,
 ) -> None:
-    """output, output_lse <- the merge of (prefix_output, prefix_lse) and (suffix_output,
-    suffix_lse), row by row (see the module docstring for non-finite and empty sides).
+    """output, output_lse <- the merge of (prefix_output, prefix_lse) and
+    (suffix_output, suffix_lse), row by row (see the module docstring for non-finite
+    and empty sides).
 
-    output, prefix_output, suffix_output: (N, H, D), token-major, unit stride over D, any
-    float dtypes (the merge runs in float32). prefix_lse, suffix_lse, output_lse: (H, N)
-    float32, unit stride over N. prefix_output/prefix_lse None: no prefix (the suffix is
-    copied, converted, with its lse). output may alias prefix_output, or share memory
-    with suffix_output in another dtype of the same size (each element is read before it
-    is written); output_lse may alias prefix_lse; output_lse None: not written.
-    impl: "triton" or "torch"; default: Triton where it runs (see ``_utils.use_triton``).
+    output, prefix_output, suffix_output: (N, H, D), token-major, unit stride over D,
+    any float dtypes (the merge runs in float32). prefix_lse, suffix_lse, output_lse:
+    (H, N) float32, unit stride over N. prefix_output/prefix_lse None: no prefix (the
+    suffix is copied, converted, with its lse). output may alias prefix_output, or
+    share memory with suffix_output in another dtype of the same size (each element is
+    read before it is written); output_lse may alias prefix_lse; output_lse None: not
+    written. impl: "triton" or "torch"; default: Triton where it runs (see
+    ``_utils.use_triton``).
     """
     if impl is None:
         impl = "triton" if use_triton(output) else "torch"
@@ -138,7 +140,8 @@ def merge_attn_states(
         raise ValueError(f"impl must be 'triton' or 'torch', got {impl!r}")
     if (prefix_output is None) != (prefix_lse is None):
         raise ValueError(
-            "prefix_output and prefix_lse must be given together (or both None: no prefix)"
+            "prefix_output and prefix_lse must be given together (or both None: no "
+            "prefix)"
         )
     rows, h, d = suffix_output.shape
     if rows == 0:
@@ -150,12 +153,11 @@ def merge_attn_states(
         return
     block_d = triton.next_power_of_2(d)
     block_l = 16 if block_d <= 128 else 8
-    p = (
-        prefix_output if prefix_output is not None else suffix_output
-    )  # not read without a prefix
+    # not read without a prefix
+    p = prefix_output if prefix_output is not None else suffix_output
     lp = prefix_lse if prefix_lse is not None else suffix_lse
     lo = output_lse if output_lse is not None else suffix_lse  # not written without
-    _merge(
+    launch_merge(
         (triton.cdiv(rows, block_l), h),
         output,
         p,

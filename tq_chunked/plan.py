@@ -12,14 +12,15 @@ dequantized, new tokens copied after them.
   window**: consecutive such requests share windows (``GAP`` zero rows apart), and each
   batch window is one causal attention call whose answer is final (no log-sum-exp, no
   merge). First chunks are copied in like any other request.
-* A **long request** (``L_r > capacity``) runs alone: its first cached tokens in **part
-  windows** (one attention call each, not causal, every query sees every key), then a
-  **last window** with the rest of its cached tokens and all its new ones (causal); the
-  partial results are merged exactly (merge.py). ``capacity > N`` (the batch's query
-  tokens) so that the new tokens and at least one cached token always fit the last window.
+* A **long request** (``L_r > capacity``) runs alone: its first cached tokens in
+  **part windows** (one attention call each, not causal, every query sees every key),
+  then a **last window** with the rest of its cached tokens and all its new ones
+  (causal); the partial results are merged exactly (merge.py). ``capacity > N`` (the
+  batch's query tokens) so that the new tokens and at least one cached token always
+  fit the last window.
 
-    requests   | A: 900 + 40 | B: 300 + 20 | C: 30000 cached + 600 new          | D: 0 + 64 |
-    windows    [ batch: A, B ][ part: C     ][ part: C    ][ last: C ...+ new ][ batch: D ]
+    requests   A: 900 + 40 | B: 300 + 20 | C: 30000 cached + 600 new | D: 0 + 64
+    windows    [ batch: A, B ][ part: C ][ part: C ][ last: C ...+ new ][ batch: D ]
 
 A plan depends only on host integers (the lengths and the capacity), so one plan serves
 every layer of a forward step; ``plan`` memoizes the last few. Its device integers are
@@ -59,16 +60,15 @@ class Window(Call):
     rows: int  # key rows filled
     nseg: int
     steps: int  # binary-search iterations over nseg segments
-    segs: (
-        torch.Tensor
-    )  # int32 device: nseg + 1 starts, then SEG_FIELDS - 1 arrays of nseg (dequant.py)
+    # int32 device: nseg + 1 starts, then SEG_FIELDS - 1 arrays of nseg (dequant.py)
+    segs: torch.Tensor
     segs_host: tuple[int, ...]
     has_chunk: bool  # some rows are the chunk's new tokens
     requests: tuple[int, ...]  # the requests whose queries it answers, in order
 
     def segment(self, s):
-        """(start row, request, first cached position, cached rows, first new row in key/value;
-        GAP_ROW for a gap)."""
+        """(start row, request, first cached position, cached rows, first new row in
+        key/value; GAP_ROW for a gap)."""
         n = self.nseg
         h = self.segs_host
         return h[s], h[n + 1 + s], h[2 * n + 1 + s], h[3 * n + 1 + s], h[4 * n + 1 + s]
@@ -100,10 +100,11 @@ def plan(
     device: torch.device,
     stream=None,
 ) -> Plan:
-    """The windows for these lengths (host ints, already validated), ``capacity`` key rows
-    each (> the batch's query tokens). Memoized per CUDA stream: a forward step's layers
-    share one plan and its device tensors (read-only), uploaded on that stream and read
-    only there, so no other stream can still be reading them when the cache lets a plan go."""
+    """The windows for these lengths (host ints, already validated), ``capacity`` key
+    rows each (> the batch's query tokens). Memoized per CUDA stream: a forward step's
+    layers share one plan and its device tensors (read-only), uploaded on that stream
+    and read only there, so no other stream can still be reading them when the cache
+    lets a plan go."""
     return _plan(tuple(query_start), tuple(seq_lens), capacity, device, stream)
 
 
@@ -116,7 +117,9 @@ def _plan(qsl, seq_lens, capacity, device, stream):
             "capacity must exceed the query tokens (workspace.capacity)"
         )
     packed: list[int] = []  # every device int32 array of the plan, uploaded in one copy
-    windows = []  # (kind, segments [(req, pos0, cached, qrow, new rows, query rows)], causal) before upload
+    # (kind, segments [(req, pos0, cached, qrow, new rows, query rows)], causal) before
+    # upload
+    windows = []
 
     def window(kind, segs, causal):
         windows.append((kind, segs, causal))
@@ -127,9 +130,8 @@ def _plan(qsl, seq_lens, capacity, device, stream):
     def flush():
         nonlocal batch, batch_rows
         if batch:
-            steps.append(
-                window("batch", batch[:-1], True)
-            )  # the last request's gap is not needed
+            # the last request's gap is not needed
+            steps.append(window("batch", batch[:-1], True))
         batch, batch_rows = [], 0
 
     for r in range(b):
@@ -144,10 +146,10 @@ def _plan(qsl, seq_lens, capacity, device, stream):
             batch_rows += c + q + GAP
             continue
         flush()
-        tail = (
-            capacity - q
-        )  # cached tokens in the last window (>= 1: capacity > N >= q)
-        head = c - tail  # cached tokens before it (> 0: c + q > capacity)
+        # tail: cached tokens in the last window (>= 1: capacity > N >= q);
+        # head: cached tokens before it (> 0: c + q > capacity)
+        tail = capacity - q
+        head = c - tail
         parts = -(-head // capacity)
         bounds = [head * i // parts for i in range(parts + 1)]  # balanced
         ids = [
@@ -181,9 +183,8 @@ def _plan(qsl, seq_lens, capacity, device, stream):
         packed.extend(cu_q)
 
     host = torch.tensor(packed, dtype=torch.int32)
-    if (
-        device.type == "cuda"
-    ):  # pinned, so the copy is asynchronous: no host-device sync
+    if device.type == "cuda":
+        # pinned, so the copy is asynchronous: no host-device sync
         with torch.cuda.stream(stream or torch.cuda.current_stream(device)):
             dev = host.pin_memory().to(device, non_blocking=True)
     else:

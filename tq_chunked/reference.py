@@ -46,9 +46,8 @@ def full_buffer_continuation_prefill(
     backend = resolve_backend(backend, query.device, d)
     hk = key_chunk.shape[1]
     bt = block_table.reshape(1, -1)
-    k = torch.empty(
-        cached_len, hk, d, dtype=torch.float16, device=query.device
-    )  # O(cached_len)
+    # O(cached_len)
+    k = torch.empty(cached_len, hk, d, dtype=torch.float16, device=query.device)
     v = torch.empty_like(k)
     fill_window(
         kv_cache,
@@ -65,16 +64,15 @@ def full_buffer_continuation_prefill(
         unrotate=False,
     )
     if not cfg.key_fp8:
-        k = (
-            k.float() @ rotation.float()
-        ).half()  # k = k_rot @ rotation: back to the original space
+        # k = k_rot @ rotation: back to the original space
+        k = (k.float() @ rotation.float()).half()
     k_full = torch.cat([k.to(query.dtype), key_chunk], 0)  # (cached_len + q_len, Hk, D)
     v_full = torch.cat([v.to(query.dtype), val_chunk], 0)
     out = torch.empty_like(query)
     call = make_call([lq], [cached_len + lq], True, query.device)
-    varlen_attention(
+    varlen_attention(  # as vLLM
         call, query.contiguous(), k_full, v_full, scale, out, backend, flash_splits=0
-    )  # as vLLM
+    )
     return out
 
 
@@ -119,7 +117,9 @@ def oracle_continuation_prefill(
         new = v[h][cached_len:]
         if torch.isfinite(new).all():
             o = p @ v[h]
-        else:  # a key a query does not see adds nothing, even an inf or NaN value (a matmul would add 0 * it)
+        else:
+            # a key a query does not see adds nothing, even an inf or NaN value (a
+            # matmul would add 0 * it)
             o = p[..., :cached_len] @ v[h][:cached_len] + torch.where(
                 ~hidden[:, cached_len:, None], p[..., cached_len:, None] * new, 0.0
             ).sum(-2)

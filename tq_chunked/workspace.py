@@ -34,15 +34,15 @@ import torch
 from ._utils import as_int
 
 ALIGN = 256
-DEFAULT_WINDOW_BYTES = (
-    96 << 20
-)  # K + V of a window's rows; chosen by measurement: benchmarks/NOTES.md
+# K + V of a window's rows; chosen by measurement: benchmarks/NOTES.md
+DEFAULT_WINDOW_BYTES = 96 << 20
 DEFAULT_WORKSPACE_BYTES = 128 << 20  # the budget that groups a long request's kv heads
 
 
 def default_window(num_kv_heads: int, head_dim: int, block_size: int) -> int:
     """Key rows per window such that their K + V (2 bytes each, all kv heads) take
-    DEFAULT_WINDOW_BYTES, rounded down to a multiple of block_size (at least one block)."""
+    DEFAULT_WINDOW_BYTES, rounded down to a multiple of block_size (at least one
+    block)."""
     tokens = DEFAULT_WINDOW_BYTES // (2 * 2 * num_kv_heads * head_dim)
     return max(block_size, tokens // block_size * block_size)
 
@@ -59,8 +59,9 @@ def _aligned(n):
 
 @functools.lru_cache(maxsize=64)
 def layout(kind, rows, group_q_heads, group_kv_heads, head_dim, cap, dtype):
-    """{region: (byte offset, shape, dtype)} and the total bytes (with room to align the
-    first region in any buffer), for a "batch" or a "long" step (see the module docstring)."""
+    """{region: (byte offset, shape, dtype)} and the total bytes (with room to align
+    the first region in any buffer), for a "batch" or a "long" step (see the module
+    docstring)."""
     kv_dtype = dtype if kind == "batch" else torch.float16
     regions = {
         "k_buf": ((cap, group_kv_heads, head_dim), kv_dtype),
@@ -94,8 +95,9 @@ def kv_head_group(
     dtype: torch.dtype = torch.float16,
     max_bytes: int | None = None,
 ) -> int:
-    """Kv heads a long request of ``rows`` query rows runs at once: the largest divisor of
-    num_kv_heads whose layout fits max_bytes (default DEFAULT_WORKSPACE_BYTES), or 1."""
+    """The kv heads a long request of ``rows`` query rows runs at once: the largest
+    divisor of num_kv_heads whose layout fits max_bytes (default
+    DEFAULT_WORKSPACE_BYTES), or 1."""
     max_bytes = DEFAULT_WORKSPACE_BYTES if max_bytes is None else max_bytes
     g = num_q_heads // num_kv_heads
     for hk_g in range(num_kv_heads, 0, -1):
@@ -118,13 +120,13 @@ def workspace_bytes(
     *,
     max_bytes: int | None = None,
 ) -> int:
-    """Exact bytes of workspace that suffice for a continuation prefill of q_tokens query
-    tokens (all requests of a batch together) in ``dtype`` (the query's) with this window,
-    however those tokens are split into requests and whatever the cached lengths: the
-    larger of the batch layout and the layout of one long request of all q_tokens rows
-    (its kv heads grouped within ``max_bytes``). A uint8 buffer of at least this many
-    bytes on the query's device may be passed as ``workspace=``; pass the same budget to
-    the call (``max_workspace_bytes``).
+    """Exact bytes of workspace that suffice for a continuation prefill of q_tokens
+    query tokens (all requests of a batch together) in ``dtype`` (the query's) with
+    this window, however those tokens are split into requests and whatever the cached
+    lengths: the larger of the batch layout and the layout of one long request of all
+    q_tokens rows (its kv heads grouped within ``max_bytes``). A uint8 buffer of at
+    least this many bytes on the query's device may be passed as ``workspace=``; pass
+    the same budget to the call (``max_workspace_bytes``).
     """
     q_tokens = as_int("q_tokens", q_tokens, 0)
     num_q_heads = as_int("num_q_heads", num_q_heads, 1)
@@ -133,7 +135,8 @@ def workspace_bytes(
     window = as_int("window", window, 1)
     if num_q_heads % num_kv_heads:
         raise ValueError(
-            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads "
+            f"({num_kv_heads})"
         )
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(
@@ -170,7 +173,9 @@ class Buffers:
     q16: torch.Tensor | None = None
 
 
-_carved: dict = {}  # device -> (buffer key, {layout key: Buffers}): the views of the last caller-owned buffer
+# device -> (buffer key, {layout key: Buffers}): the views of the last caller-owned
+# buffer
+_carved: dict = {}
 
 
 def carve(
@@ -200,9 +205,8 @@ def carve(
         held = _carved[buffer.device] = (buffer_key, {})
     views = held[1]
     if key not in views:
-        if (
-            len(views) >= 8
-        ):  # the layouts of a few steps; more would be one step's odd batch
+        if len(views) >= 8:
+            # the layouts of a few steps; more would be one step's odd batch
             views.clear()
         views[key] = _carve(buffer, layout(*key)[0])
     return views[key]
