@@ -1,17 +1,20 @@
-"""Where the GPU time of one continuation prefill goes, stage by stage, beside the floor (GPU).
+"""Where the GPU time of one continuation prefill goes, stage by stage, beside the
+floor (GPU).
 
-    python benchmarks/breakdown.py [--workloads "24 hits,16 hits q256,1 long hit"] [--windows 12288,24576]
+    python benchmarks/breakdown.py [--workloads "24 hits,16 hits q256,1 long hit"]
+                                   [--windows 12288,24576]
 
-For serving workloads of ``tq-chunked bench --serving`` (by name prefix), profiles 10 calls
-of ``continuation_prefill_varlen`` (called as the plugin calls it: host copies of the
-lengths, no block-table check) with torch.profiler and sums the GPU time of each kernel by
-stage: the window fills (dequant, un-rotation, the chunk's copy), the attention calls, the
-merges of long requests, anything else (FlashAttention's own small kernels). The floor
-(one FlashAttention call over K/V of the query's dtype with the same lengths) is profiled
-the same way. Times are ms per call.
+For serving workloads of ``tq-chunked bench --serving`` (by name prefix), profiles 10
+calls of ``continuation_prefill_varlen`` (called as the plugin calls it: host copies of
+the lengths, no block-table check) with torch.profiler and sums the GPU time of each
+kernel by stage: the window fills (dequant, un-rotation, the chunk's copy), the
+attention calls, the merges of long requests, anything else (FlashAttention's own small
+kernels). The floor (one FlashAttention call over K/V of the query's dtype with the
+same lengths) is profiled the same way. Times are ms per call.
 """
 
 import argparse
+import functools
 import itertools
 from collections import defaultdict
 
@@ -19,11 +22,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tq_chunked import continuation_prefill_varlen, default_window, workspace_bytes
-from tq_chunked.bench import SHAPES
-from tq_chunked.bench_engine import serving_workloads, stack_workloads
 from tq_chunked.chunked import schedule
-from tq_chunked.demo import build_batch
 from tq_chunked.plan import LongRequest
+from tq_chunked.testing import SHAPES, build_batch, serving_workloads, stack_workloads
 
 STAGES = [
     ("fill", "_fill_kernel"),
@@ -58,7 +59,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--workloads",
-        default="24 hits,16 hits q256 1K-8K,1 long hit,1 hit q2048 8K,16 hits q512 2K-16K",
+        default="24 hits,16 hits q256 1K-8K,1 long hit,1 hit q2048 8K,"
+        "16 hits q512 2K-16K",
         help="comma-separated name prefixes of the serving (and stack) workloads",
     )
     p.add_argument(
@@ -98,7 +100,8 @@ def main():
         )
         max_q = max(q for _, q in wl.requests)
         floor = profile_ms(
-            lambda: flash_attn_varlen_func(
+            functools.partial(
+                flash_attn_varlen_func,
                 b["query"],
                 k_full,
                 v_full,
@@ -129,7 +132,8 @@ def main():
                 qsl_cpu.cuda(),
                 lens_cpu.cuda(),
             )
-            call = lambda: continuation_prefill_varlen(
+            call = functools.partial(
+                continuation_prefill_varlen,
                 *args,
                 **b["kwargs"],
                 query_start_loc_cpu=qsl_cpu,

@@ -1,15 +1,17 @@
-"""The window fill kernel against the H200's copy rate, per preset, head size, block size
-and cache layout (issue 18's roofline target: >= 70 % of the measured copy rate).
+"""The window fill kernel against the H200's copy rate, per preset, head size, block
+size and cache layout (issue 18's roofline target: >= 70 % of the measured copy rate).
 
     python benchmarks/fill_bandwidth.py [OUT_DIR] [--quick]
 
 Bytes counted: the cache slots read (tokens x Hk x slot bytes; the block table and
 centroids are noise) plus the K/V rows written (tokens x Hk x D x 2 x 2), over one
 window of 65536 tokens x 8 kv heads; the copy rate is a device-to-device copy of 2 GiB
-in the same run (bytes read + written). --quick: block size 16 and vLLM 0.20's layout only.
+in the same run (bytes read + written). --quick: block size 16 and vLLM 0.20's layout
+only.
 Writes fill-bandwidth.json and prints a table, a row as each case ends.
 """
 
+import functools
 import json
 import os
 import sys
@@ -40,7 +42,8 @@ def main():
     rate = copy_rate()
     print(f"copy rate {rate:.2f} TB/s (read + written)")
     print(
-        "| preset | D | block | layout | ms | TB/s | of copy |\n|---|---|---|---|---|---|---|",
+        "| preset | D | block | layout | ms | TB/s | of copy |\n"
+        "|---|---|---|---|---|---|---|",
         flush=True,
     )
     rows = []
@@ -68,8 +71,8 @@ def main():
                     v = torch.empty_like(k)
                     cent = lloyd_max_centroids(d, cfg.centroid_bits).cuda()
                     rot = hadamard(d).cuda()
-                    fn = lambda: fill_window(
-                        cache, bt, cfg, cent, rot, k[:1], v[:1], w, 0, k, v
+                    fn = functools.partial(
+                        fill_window, cache, bt, cfg, cent, rot, k[:1], v[:1], w, 0, k, v
                     )
                     ms = triton.testing.do_bench(
                         fn, warmup=5, rep=40, return_mode="median"
@@ -88,7 +91,8 @@ def main():
                         )
                     )
                     print(
-                        f"| {preset} | {d} | {block_size} | {layout} | {ms:.3f} | {tbs:.2f} | {tbs / rate:.0%} |",
+                        f"| {preset} | {d} | {block_size} | {layout} | {ms:.3f} | "
+                        f"{tbs:.2f} | {tbs / rate:.0%} |",
                         flush=True,
                     )
     with open(os.path.join(out_dir, "fill-bandwidth.json"), "w") as f:

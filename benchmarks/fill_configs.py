@@ -7,6 +7,7 @@ One window of 65536 tokens x 8 kv heads, block size 16; bytes counted as in
 fill_bandwidth.py. Prints a table and writes fill-configs.json.
 """
 
+import functools
 import json
 import os
 import sys
@@ -75,11 +76,24 @@ def main():
         variants += [(f"with the un-rotation {c}", dict(config=c)) for c in CONFIGS[d]]
         for name, kw in variants:
             try:
-                fn = lambda: fill_window(
-                    cache, bt, cfg, cent, rot, k[:1], v[:1], w, 0, k, v, **kw
+                fn = functools.partial(
+                    fill_window,
+                    cache,
+                    bt,
+                    cfg,
+                    cent,
+                    rot,
+                    k[:1],
+                    v[:1],
+                    w,
+                    0,
+                    k,
+                    v,
+                    **kw,
                 )
                 ms = triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
-            except Exception as e:  # noqa: BLE001  (a configuration that does not compile: out of resources)
+            # a configuration that does not compile (out of resources)
+            except Exception as e:  # noqa: BLE001
                 print(preset, d, name, "failed:", type(e).__name__, str(e)[:100])
                 continue
             rows.append(
@@ -94,7 +108,8 @@ def main():
             )
             r = rows[-1]
             print(
-                f"| {preset} | {d} | {name} | {ms:.3f} | {r['tb_s']:.2f} | {r['of_copy']:.0%} |",
+                f"| {preset} | {d} | {name} | {ms:.3f} | {r['tb_s']:.2f} | "
+                f"{r['of_copy']:.0%} |",
                 flush=True,
             )
     with open(os.path.join(out_dir, "fill-configs.json"), "w") as f:

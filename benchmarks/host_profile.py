@@ -17,17 +17,19 @@ import time
 import torch
 
 from tq_chunked import continuation_prefill_varlen, dequant, workspace_bytes
+from tq_chunked._utils import check_overlaps
 from tq_chunked.attention import varlen_attention
-from tq_chunked.chunked import _check_overlaps, schedule
-from tq_chunked.demo import build_batch
+from tq_chunked.chunked import schedule
 from tq_chunked.dequant import fill_window
 from tq_chunked.format import TQConfig
 from tq_chunked.plan import LongRequest
+from tq_chunked.testing import build_batch
 from tq_chunked.workspace import carve, default_window
 
 
 def host_us(fn, n=200):
-    """Median host microseconds of fn() with the GPU busy (a spin kernel ahead of it)."""
+    """Median host microseconds of fn() with the GPU busy (a spin kernel ahead of
+    it)."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
@@ -42,42 +44,94 @@ def host_us(fn, n=200):
 
 
 def main():
-    launcher = dequant._fill
     cases = [
         ("1 hit q512 8K", [(8192, 512)]),
         ("1 hit q2048 128K", [(131072, 2048)]),
         ("16 hits q256 1K-8K", [(1024 + 448 * i, 256) for i in range(16)]),
     ]
     for name, requests in cases:
-        b = build_batch(
-            "turboquant_3bit_nc", requests, 32, 8, 128, 16, torch.float16, "cuda"
-        )
-        n = b["query"].shape[0]
-        window = default_window(8, 128, 16)
-        ws = torch.empty(
-            workspace_bytes(n, 32, 8, 128, window), dtype=torch.uint8, device="cuda"
-        )
-        qsl_cpu = torch.tensor(b["query_start_loc"], dtype=torch.int32)
-        lens_cpu = torch.tensor(b["seq_lens"], dtype=torch.int32)
-        args = (
-            b["query"],
-            b["key"],
-            b["value"],
-            b["kv_cache"],
-            b["block_table"],
-            qsl_cpu.cuda(),
-            lens_cpu.cuda(),
-        )
-        call = lambda: continuation_prefill_varlen(
-            *args,
-            **b["kwargs"],
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=lens_cpu,
-            window=window,
-            workspace=ws,
-            check_block_table=False,
-        )
-        steps, _, cap, _ = schedule(
+        profile_case(name, requests)
+
+
+def profile_case(name, requests):
+    """Print the host-time profile of one case (see the module's doc)."""
+    launcher = dequant.launch_fill
+    b = build_batch(
+        "turboquant_3bit_nc", requests, 32, 8, 128, 16, torch.float16, "cuda"
+    )
+    n = b["query"].shape[0]
+    window = default_window(8, 128, 16)
+    ws = torch.empty(
+        workspace_bytes(n, 32, 8, 128, window), dtype=torch.uint8, device="cuda"
+    )
+    qsl_cpu = torch.tensor(b["query_start_loc"], dtype=torch.int32)
+    lens_cpu = torch.tensor(b["seq_lens"], dtype=torch.int32)
+    args = (
+        b["query"],
+        b["key"],
+        b["value"],
+        b["kv_cache"],
+        b["block_table"],
+        qsl_cpu.cuda(),
+        lens_cpu.cuda(),
+    )
+    call = lambda: continuation_prefill_varlen(
+        *args,
+        **b["kwargs"],
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens_cpu=lens_cpu,
+        window=window,
+        workspace=ws,
+        check_block_table=False,
+    )
+    steps, _, cap, _ = schedule(
+        tuple(b["query_start_loc"]),
+        tuple(b["seq_lens"]),
+        window,
+        32,
+        8,
+        128,
+        torch.float16,
+        128 << 20,
+        torch.device("cuda"),
+        torch.cuda.current_stream(),
+    )
+    windows = [
+        w for s in steps for w in (s.windows if isinstance(s, LongRequest) else (s,))
+    ]
+    whole = host_us(call)
+    print(
+        f"== {name}: whole call {whole:.0f} us host, {len(windows)} windows, "
+        f"{whole / len(windows):.0f} us per window"
+    )
+    cfg = TQConfig.from_preset("turboquant_3bit_nc", 128)
+    w = windows[0]
+    bufs = carve(ws, "batch", 0, 32, 8, 128, cap, torch.float16, True)
+    out = torch.empty_like(b["query"])
+    q, o = b["query"][w.q0 : w.q1], out[w.q0 : w.q1]
+    fill = lambda: fill_window(
+        b["kv_cache"],
+        b["block_table"],
+        cfg,
+        b["kwargs"]["centroids"],
+        b["kwargs"]["rotation"],
+        b["key"],
+        b["value"],
+        w,
+        0,
+        bufs.k_buf,
+        bufs.v_buf,
+    )
+    fill()
+    # the fill's launch arguments, to launch them through Triton's own path too
+    seen = {}
+    dequant.launch_fill = lambda grid, *a, **k: seen.update(grid=grid, args=a, opts=k)
+    try:
+        fill()
+    finally:
+        dequant.launch_fill = launcher
+    pieces = {
+        "schedule (cached)": lambda: schedule(
             tuple(b["query_start_loc"]),
             tuple(b["seq_lens"]),
             window,
@@ -88,89 +142,41 @@ def main():
             128 << 20,
             torch.device("cuda"),
             torch.cuda.current_stream(),
-        )
-        windows = [
-            w
-            for s in steps
-            for w in (s.windows if isinstance(s, LongRequest) else (s,))
-        ]
-        whole = host_us(call)
-        print(
-            f"== {name}: whole call {whole:.0f} us host, {len(windows)} windows, {whole / len(windows):.0f} us "
-            f"per window"
-        )
-        cfg = TQConfig.from_preset("turboquant_3bit_nc", 128)
-        w = windows[0]
-        bufs = carve(ws, "batch", 0, 32, 8, 128, cap, torch.float16, True)
-        out = torch.empty_like(b["query"])
-        q, o = b["query"][w.q0 : w.q1], out[w.q0 : w.q1]
-        fill = lambda: fill_window(
-            b["kv_cache"],
-            b["block_table"],
-            cfg,
-            b["kwargs"]["centroids"],
-            b["kwargs"]["rotation"],
-            b["key"],
-            b["value"],
-            w,
-            0,
-            bufs.k_buf,
-            bufs.v_buf,
-        )
-        fill()
-        seen = {}  # the fill's launch arguments, to launch them through Triton's own path too
-        dequant._fill = lambda grid, *a, **k: seen.update(grid=grid, args=a, opts=k)
-        try:
-            fill()
-        finally:
-            dequant._fill = launcher
-        pieces = {
-            "schedule (cached)": lambda: schedule(
-                tuple(b["query_start_loc"]),
-                tuple(b["seq_lens"]),
-                window,
-                32,
-                8,
-                128,
-                torch.float16,
-                128 << 20,
-                torch.device("cuda"),
-                torch.cuda.current_stream(),
-            ),
-            "overlap checks": lambda: _check_overlaps(
-                [("out", out), ("lse", None), ("workspace", ws)],
-                [
-                    ("query", b["query"]),
-                    ("key", b["key"]),
-                    ("value", b["value"]),
-                    ("kv_cache", b["kv_cache"]),
-                    ("block_table", b["block_table"]),
-                    ("rotation", b["kwargs"]["rotation"]),
-                    ("centroids", b["kwargs"]["centroids"]),
-                ],
-            ),
-            "carve (kept)": lambda: carve(
-                ws, "batch", 0, 32, 8, 128, cap, torch.float16, True
-            ),
-            "torch.empty_like(query)": lambda: torch.empty_like(b["query"]),
-            "fill_window (launcher)": fill,
-            "fill kernel (Triton's launch path)": lambda: launcher.kernel[seen["grid"]](
-                *seen["args"], **seen["opts"]
-            ),
-            "FlashAttention, a window": lambda: varlen_attention(
-                w, q, bufs.k_buf, bufs.v_buf, 0.1, o, "flash"
-            ),
-        }
-        for piece, fn in pieces.items():
-            print(f"   {piece:36} {host_us(fn):7.1f} us")
-        prof = cProfile.Profile()
-        torch.cuda._sleep(400_000_000)  # ~200 ms of GPU work: the host never waits
-        prof.enable()
-        for _ in range(30):
-            call()
-        prof.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+        ),
+        "overlap checks": lambda: check_overlaps(
+            [("out", out), ("lse", None), ("workspace", ws)],
+            [
+                ("query", b["query"]),
+                ("key", b["key"]),
+                ("value", b["value"]),
+                ("kv_cache", b["kv_cache"]),
+                ("block_table", b["block_table"]),
+                ("rotation", b["kwargs"]["rotation"]),
+                ("centroids", b["kwargs"]["centroids"]),
+            ],
+        ),
+        "carve (kept)": lambda: carve(
+            ws, "batch", 0, 32, 8, 128, cap, torch.float16, True
+        ),
+        "torch.empty_like(query)": lambda: torch.empty_like(b["query"]),
+        "fill_window (launcher)": fill,
+        "fill kernel (Triton's launch path)": lambda: launcher.kernel[seen["grid"]](
+            *seen["args"], **seen["opts"]
+        ),
+        "FlashAttention, a window": lambda: varlen_attention(
+            w, q, bufs.k_buf, bufs.v_buf, 0.1, o, "flash"
+        ),
+    }
+    for piece, fn in pieces.items():
+        print(f"   {piece:36} {host_us(fn):7.1f} us")
+    prof = cProfile.Profile()
+    torch.cuda._sleep(400_000_000)  # ~200 ms of GPU work: the host never waits
+    prof.enable()
+    for _ in range(30):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,14 @@
 #   bash benchmarks/run_on_device.sh serving   # carry .gpu-carry: serving grid with the floor
 #   bash benchmarks/run_on_device.sh stack     # carry .gpu-carry: single requests with the floor
 #   bash benchmarks/run_on_device.sh forward   # carry .gpu-carry, .gpu-carry-0.21.0 (0.26.0 likewise)
+# serving and stack compare with vLLM 0.33.0's methods run in the carry's vLLM 0.20.0
+# (tq-chunked bench --baseline-source): BASELINE_SOURCE, by default the 0.33.0
+# turboquant_attn.py that make-vllm-carry.sh puts in the carry.
 # Modes can be joined: bash benchmarks/run_on_device.sh suite kernels. Logs, JSON, Markdown and
 # plots land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
+BASELINE_SOURCE=${BASELINE_SOURCE:-.gpu-carry/latest/turboquant_attn.py}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
@@ -33,7 +37,8 @@ for mode in "$@"; do
         | tee "$OUT/sanitizer-racecheck.log" | tail -2 ;;
     serving|stack)
       carry .gpu-carry timeout 420 python3 -m tq_chunked.bench --"$mode" --repeats 3 \
-        --methods latest,floor,tq_chunked --out "$OUT" 2>&1 | grep -E "^\||geomean|Error|wrote" | tail -40 ;;
+        --baseline-source "$BASELINE_SOURCE" --methods baseline,floor,tq_chunked \
+        --out "$OUT" 2>&1 | grep -E "^\||geomean|error|Error|wrote" | tail -40 ;;
     forward)
       for c in .gpu-carry .gpu-carry-0.21.0 .gpu-carry-0.26.0; do
         [ -d "$c" ] && carry "$c" timeout 90 python3 benchmarks/vllm_forward.py "$OUT" 2>&1 | grep -v "^INFO\|^WARNING"

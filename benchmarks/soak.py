@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tq_chunked import PRESETS, continuation_prefill_varlen
-from tq_chunked.demo import build_batch
 from tq_chunked.reference import (
     full_buffer_continuation_prefill,
     oracle_continuation_prefill,
 )
+from tq_chunked.testing import build_batch
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 300
 seen = {"n": 0, "worst": 0.0, "mem": []}
@@ -119,7 +119,9 @@ if __name__ == "__main__":
     mem = seen["mem"]
     grew = mem[-1] - mem[min(10, len(mem) - 1)]
     print(
-        f"soak: {seen['n']} shapes passed; worst (e - 1e-4) / e_full {seen['worst']:.2f}; "
-        f"allocated after shape 10: {mem[min(10, len(mem) - 1)] / 2**20:.1f} MiB, at the end {mem[-1] / 2**20:.1f} MiB"
+        f"soak: {seen['n']} shapes passed; worst (e - 1e-4) / e_full "
+        f"{seen['worst']:.2f}; allocated after shape 10: "
+        f"{mem[min(10, len(mem) - 1)] / 2**20:.1f} MiB, at the end "
+        f"{mem[-1] / 2**20:.1f} MiB"
     )
     sys.exit(0 if grew < 1 << 20 else 1)  # the plan cache's few KiB may come and go

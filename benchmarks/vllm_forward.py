@@ -42,7 +42,8 @@ MAX_MODEL_LEN = 131072 + 4096
 
 
 def plain_config(max_num_batched_tokens):
-    """The config values vLLM's TurboQuant classes read (VllmConfig() has no model here)."""
+    """The config values vLLM's TurboQuant classes read (VllmConfig() has no model
+    here)."""
     ns = types.SimpleNamespace
     return ns(
         attention_config=ns(tq_max_kv_splits_for_cuda_graph=32),
@@ -100,8 +101,8 @@ def head_major():
 
 
 def mixed_batch(impl, layer, reqs, num_decodes, seed=0):
-    """reqs: [(cached, q_len)], decodes first; every token already in the cache (written by
-    vLLM's store), as do_kv_cache_update leaves it before forward."""
+    """reqs: [(cached, q_len)], decodes first; every token already in the cache (written
+    by vLLM's store), as do_kv_cache_update leaves it before forward."""
     gen = torch.Generator("cuda").manual_seed(seed)
     cfg = TQConfig.from_preset(PRESET, D)
     blocks = [-(-(c + q) // BS) for c, q in reqs]
@@ -193,7 +194,10 @@ def errors(out, q, k, v, cache, meta, qsl, reqs, layer):
         args = (q[rows], k[rows], v[rows], cache, meta.block_table[r], cached)
         oracle = oracle_continuation_prefill(*args, **kw)
         full = full_buffer_continuation_prefill(*args, **kw)
-        rel = lambda x: ((x.double() - oracle).norm() / oracle.norm()).item()
+
+        def rel(x, oracle=oracle):
+            return ((x.double() - oracle).norm() / oracle.norm()).item()
+
         res.append(
             dict(
                 request=r,
@@ -255,7 +259,8 @@ def scenario_46460(result):
 
 
 def manager_bytes():
-    """Bytes of vLLM's WorkspaceManager's buffers (0.21 onwards; its private list, read only)."""
+    """Bytes of vLLM's WorkspaceManager's buffers (0.21 onwards; its private list, read
+    only)."""
     from vllm.v1.worker import workspace as ws_mod
 
     manager = ws_mod.current_workspace_manager()
@@ -277,7 +282,8 @@ def scenario_long(result, long_cached):
         if mode == "patched":
             patch(None, monkey)
         try:
-            gc.collect()  # the previous mode's manager, impl and buffers gone before counting
+            # the previous mode's manager, impl and buffers gone before counting
+            gc.collect()
             torch.cuda.empty_cache()
             if has_manager:
                 if ws_mod.is_workspace_manager_initialized():
@@ -287,20 +293,23 @@ def scenario_long(result, long_cached):
             spec = types.SimpleNamespace(num_kv_heads=HK, head_size=D, block_size=BS)
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
-            with config():  # the builder as vLLM creates it (the plugin's hook, if patched, reserves)
+            # the builder as vLLM creates it (the plugin's hook, if patched, reserves)
+            with config():
                 tqa.TurboQuantMetadataBuilder(
                     spec, ["layers.0"], plain_config(8192), torch.device("cuda")
                 )
             torch.cuda.synchronize()
-            # What the builder reserved: the manager's buffers where there is one (a difference of
-            # allocated memory would count the release of a buffer an earlier object still held),
-            # else what the builder allocated.
+            # What the builder reserved: the manager's buffers where there is one (a
+            # difference of allocated memory would count the release of a buffer an
+            # earlier object still held), else what the builder allocated.
             row[f"{mode}_reserved_mib"] = (
                 manager_bytes()
                 if has_manager
                 else torch.cuda.memory_allocated() - before
             ) / 2**20
-            if has_manager:  # a short profile (decode scratch for 8 sequences, a 256-token continuation), the lock
+            # a short profile (decode scratch for 8 sequences, a 256-token
+            # continuation), the lock
+            if has_manager:
                 manager = ws_mod.current_workspace_manager()
                 manager.get_simultaneous(
                     ((8, HQ, 32, D + 1), torch.float32),
@@ -354,21 +363,26 @@ def main():
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(
-        f"== vLLM {vllm.__version__}: forward on mixed batches, {PRESET}, Hq {HQ} Hk {HK} D {D}"
+        f"== vLLM {vllm.__version__}: forward on mixed batches, {PRESET}, Hq {HQ} "
+        f"Hk {HK} D {D}"
     )
     if "issue_46460" in result:
         r = result["issue_46460"]
         for u, p in zip(r["unpatched"], r["patched"]):
             print(
-                f"  46460 batch request {u['request']} (cached {u['cached']}, q {u['q_len']}): unpatched "
-                f"{u['error']:.2e}, patched {p['error']:.2e}, full path {p['full_error']:.2e}"
+                f"  46460 batch request {u['request']} (cached {u['cached']}, "
+                f"q {u['q_len']}): unpatched {u['error']:.2e}, patched "
+                f"{p['error']:.2e}, full path {p['full_error']:.2e}"
             )
     for row in result.get("long", []):
+        nan = float("nan")
         print(
             f"  long hit over {row['long_cached'] // 1024}K: reserved unpatched "
-            f"{row.get('unpatched_reserved_mib', float('nan')):.1f} / patched {row.get('patched_reserved_mib', 0):.1f} MiB;"
-            f" peak per forward unpatched {row.get('unpatched_peak_mib', float('nan')):.1f} / patched "
-            f"{row.get('patched_peak_mib', float('nan')):.1f} MiB; unpatched raised: {row.get('unpatched_raised', '-')}"
+            f"{row.get('unpatched_reserved_mib', nan):.1f} / patched "
+            f"{row.get('patched_reserved_mib', 0):.1f} MiB; peak per forward unpatched "
+            f"{row.get('unpatched_peak_mib', nan):.1f} / patched "
+            f"{row.get('patched_peak_mib', nan):.1f} MiB; unpatched raised: "
+            f"{row.get('unpatched_raised', '-')}"
         )
         for e in row.get("patched_errors", []):
             u = next(
@@ -380,8 +394,8 @@ def main():
                 None,
             )
             print(
-                f"    request {e['request']} (cached {e['cached']}, q {e['q_len']}): patched {e['error']:.2e}, "
-                f"full {e['full_error']:.2e}"
+                f"    request {e['request']} (cached {e['cached']}, q {e['q_len']}): "
+                f"patched {e['error']:.2e}, full {e['full_error']:.2e}"
                 + (f", unpatched {u['error']:.2e}" if u else "")
             )
         if "patched_raised" in row:

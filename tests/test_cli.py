@@ -1,4 +1,5 @@
-"""The tq-chunked command: help, argument errors, the bench's modes and output, the demo."""
+"""The tq-chunked command: help, argument errors, the bench's modes, output and results
+files, the demo."""
 
 from __future__ import annotations
 
@@ -13,23 +14,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from tq_chunked import bench, cli, demo
+from tq_chunked import bench, bench_engine, cli, demo, testing
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_main(argv, capsys):
-    """(exit code, stdout, stderr) of ``tq-chunked ARGV``."""
+    """(exit code, stdout, stderr) of ``tq-chunked ARGV``; an exit with a message
+    (SystemExit("...")) is status 1 with that message on stderr, as Python gives it."""
+    message = ""
     try:
         code = cli.main(argv)
     except SystemExit as e:
         code = e.code
+        if isinstance(code, str):
+            code, message = 1, code + "\n"
     out, err = capsys.readouterr()
-    return code, out, err
+    return code, out, err + message
 
 
 def test_help_lists_the_commands():
-    """The real command line, in a fresh interpreter: exit 0, each command with its description."""
+    """The real command line, in a fresh interpreter: exit 0, each command with its
+    description."""
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -108,20 +114,15 @@ def test_bad_arguments_are_argparse_errors(argv, option, capsys):
     assert "Traceback" not in err
 
 
-def test_bench_shape_names_are_explained():
+@pytest.mark.parametrize("name", list(testing.SHAPES))
+def test_bench_shape_names_are_explained(name):
     """Every shape in --help and in docs/benchmarks.md's table, with its heads."""
     text = bench.make_parser().format_help()
     doc = (ROOT / "docs" / "benchmarks.md").read_text()
-    for name, (hq, hk, d) in bench.SHAPES.items():
-        assert re.search(
-            rf"^\s+{re.escape(name)}\s+{re.escape(bench.SHAPE_NOTES[name])}: Hq {hq}, Hk {hk}, "
-            rf"D {d}$",
-            text,
-            re.M,
-        ), name
-        assert f"| `{name}` | {bench.SHAPE_NOTES[name]} | {hq} | {hk} | {d} |" in doc, (
-            name
-        )
+    (hq, hk, d), note = testing.SHAPES[name], testing.SHAPE_NOTES[name]
+    line = rf"^\s+{re.escape(name)}\s+{re.escape(note)}: Hq {hq}, Hk {hk}, D {d}$"
+    assert re.search(line, text, re.M), name
+    assert f"| `{name}` | {note} | {hq} | {hk} | {d} |" in doc, name
 
 
 def test_cpu_mode_keeps_explicit_options():
@@ -209,7 +210,8 @@ def test_tiny_cpu_bench_writes_into_the_default_directory(
     header = next(line for line in md.splitlines() if line.startswith("| preset"))
     assert (
         header
-        == "| preset | shape | q_len | cached | method | time ms | workspace MiB | ratio |"
+        == "| preset | shape | q_len | cached | method | time ms | workspace MiB | "
+        "ratio |"
     )
     assert "matmul ceiling measured" not in md and "0 TFLOP/s" not in md
     rows = json.loads((out_dir / f"{stem}.json").read_text())["rows"]
@@ -233,8 +235,8 @@ def test_demo_runs_several_windows_on_the_cpu_by_default():
     assert window % demo.BLOCK_SIZE == 0
 
 
-def test_tiny_demo_prints_windows_times_memory_and_difference(capsys):
-    demo.main(
+def test_tiny_demo_prints_windows_times_memory_and_accuracy(capsys):
+    code = demo.main(
         [
             "--cached-len",
             "256",
@@ -251,15 +253,172 @@ def test_tiny_demo_prints_windows_times_memory_and_difference(capsys):
         ]
     )
     out = capsys.readouterr().out
-    assert "over 256 cached + 32 new tokens, in 5 windows of up to 64 keys" in out, (
-        out
-    )  # 4 parts, the last
+    assert code == 0, out
+    # 4 parts, the last
+    assert "over 256 cached + 32 new tokens, in 5 windows of up to 64 keys" in out, out
     for path in ("chunked", "full-buffer"):  # median, then min–max of the repeats
         assert re.search(rf"^{path} +\d+\.\d +\d+\.\d–\d+\.\d ", out, re.M), out
-    memory = (
-        ("peak", "peak") if torch.cuda.is_available() else ("workspace", "K/V buffers")
-    )
+    cuda = torch.cuda.is_available()
+    memory = ("peak", "peak") if cuda else ("workspace", "K/V buffers")
     assert re.search(rf"^chunked .* {memory[0]} \d+\.\d MiB", out, re.M), out
     assert re.search(rf"^full-buffer .* {memory[1]} \d+\.\d MiB", out, re.M), out
-    diff = float(re.search(r"\|chunked - full\| / \|full\| = (\S+)", out).group(1))
+    diff = float(re.search(r"\|chunked - full\| / \|full\| = (\S+) ", out).group(1))
     assert diff < 1e-2
+    assert "expected: about fp16's rounding" in out
+    bound = re.search(
+        r"chunked (\S+), full-buffer (\S+)\. Bound \(the tests'\): chunked <= 1\.1 x "
+        r"full-buffer \+ 1e-04 = (\S+): passed\.$",
+        out,
+        re.M,
+    )
+    assert bound, out
+    e_chunked, e_full, limit = (float(x) for x in bound.groups())
+    assert e_chunked <= limit and limit == pytest.approx(1.1 * e_full + 1e-4, rel=1e-2)
+    assert (demo.CPU_NOTE in out) != cuda
+
+
+@pytest.mark.parametrize("ok", [True, False], ids=["within", "beyond"])
+def test_demo_reports_the_bound_and_fails_beyond_it(ok):
+    """The verdict follows the bound: chunked <= 1.1 x full + 1e-4 against the
+    oracle."""
+    oracle = torch.ones(4, 2, 8, dtype=torch.float64)
+    full = (oracle * (1 + 1e-3)).half()
+    chunked = (oracle * (1 + (1e-3 if ok else 3e-3))).half()
+    lines, passed = demo.accuracy_lines(chunked, full, oracle)
+    assert passed is ok
+    assert lines[-1].endswith("passed." if ok else "FAILED.")
+
+
+# --- --render and results files -------------------------------------------------------
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _bench_result_files():
+    """The committed results JSON written by tq-chunked bench (of every version), and
+    the others (vllm_forward.py's, fill_bandwidth.py's)."""
+    ours, others = [], []
+    for path in sorted(RESULTS.glob("*.json")):
+        keys = json.loads(path.read_text()).keys()
+        (ours if "rows" in keys and "device" in keys else others).append(path.name)
+    return ours, others
+
+
+BENCH_FILES, OTHER_FILES = _bench_result_files()
+
+
+@pytest.mark.parametrize("name", BENCH_FILES)
+def test_every_committed_bench_result_renders(name, tmp_path, capsys):
+    """Results written by earlier versions (their baseline named latest or vllm-latest)
+    render with the current --render."""
+    path = tmp_path / name
+    path.write_text((RESULTS / name).read_text())
+    code, out, err = run_main(["bench", "--render", str(path)], capsys)
+    assert code in (None, 0), err
+    md = path.with_suffix(".md").read_text()
+    result = json.loads(path.read_text())
+    assert md.startswith(("# Continuation prefill on ", f"# {result.get('mode')}: "))
+    base = result.get("baseline") or bench_engine.baseline_name(result)
+    assert f"{base}" in md.splitlines()[2]
+    assert list(tmp_path.glob("*.png")), "no plot written"
+
+
+@pytest.mark.parametrize(
+    "content, reason",
+    [
+        (None, "cannot read {path}: No such file or directory"),
+        ("{oops", "{path} is not JSON (line 1, column 2: "),
+        ("[1, 2]", "{path} holds a JSON list; expected a result of tq-chunked bench"),
+        (
+            '{"rows": []}',
+            "{path} has no device, date, matmul_ceiling_tflops, baseline;",
+        ),
+        (
+            '{"mode": "stack", "device": "x", "date": "d", "layers": 1, "repeats": 1, '
+            '"rows": [{"workload": "w"}]}',
+            "{path}: row 0 has no shape, preset, requests",
+        ),
+    ]
+    + [((RESULTS / name).read_text(), "{path} has no ") for name in OTHER_FILES],
+    ids=["missing", "not json", "a list", "no keys", "row keys"] + OTHER_FILES,
+)
+def test_render_of_a_file_it_cannot_read_is_one_line(content, reason, tmp_path, capsys):
+    path = tmp_path / "result.json"
+    if content is not None:
+        path.write_text(content)
+    code, out, err = run_main(["bench", "--render", str(path)], capsys)
+    assert code == 1
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("tq-chunked bench: error: argument --render: ")
+    assert reason.format(path=path) in err, err
+
+
+def test_render_of_a_missing_file_from_the_command_line():
+    """The installed command: one line on stderr, status 1, no traceback."""
+    r = subprocess.run(
+        [sys.executable, "-m", "tq_chunked.cli", "bench", "--render", "missing.json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        timeout=120,
+    )
+    assert r.returncode == 1
+    assert r.stderr == (
+        "tq-chunked bench: error: argument --render: cannot read missing.json: "
+        "No such file or directory\n"
+    )
+
+
+# --- the baseline ---------------------------------------------------------------------
+
+
+def test_bench_help_points_at_nothing_outside_the_repository():
+    text = bench.make_parser().format_help()
+    assert ".gpu-carry" not in text and "vllm_latest" not in text
+    assert "--baseline-source PATH" in text
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["tq_chunked/bench.py", "tq_chunked/bench_engine.py", "tq_chunked/baseline.py"]
+    + sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("benchmarks/*.py")),
+)
+def test_the_benchmarks_need_no_module_outside_the_repository(path):
+    text = (ROOT / path).read_text()
+    assert "vllm_latest" not in text and ".gpu-carry/latest" not in text
+
+
+def test_bench_and_bench_engine_do_not_import_each_other_at_module_level():
+    """Shapes and workloads live in tq_chunked/testing.py: bench imports bench_engine
+    only for the engine modes, bench_engine never imports bench."""
+    import ast
+
+    def imports(module):
+        tree = ast.parse((ROOT / "tq_chunked" / f"{module}.py").read_text())
+        top = [n for n in tree.body if isinstance(n, ast.ImportFrom)]
+        every = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        return {n.module for n in top}, {n.module for n in every}
+
+    assert "bench" not in imports("bench_engine")[1]
+    assert "bench_engine" not in imports("bench")[0]
+
+
+def test_a_baseline_source_on_the_cpu_is_an_error(capsys):
+    code, _, err = run_main(["bench", "--cpu", "--baseline-source", "x.py"], capsys)
+    assert code == 1
+    assert err == (
+        "tq-chunked bench: error: argument --baseline-source: vLLM's methods run on a "
+        "GPU only, and this run is on the CPU\n"
+    )
+
+
+@pytest.mark.parametrize("source", [None, "x.py"], ids=["default", "given"])
+def test_no_vllm_means_no_baseline(source):
+    """--no-vllm: no vLLM methods, and a --baseline-source beside it is an error."""
+    args = argparse.Namespace(cpu=False, no_vllm=True, baseline_source=source)
+    if source is None:
+        assert bench.load_baseline(args, "p") is None
+    else:
+        with pytest.raises(SystemExit, match="--no-vllm leaves vLLM's methods out"):
+            bench.load_baseline(args, "p")

@@ -1,23 +1,25 @@
 """Time and memory of continuation prefill, side by side with vLLM, in one run.
 
-Methods (each where available): vllm-<installed version> (vLLM's own
-_continuation_prefill with its FlashAttention), vllm-latest (the latest release's
-method, through .gpu-carry/latest), full (this project's full-buffer path), and
-chunked-<backend> per attention back end (-w<W>: another window). vLLM's methods run
-on a GPU only.
+Methods (each where available): baseline (vLLM's own _continuation_prefill with its
+FlashAttention: the installed release's, or with --baseline-source another release's,
+run in the installed one by tq_chunked/baseline.py), vllm-<version> (the installed
+release's, beside a --baseline-source baseline), full (this project's full-buffer
+path), and chunked-<backend> per attention back end (-w<W>: another window). vLLM's
+methods run on a GPU, with vLLM installed.
 
 Per case: median time (on a GPU CUDA events with L2 flushed between runs; on a CPU
-the median of 3 calls), the workspace bytes, the time ratio to the strongest vLLM
-baseline (to full without vLLM), and on a GPU only: effective TFLOP/s
-(4*q_len*Hq*D*(cached_len + q_len/2)), its share of the bf16 matmul ceiling measured
-in the same run, and peak extra memory. Writes JSON, a Markdown table and PNG plots
-into --out.
+the median of 3 calls), the workspace bytes, the time ratio to the baseline (to full
+without vLLM), and on a GPU only: effective TFLOP/s (4*q_len*Hq*D*(cached_len +
+q_len/2)), its share of the bf16 matmul ceiling measured in the same run, and peak
+extra memory. Writes JSON, a Markdown table and PNG plots into --out; --render
+rewrites the table and plots of a result file (of any mode and version).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import time
@@ -28,37 +30,10 @@ from tqdm import tqdm
 
 from . import PRESETS, continuation_prefill, workspace_bytes
 from .attention import backend_available
-from .demo import build_case
 from .reference import full_buffer_continuation_prefill
+from .testing import SHAPE_NOTES, SHAPES, build_case
 from .workspace import default_window
 
-SHAPES = {  # per-GPU-shard head shapes of real models: (Hq, Hk, D)
-    "llama3-8b": (32, 8, 128),
-    "70b-tp1": (64, 8, 128),
-    "70b-tp8": (8, 1, 128),
-    "70b-tp4": (16, 2, 128),
-    "qwen2-7b": (28, 4, 128),
-    "mha-d64": (16, 16, 64),
-    "d256": (16, 4, 256),
-}
-SHAPE_NOTES = {  # what each shape stands for, for --help and docs/benchmarks.md
-    "llama3-8b": "Llama-3-8B on one GPU",
-    "70b-tp1": "a 70B model (Llama-3-70B) on one GPU",
-    "70b-tp8": "the same 70B model's per-GPU shard at tensor parallel 8",
-    "70b-tp4": "the same 70B model's per-GPU shard at tensor parallel 4",
-    "qwen2-7b": "Qwen2-7B on one GPU (28 query heads, 4 kv heads)",
-    "mha-d64": "multi-head attention at head size 64 (16 heads, no grouping)",
-    "d256": "a head size 256 shape",
-}
-LAYER_GEMMS = {  # (hidden, MLP intermediate) per GPU shard: the weights of one layer, for the model-shaped step
-    "llama3-8b": (4096, 14336),
-    "70b-tp1": (8192, 28672),
-    "70b-tp8": (8192, 3584),
-    "70b-tp4": (8192, 7168),
-    "qwen2-7b": (3584, 18944),
-    "mha-d64": (1024, 4096),
-    "d256": (4096, 14336),
-}
 K = 1024
 BLOCK_SIZE = 16  # cache block size of every case (vLLM's default)
 # Default sizes of the three modes. Each applies only to the options not given.
@@ -84,7 +59,8 @@ SIZES = {
         memory_lens=[],
         windows=[],
     ),
-    # On a CPU the default window holds the whole context; a 512-token window shows several windows.
+    # On a CPU the default window holds the whole context; a 512-token window shows
+    # several windows.
     "cpu": dict(
         presets=["turboquant_3bit_nc"],
         shapes=["70b-tp8"],
@@ -94,7 +70,9 @@ SIZES = {
         windows=[512],
     ),
 }
-DEFAULT_OUT = "tq-chunked-results"  # relative to the current directory; benchmarks/results/ holds committed runs
+# Relative to the current directory; benchmarks/results/ holds the committed runs.
+DEFAULT_OUT = "tq-chunked-results"
+BASELINE = "baseline"  # the name of vLLM's method the ratios are against
 
 
 @dataclass
@@ -156,16 +134,20 @@ def matmul_ceiling_tflops(device) -> float | None:
 
 
 class CaseData:
-    """One cache of max(cached_lens) + q_len tokens; smaller cached_lens read its prefix."""
+    """One cache of max(cached_lens) + q_len tokens; smaller cached_lens read its
+    prefix. With a baseline, vLLM's own store kernel writes the cache, and two vLLM
+    impls share its layer: ``tq.impl`` as installed, ``base`` running the baseline."""
 
-    def __init__(self, preset, shape, q_len, max_cached, device, use_vllm):
+    def __init__(self, preset, shape, q_len, max_cached, device, baseline):
         hq, hk, d = SHAPES[shape]
         self.preset, self.shape, self.q_len, self.device = preset, shape, q_len, device
-        self.tq = None
-        if use_vllm:  # vLLM's own store kernel writes the cache
+        self.tq = self.base = None
+        if baseline is not None:
             from .vllm_harness import build_vllm_tq
 
             self.tq = build_vllm_tq(preset, hq, hk, d)
+            self.base = build_vllm_tq(preset, hq, hk, d).impl
+            baseline.attach(self.base, self.tq.layer, device)
         (self.q, self.kc, self.vc, self.cache, self.bt, _), self.kwargs = build_case(
             preset,
             max_cached,
@@ -173,7 +155,7 @@ class CaseData:
             hq,
             hk,
             d,
-            16,
+            BLOCK_SIZE,
             torch.float16,
             device,
             vllm_tq=self.tq,
@@ -183,32 +165,25 @@ class CaseData:
         return (self.q, self.kc, self.vc, self.cache, self.bt, cached_len)
 
 
-def methods_for(device, windows, use_vllm, latest):
-    """Name -> (callable(case, cached_len), memory reset hook or None, window or None)."""
+def methods_for(device, windows, baseline):
+    """Name -> (callable(case, cached_len), memory reset hook(case) or None, window or
+    None). ``baseline``: a tq_chunked.baseline.Baseline, or None for no vLLM methods."""
     ms = {}
-    if use_vllm:
-        import vllm
+    if baseline is not None:
+        from .baseline import continuation_prefill as vllm_call
 
-        from .vllm_harness import (
-            latest_continuation_prefill,
-            prepare_latest,
-            vllm_continuation_prefill,
-        )
+        def reset(c):  # before the memory call, so that the call's buffers count
+            baseline.reset(c.tq.layer, c.device)
 
-        def drop_layer_buffers(case):
-            for a in ("_tq_k_dequant_buf", "_tq_v_dequant_buf"):
-                if hasattr(case.tq.layer, a):
-                    delattr(case.tq.layer, a)
-
-        ms[f"vllm-{vllm.__version__}"] = (
-            lambda c, n: vllm_continuation_prefill(c.tq, *c.args(n)),
-            drop_layer_buffers,
+        ms[BASELINE] = (
+            lambda c, n: vllm_call(c.base, c.tq.layer, *c.args(n)),
+            reset,
             None,
         )
-        if latest:  # reset before the memory call, so the latest method's workspace counts in its peak
-            ms["vllm-latest"] = (
-                lambda c, n: latest_continuation_prefill(c.tq, *c.args(n)),
-                lambda c: prepare_latest(c.tq, c.device, fresh_workspace=True),
+        if baseline.source is not None:  # the installed release's too
+            ms[f"vllm-{baseline.vllm_version}"] = (
+                lambda c, n: vllm_call(c.tq.impl, c.tq.layer, *c.args(n)),
+                reset,
                 None,
             )
     ms["full"] = (
@@ -239,16 +214,14 @@ def methods_for(device, windows, use_vllm, latest):
     return ms
 
 
-def run(args) -> dict:
+def run(args, baseline=None) -> dict:
+    """The grid's result (JSON-ready). ``baseline``: a tq_chunked.baseline.Baseline
+    (on a GPU with vLLM), or None: this project's paths only."""
     device = torch.device(
         "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     )
-    from .vllm_harness import latest_available, vllm_available
-
-    use_vllm = device.type == "cuda" and vllm_available() and not args.no_vllm
-    latest = use_vllm and latest_available()
     ceiling = matmul_ceiling_tflops(device)
-    methods = methods_for(device, args.windows, use_vllm, latest)
+    methods = methods_for(device, args.windows, baseline)
     if args.methods:
         methods = {
             k: v
@@ -260,51 +233,41 @@ def run(args) -> dict:
     jobs = [(g, n, "time") for g in groups for n in args.cached_lens]
     jobs += [(g, n, "memory") for g in groups[:1] for n in args.memory_lens]
     rows, case, case_key = [], None, None
-    baseline = (
-        "vllm-latest"
-        if latest
-        else next((m for m in methods if m.startswith("vllm-")), "full")
-    )
+    base_name = BASELINE if BASELINE in methods else "full"
     for (preset, shape, q_len), cached_len, kind in tqdm(
         jobs, desc="bench", unit="case"
     ):
-        max_len = max(
-            args.cached_lens
-            + (args.memory_lens if (preset, shape, q_len) == groups[0] else [])
-        )
         if case_key != (preset, shape, q_len):
-            case, case_key = (
-                None,
-                (preset, shape, q_len),
-            )  # free the last group's cache first
+            extra = args.memory_lens if (preset, shape, q_len) == groups[0] else []
+            case, case_key = None, (preset, shape, q_len)  # free the last cache first
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            case = CaseData(preset, shape, q_len, max_len, device, use_vllm)
+            max_len = max(args.cached_lens + extra)
+            case = CaseData(preset, shape, q_len, max_len, device, baseline)
         hq, hk, d = SHAPES[shape]
         flop = attention_flop(q_len, hq, d, cached_len)
         group_rows = []
         for name, (fn, reset, window) in methods.items():
-            if kind == "memory" and not (
-                name.startswith("chunked") or name.startswith("vllm")
-            ):
+            if kind == "memory" and not name.startswith(("chunked", BASELINE, "vllm")):
                 continue
-            w = window or default_window(hk, d, 16)
+            w = window or default_window(hk, d, BLOCK_SIZE)
             row = Row(name, preset, shape, q_len, cached_len)
             if name.startswith("chunked"):
                 row.workspace_mib = workspace_bytes(q_len, hq, hk, d, w) / 2**20
+            call = functools.partial(fn, case, cached_len)
+            before = functools.partial(reset, case) if reset else None
             try:
-                call = lambda: fn(case, cached_len)
                 if kind == "time":
                     row.time_ms = time_ms(call, device)
                     row.tflops = flop / (row.time_ms * 1e-3) / 1e12
                     row.ceiling_share = row.tflops / ceiling if ceiling else None
-                row.peak_mib = peak_extra_mib(
-                    call, device, (lambda: reset(case)) if reset else None
-                )
+                row.peak_mib = peak_extra_mib(call, device, before)
             except Exception as e:  # one failing method must not end the sweep
                 row.error = f"{type(e).__name__}: {str(e)[:200]}"
             group_rows.append(row)
-        base = next((r for r in group_rows if r.method == baseline and r.time_ms), None)
+        base = next(
+            (r for r in group_rows if r.method == base_name and r.time_ms), None
+        )
         for r in group_rows:
             if base and r.time_ms:
                 r.ratio_to_vllm = r.time_ms / base.time_ms
@@ -314,14 +277,16 @@ def run(args) -> dict:
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "matmul_ceiling_tflops": ceiling,
-        "baseline": baseline,
+        "baseline": base_name,
+        "baseline_source": baseline.describe() if baseline is not None else None,
         "rows": [asdict(r) for r in rows],
     }
 
 
 def markdown(result) -> str:
-    """The result as a Markdown table. Columns a run could not measure are left out: TFLOP/s
-    and % ceiling without a GPU matmul ceiling, peak MiB where no row has a peak."""
+    """The result as a Markdown table. Columns a run could not measure are left out:
+    TFLOP/s and % ceiling without a GPU matmul ceiling, peak MiB where no row has a
+    peak."""
     ceiling = result["matmul_ceiling_tflops"]
     rows = result["rows"]
     f = lambda x, p: "" if x is None else f"{x:.{p}f}"
@@ -350,11 +315,17 @@ def markdown(result) -> str:
     if ceiling:
         measured = f"bf16 matmul ceiling measured in this run: {ceiling:.0f} TFLOP/s. "
     else:
-        measured = "No GPU: time and workspace only (TFLOP/s, the matmul ceiling and peak memory need one). "
+        measured = (
+            "No GPU: time and workspace only (TFLOP/s, the matmul ceiling and peak "
+            "memory need one). "
+        )
+    source = result.get("baseline_source")
     lines = [
         f"# Continuation prefill on {result['device']}, {result['date']}",
         "",
-        measured + f"Ratios are time / {result['baseline']} time (lower is better).",
+        measured
+        + f"Ratios are time / {result['baseline']} time (lower is better)."
+        + (f" {result['baseline']}: {source}." if source else ""),
         "",
         "| " + " | ".join(h for h, _ in columns) + " |",
         "|" + "---|" * len(columns),
@@ -491,7 +462,8 @@ def plot(result, out_dir, stem):
 
 
 def _sizes_options(sizes):
-    """The sizes as the options that give them: ["--presets a,b", "--q-lens 256", ...]."""
+    """The sizes as the options that give them: ["--presets a,b", "--q-lens 256",
+    ...]."""
     join = lambda xs: ",".join(map(str, xs)) or '""'
     return [f"--{name.replace('_', '-')} {join(sizes[name])}" for name in SIZES["full"]]
 
@@ -568,13 +540,14 @@ def make_parser(prog="tq-chunked bench"):
     p.add_argument(
         "--quick",
         action="store_true",
-        help="on a GPU, the quick sizes below (about a minute); on a CPU, the cpu sizes as without it",
+        help="on a GPU, the quick sizes below (about a minute); on a CPU, the cpu "
+        "sizes as without it",
     )
     p.add_argument(
         "--cpu",
         action="store_true",
-        help="run on the CPU (the default without a GPU) with the cpu sizes below; time and "
-        "workspace only",
+        help="run on the CPU (the default without a GPU) with the cpu sizes below; "
+        "time and workspace only",
     )
     p.add_argument(
         "--presets",
@@ -601,21 +574,23 @@ def make_parser(prog="tq-chunked bench"):
         "--memory-lens",
         type=_ints_or_none,
         metavar="N,...",
-        help="cached lengths measured for peak memory only (first preset, shape and q_len; GPU only); "
-        '"" for none',
+        help="cached lengths measured for peak memory only (first preset, shape and "
+        'q_len; GPU only); "" for none',
     )
     p.add_argument(
         "--windows",
         type=_windows,
         metavar="W,...",
-        help=f'extra windows to time besides the default window, multiples of {BLOCK_SIZE}; "" for none',
+        help="extra windows to time besides the default window, multiples of "
+        f'{BLOCK_SIZE}; "" for none',
     )
     p.add_argument(
         "--methods",
         type=lambda s: [x for x in s.split(",") if x],
         default=[],
         metavar="PREFIXES",
-        help="keep only the methods whose name starts with one of these, e.g. full,chunked-torch",
+        help="keep only the methods whose name starts with one of these, e.g. "
+        "full,chunked-torch",
     )
     p.add_argument(
         "--no-vllm",
@@ -623,39 +598,50 @@ def make_parser(prog="tq-chunked bench"):
         help="leave out vLLM's methods (which run on a GPU only)",
     )
     p.add_argument(
+        "--baseline-source",
+        metavar="PATH",
+        help="the baseline is vLLM's own prefill: by default the installed release's; "
+        "with this, another release's, from its "
+        "vllm/v1/attention/backends/turboquant_attn.py at PATH, run in the installed "
+        "vLLM (needs a GPU and vLLM; see tq_chunked/baseline.py)",
+    )
+    p.add_argument(
         "--out",
         default=DEFAULT_OUT,
         metavar="DIR",
-        help="directory for the JSON, Markdown and PNG files, created if missing (default: "
-        "./%(default)s)",
+        help="directory for the JSON, Markdown and PNG files, created if missing "
+        "(default: ./%(default)s)",
     )
     p.add_argument("--tag", default="", help="appended to the output file names")
     p.add_argument(
         "--render",
         metavar="JSON",
-        help="only rewrite the Markdown table and plots of a result file, next to it",
+        help="only rewrite the Markdown table and plots of a result file (of any "
+        "mode), next to it",
     )
     engine = p.add_argument_group(
-        "engine-shaped modes (GPU with vLLM; see bench_engine.py): layers back to back, "
-        "host and GPU time per call, against the latest vLLM's _prefill_attention"
+        "engine-shaped modes (a GPU with vLLM; see bench_engine.py): layers back to "
+        "back, host and GPU time per call, against the baseline's _prefill_attention"
     )
     mode = engine.add_mutually_exclusive_group()
     mode.add_argument(
         "--stack",
         action="store_true",
-        help="single requests: 3 head shapes x q_len 512, 2048 x cached 8K, 32K, 128K",
+        help="single requests: 3 head shapes x q_len 512, 2048 x cached 8K, 32K, "
+        "128K, and D 256 and q_len 8192 points",
     )
     mode.add_argument(
         "--serving",
         action="store_true",
-        help="serving-shaped batches: 1-32 prefix-cache hits of q_len 16-2048 over 1K-64K cached "
-        "tokens, with and without first chunks, three head shapes",
+        help="serving-shaped batches: 1-64 prefix-cache hits of q_len 16-8192 over "
+        "0.5K-128K cached tokens, with and without first chunks, every head shape, "
+        "fp16 and bf16, every preset",
     )
     mode.add_argument(
         "--crossover",
         action="store_true",
-        help="one short continuation (q_len 8, 32, 128 over 1K, 8K, 64K cached): vLLM's decode "
-        "replay against the windowed path",
+        help="one short continuation (q_len 8, 32, 128 over 1K, 8K, 64K cached): "
+        "vLLM's decode replay against the windowed path",
     )
     engine.add_argument(
         "--layers",
@@ -682,24 +668,19 @@ def make_parser(prog="tq-chunked bench"):
 
 
 def parse(argv=None, prog="tq-chunked bench"):
-    """Parsed arguments, with the mode's default sizes filled in for the options not given."""
+    """Parsed arguments, with the mode's default sizes filled in for the options not
+    given."""
     p = make_parser(prog)
     a = p.parse_args(argv)
     if a.cpu or not torch.cuda.is_available():
         a.cpu = True
         if a.memory_lens:
             p.error(
-                "argument --memory-lens: peak memory is measured on a GPU only; leave it out on the CPU"
+                "argument --memory-lens: peak memory is measured on a GPU only; leave "
+                "it out on the CPU"
             )
-    a.engine_mode = (
-        "stack"
-        if a.stack
-        else "serving"
-        if a.serving
-        else "crossover"
-        if a.crossover
-        else None
-    )
+    engine_modes = [m for m in ("stack", "serving", "crossover") if getattr(a, m)]
+    a.engine_mode = engine_modes[0] if engine_modes else None
     a.mode = "cpu" if a.cpu else "quick" if a.quick else "full"
     for name, value in SIZES[a.mode].items():
         if getattr(a, name) is None:
@@ -717,22 +698,50 @@ def output_stem(result, args):
     )
 
 
-def run_engine(args):
-    """--stack, --serving or --crossover: bench_engine's workloads, written like the grid."""
+def load_baseline(args, prog):
+    """The baseline the run compares with (tq_chunked.baseline.Baseline), or None when
+    vLLM's methods cannot or should not run here. Exits with an error naming
+    --baseline-source when it was given and cannot be used."""
+    from .vllm_harness import vllm_available
+
+    why = None
+    if args.cpu:
+        why = "vLLM's methods run on a GPU only, and this run is on the CPU"
+    elif args.no_vllm:
+        why = "--no-vllm leaves vLLM's methods out"
+    elif not vllm_available():
+        why = "vLLM is not installed here (its TurboQuant backend does not import)"
+    if why is not None:
+        if args.baseline_source is not None:
+            raise SystemExit(f"{prog}: error: argument --baseline-source: {why}")
+        return None
+    from .baseline import BaselineError, load
+
+    try:
+        return load(args.baseline_source)
+    except BaselineError as e:
+        raise SystemExit(f"{prog}: error: argument --baseline-source: {e}") from None
+
+
+def run_engine(args, prog="tq-chunked bench"):
+    """--stack, --serving or --crossover: bench_engine's workloads, written like the
+    grid."""
     from . import bench_engine as be
 
     if not torch.cuda.is_available():
-        raise SystemExit(f"tq-chunked bench: --{args.engine_mode} needs a CUDA GPU")
-    workloads = {
-        "stack": be.stack_workloads,
-        "serving": be.serving_workloads,
-        "crossover": be.crossover_workloads,
-    }[args.engine_mode]()
+        raise SystemExit(f"{prog}: error: --{args.engine_mode} needs a CUDA GPU")
+    baseline = load_baseline(args, prog)
+    if baseline is None:
+        raise SystemExit(
+            f"{prog}: error: --{args.engine_mode} needs vLLM installed (its "
+            "TurboQuant backend does not import here)"
+        )
+    workloads = be.WORKLOADS[args.engine_mode]()
     if args.workloads:
         workloads = [
             w for w in workloads if any(w.name.startswith(p) for p in args.workloads)
         ]
-    methods = be.methods_available()
+    methods = be.methods_available(baseline)
     if args.methods:
         methods = {
             k: v
@@ -740,8 +749,9 @@ def run_engine(args):
             if any(k.startswith(p) for p in args.methods)
         }
     print(
-        f"tq-chunked bench --{args.engine_mode}: {len(workloads)} workloads, methods {', '.join(methods)}, "
-        f"{args.layers} layers, {args.repeats} repeats; results into {args.out}"
+        f"{prog} --{args.engine_mode}: {len(workloads)} workloads, methods "
+        f"{', '.join(methods)}, {args.layers} layers, {args.repeats} repeats; "
+        f"baseline: {baseline.describe()}; results into {args.out}"
     )
     rows = be.run_workloads(workloads, methods, args.layers, args.repeats)
     result = {
@@ -752,62 +762,122 @@ def run_engine(args):
         "layers": args.layers,
         "repeats": args.repeats,
         "methods": list(methods),
+        "baseline": be.BASELINE,
+        "baseline_source": baseline.describe(),
         "rows": rows,
     }
     os.makedirs(args.out, exist_ok=True)
-    stem = output_stem(result, args) + f"-{args.engine_mode}"
-    with open(os.path.join(args.out, stem + ".json"), "w") as f:
+    stem = os.path.join(args.out, output_stem(result, args) + f"-{args.engine_mode}")
+    with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
-    md = be.markdown(result) + "\n" + be.summary(result)
-    with open(os.path.join(args.out, stem + ".md"), "w") as f:
-        f.write(md)
-    png = be.plot(result, os.path.join(args.out, stem + ".png"))
-    print(md)
-    print(
-        "wrote",
-        ", ".join(
-            [os.path.join(args.out, stem + e) for e in (".json", ".md")]
-            + ([png] if png else [])
-        ),
+    print(write_report(result, stem))
+
+
+# What --render needs of a result file: the top-level keys and each row's keys, per
+# kind (grid: the default, --quick and --cpu; engine: --stack, --serving, --crossover).
+RESULT_KEYS = {
+    "grid": (
+        ("device", "date", "matmul_ceiling_tflops", "baseline", "rows"),
+        ("method", "preset", "shape", "q_len", "cached_len", "time_ms", "tflops")
+        + ("ceiling_share", "peak_mib", "workspace_mib", "ratio_to_vllm", "error"),
+    ),
+    "engine": (
+        ("mode", "device", "date", "layers", "repeats", "rows"),
+        ("workload", "shape", "preset", "requests", "q_tokens", "cached_tokens")
+        + ("method", "stack_ms", "host_ms_per_call", "gpu_ms_per_call"),
+    ),
+}
+
+
+class ResultError(ValueError):
+    """A file --render cannot read as a result of tq-chunked bench."""
+
+
+def read_result(path):
+    """(result, kind) of a results JSON written by tq-chunked bench, of any version;
+    kind is "grid" or "engine". Raises ResultError with a one-line reason."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise ResultError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        result = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ResultError(
+            f"{path} is not JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+        ) from None
+    expected = (
+        "expected a result of tq-chunked bench (keys "
+        + "; ".join(f"{k}: {', '.join(top)}" for k, (top, _) in RESULT_KEYS.items())
+        + ")"
     )
+    if not isinstance(result, dict):
+        raise ResultError(f"{path} holds a JSON {type(result).__name__}; {expected}")
+    kind = "engine" if "mode" in result else "grid"
+    top, row_keys = RESULT_KEYS[kind]
+    missing = [k for k in top if k not in result]
+    if missing:
+        raise ResultError(f"{path} has no {', '.join(missing)}; {expected}")
+    rows = result["rows"]
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ResultError(f"{path}: rows is not a list of objects; {expected}")
+    for i, r in enumerate(rows):
+        missing = [k for k in row_keys if k not in r]
+        if missing:
+            raise ResultError(
+                f"{path}: row {i} has no {', '.join(missing)} (a {kind} result's rows "
+                f"have {', '.join(row_keys)})"
+            )
+    return result, kind
+
+
+def write_report(result, stem) -> str:
+    """Write STEM.md and the plots of a result beside STEM; returns the Markdown and
+    the list of files written."""
+    from . import bench_engine as be
+
+    if "mode" in result:  # an engine result
+        md = be.markdown(result) + "\n" + be.summary(result)
+        png = be.plot(result, stem + ".png")
+        paths = [png] if png else []
+    else:
+        md = markdown(result)
+        paths = plot(result, os.path.dirname(stem) or ".", os.path.basename(stem))
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    written = [p for p in (stem + ".json", stem + ".md") if os.path.exists(p)]
+    return md + "\nwrote " + ", ".join(written + paths)
+
+
+def render(path, prog="tq-chunked bench"):
+    """--render: rewrite the Markdown and plots of a result file, beside it."""
+    try:
+        result, _ = read_result(path)
+    except ResultError as e:
+        raise SystemExit(f"{prog}: error: argument --render: {e}") from None
+    print(write_report(result, os.path.splitext(path)[0]))
 
 
 def main(argv=None, prog="tq-chunked bench"):
     args = parse(argv, prog)
-    if args.engine_mode:
-        return run_engine(args)
     if args.render:
-        with open(args.render) as f:
-            result = json.load(f)
-        stem = os.path.splitext(args.render)[0]
-        with open(stem + ".md", "w") as f:
-            f.write(markdown(result))
-        print(
-            "wrote",
-            ", ".join(
-                [stem + ".md"]
-                + plot(result, os.path.dirname(stem) or ".", os.path.basename(stem))
-            ),
-        )
-        return
+        return render(args.render, prog)
+    if args.engine_mode:
+        return run_engine(args, prog)
+    baseline = load_baseline(args, prog)
     print(
-        f"tq-chunked bench on the {'CPU' if args.cpu else 'GPU'}, {args.mode} mode (its sizes for the options "
-        f"not given): {' '.join(_sizes_options(vars(args)))}; results into {args.out}"
+        f"{prog} on the {'CPU' if args.cpu else 'GPU'}, {args.mode} mode (its sizes "
+        f"for the options not given): {' '.join(_sizes_options(vars(args)))}; "
+        + (f"baseline: {baseline.describe()}; " if baseline else "")
+        + f"results into {args.out}"
     )
-    result = run(args)
+    result = run(args, baseline)
     os.makedirs(args.out, exist_ok=True)
-    stem = output_stem(result, args)
-    with open(os.path.join(args.out, stem + ".json"), "w") as f:
+    stem = os.path.join(args.out, output_stem(result, args))
+    with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
-    md = markdown(result)
-    with open(os.path.join(args.out, stem + ".md"), "w") as f:
-        f.write(md)
-    paths = plot(result, args.out, stem)
-    print(md)
-    print(
-        "wrote",
-        ", ".join([os.path.join(args.out, stem + e) for e in (".json", ".md")] + paths),
-    )
+    print(write_report(result, stem))
 
 
 if __name__ == "__main__":

@@ -1,162 +1,82 @@
-"""Continuation prefill timed as an engine runs it, side by side with the latest vLLM and
-with the floor, in one run.
+"""Continuation prefill timed as an engine runs it, side by side with vLLM's own
+prefill and with the floor, in one run.
 
     tq-chunked bench --stack       single requests: head shapes x q_len x cached_len
-    tq-chunked bench --serving     serving-shaped batches: prefix-cache hits, first chunks,
-                                   head shapes, dtypes and presets of the serving grid
-    tq-chunked bench --crossover   one short continuation (q_len <= 128): vLLM's decode
-                                   replay against the windowed path
+    tq-chunked bench --serving     serving-shaped batches: prefix-cache hits, first
+                                   chunks, head shapes, dtypes and presets
+    tq-chunked bench --crossover   one short continuation (q_len <= 128): vLLM's
+                                   decode replay against the windowed path
 
 vLLM runs attention eagerly between its compiled pieces, so what a step costs is the
 layers called back to back, host work included. Per workload and method, interleaved
 over repeats (median reported):
 
-  stack ms       L layers (each with its own cache) called back to back, from the first
-                 enqueue to the end of the GPU work
-  host ms/call   CPU time until a call returns, with the GPU kept busy by a spin kernel
-                 (so the host never waits for it)
+  stack ms       L layers (each with its own cache) called back to back, from the
+                 first enqueue to the end of the GPU work
+  host ms/call   CPU time until a call returns, with the GPU kept busy by a spin
+                 kernel (so the host never waits for it)
   GPU ms/call    GPU time of the same calls (CUDA events; the host ran ahead)
-  kernel ms/call the sum of the GPU kernels' own durations over a stack (profiler), per
-                 call: what the call costs the GPU, host gaps excluded
-  step ms        a model-shaped step: per layer the attention call between GEMMs of that
-                 layer's weights (QKV, output, MLP; bench.LAYER_GEMMS), L layers
+  kernel ms/call the sum of the GPU kernels' own durations over a stack (profiler),
+                 per call: what the call costs the GPU, host gaps excluded
+  step ms        a model-shaped step: per layer the attention call between GEMMs of
+                 that layer's weights (QKV, output, MLP; testing.LAYER_GEMMS), L layers
 
-Methods: ``latest``: the latest vLLM release's ``_prefill_attention`` with its own
-``_continuation_prefill`` (run in the installed runtime through .gpu-carry/latest/
-vllm_latest.py), the strongest baseline; ``floor``: one FlashAttention varlen call per
-layer over fp16/bf16 K/V of the same lengths (causal, no dequantization): what a BF16
-cache costs; ``tq_chunked``: one ``continuation_prefill_varlen`` call per layer with the
-host copies of the lengths and a preallocated workspace (the plugin's way);
-``tq_chunked-default``: the same with every default (its own workspace per call, the
-block-id check on); ``vllm-<version>``: the installed release's real ``forward``,
-unpatched; ``patched``: the same ``forward`` with the plugin's replacements. Needs a CUDA
-GPU.
+Methods: ``baseline``: vLLM's ``_prefill_attention`` with its own
+``_continuation_prefill``, the installed release's or, with ``--baseline-source``,
+another release's (tq_chunked/baseline.py), the ratios' reference; ``floor``: one
+FlashAttention varlen call per layer over fp16/bf16 K/V of the same lengths (causal, no
+dequantization): what a BF16 cache costs; ``tq_chunked``: one
+``continuation_prefill_varlen`` call per layer with the host copies of the lengths and
+a preallocated workspace (the plugin's way); ``tq_chunked-default``: the same with every
+default (its own workspace per call, the block-id check on); ``vllm-<version>``: the
+installed release's real ``forward``, unpatched; ``patched``: the same ``forward`` with
+the plugin's replacements. Needs a CUDA GPU and vLLM. Results written before the
+baseline was chosen here name it ``latest`` (vLLM 0.33.0's methods in vLLM 0.20.0's
+runtime); :func:`baseline_name` reads both.
 """
 
 from __future__ import annotations
 
 import itertools
-import random
+import math
 import statistics
 import time
-from dataclasses import dataclass
+import types
 
 import torch
 from tqdm import tqdm
 
 from . import continuation_prefill_varlen, workspace_bytes
-from .demo import build_batch
+from .testing import (
+    LAYER_GEMMS,
+    SHAPES,
+    build_batch,
+    crossover_workloads,
+    serving_workloads,
+    stack_workloads,
+)
 from .workspace import default_window
 
 K = 1024
 LAYERS = 32
+BASELINE = "baseline"  # the baseline method's name in new results
+WORKLOADS = {  # engine mode -> its workloads
+    "stack": stack_workloads,
+    "serving": serving_workloads,
+    "crossover": crossover_workloads,
+}
 
 
-@dataclass
-class Workload:
-    name: str
-    shape: str  # a key of bench.SHAPES
-    requests: list  # [(cached_len, q_len)]
-    preset: str = "turboquant_3bit_nc"
-    dtype: str = "float16"
+def baseline_name(result) -> str:
+    """The name of the method a result's ratios are against: ``baseline``, or
+    ``latest`` in results written before it was named so."""
+    return result.get("baseline", "latest")
 
 
-def _hits(rng, n, q_len, lo, hi):
-    """N prefix-cache hits of q_len new tokens over lo..hi cached tokens (multiples of 16)."""
-    return [(rng.randrange(lo // 16, hi // 16 + 1) * 16, q_len) for _ in range(n)]
-
-
-def stack_workloads():
-    return (
-        [
-            Workload(f"{shape} q{q} {c // K}K", shape, [(c, q)])
-            for shape in ("llama3-8b", "70b-tp8", "70b-tp1")
-            for q in (512, 2048)
-            for c in (8 * K, 32 * K, 128 * K)
-        ]
-        + [
-            Workload(f"d256 q{q} {c // K}K", "d256", [(c, q)])
-            for q in (2048, 8192)
-            for c in (8 * K, 128 * K)
-        ]
-        + [
-            Workload(f"llama3-8b q8192 {c // K}K", "llama3-8b", [(c, 8192)])
-            for c in (16 * K, 128 * K)
-        ]
-    )
-
-
-def serving_workloads():
-    """The serving grid: B 1-64, q 16-8192, cached 0-128K mixed, the head shapes of
-    bench.SHAPES, fp16 and bf16, every preset."""
-    rng = random.Random(0)
-    W = Workload
-    return [
-        W("1 hit q512 8K", "llama3-8b", [(8 * K, 512)]),
-        W("16 hits q512 2K-16K", "llama3-8b", _hits(rng, 16, 512, 2 * K, 16 * K)),
-        W("16 hits q256 1K-8K", "llama3-8b", _hits(rng, 16, 256, 1 * K, 8 * K)),
-        W("24 hits q384 0.5K-6K", "llama3-8b", _hits(rng, 24, 384, K // 2, 6 * K)),
-        W("4 chunks q2048 16K-64K", "llama3-8b", _hits(rng, 4, 2048, 16 * K, 64 * K)),
-        W("32 hits q200 1K-4K", "llama3-8b", _hits(rng, 32, 200, 1 * K, 4 * K)),
-        W("64 hits q16 1K-8K", "llama3-8b", _hits(rng, 64, 16, 1 * K, 8 * K)),
-        W(
-            "8 hits q64-128 4K-32K",
-            "llama3-8b",
-            [(c, rng.randrange(64, 129)) for c, _ in _hits(rng, 8, 0, 4 * K, 32 * K)],
-        ),
-        W(
-            "2 first chunks q2048 + 8 hits q256 2K-16K",
-            "llama3-8b",
-            [(0, 2048), (0, 2048)] + _hits(rng, 8, 256, 2 * K, 16 * K),
-        ),
-        W(
-            "first chunk q4096 + 4 hits q1024 (bf16)",
-            "llama3-8b",
-            [(0, 4096)] + _hits(rng, 4, 1024, 4 * K, 32 * K),
-            dtype="bfloat16",
-        ),
-        W(
-            "16 hits q512 2K-16K (bf16, k8v4)",
-            "llama3-8b",
-            _hits(rng, 16, 512, 2 * K, 16 * K),
-            "turboquant_k8v4",
-            "bfloat16",
-        ),
-        W(
-            "16 hits q512 2K-16K (4bit_nc)",
-            "llama3-8b",
-            _hits(rng, 16, 512, 2 * K, 16 * K),
-            "turboquant_4bit_nc",
-        ),
-        W(
-            "16 hits q512 2K-16K (k3v4_nc)",
-            "llama3-8b",
-            _hits(rng, 16, 512, 2 * K, 16 * K),
-            "turboquant_k3v4_nc",
-        ),
-        W("1 long hit q2048 128K", "llama3-8b", [(128 * K, 2048)]),
-        W(
-            "2 long hits q1024 64K-128K + 8 hits q128",
-            "llama3-8b",
-            _hits(rng, 2, 1024, 64 * K, 128 * K) + _hits(rng, 8, 128, 1 * K, 8 * K),
-        ),
-        W("8 hits q1024 4K-32K", "70b-tp8", _hits(rng, 8, 1024, 4 * K, 32 * K)),
-        W("32 hits q128 1K-8K", "70b-tp8", _hits(rng, 32, 128, 1 * K, 8 * K)),
-        W("16 hits q512 2K-16K", "70b-tp4", _hits(rng, 16, 512, 2 * K, 16 * K)),
-        W("16 hits q512 2K-16K", "70b-tp1", _hits(rng, 16, 512, 2 * K, 16 * K)),
-        W("16 hits q512 2K-16K", "qwen2-7b", _hits(rng, 16, 512, 2 * K, 16 * K)),
-        W("16 hits q256 1K-8K", "mha-d64", _hits(rng, 16, 256, 1 * K, 8 * K)),
-        W("1 hit q2048 8K", "d256", [(8 * K, 2048)]),
-        W("1 hit q8192 16K", "llama3-8b", [(16 * K, 8192)]),
-    ]
-
-
-def crossover_workloads():
-    return [
-        Workload(f"1 hit q{q} {c // K}K", "llama3-8b", [(c, q)])
-        for q in (8, 32, 128)
-        for c in (1 * K, 8 * K, 64 * K)
-    ]
+def diff_to_baseline(row):
+    """A row's relative difference to the baseline's answer (key of old results:
+    diff_to_latest), or None."""
+    return row.get("diff_to_baseline", row.get("diff_to_latest"))
 
 
 # ---------------------------------------------------------------------------
@@ -169,8 +89,6 @@ class Layers:
     layer (no layer finds another's cache in L2), and per-layer Q/K/V."""
 
     def __init__(self, workload, layers, tq, device):
-        from .bench import SHAPES
-
         hq, hk, d = SHAPES[workload.shape]
         self.hq, self.hk, self.d, self.tq = hq, hk, d, tq
         self.dtype = getattr(torch, workload.dtype)
@@ -205,8 +123,8 @@ class Layers:
         ]
 
     def metadata(self):
-        """VLLM's TurboQuantMetadata for this batch (all prefills, no decodes), with the
-        host copies the latest release keeps."""
+        """The TurboQuantMetadata vLLM builds for this batch (all prefills, no
+        decodes), with the host copies of the lengths that releases from 0.21 keep."""
         from vllm.v1.attention.backends.turboquant_attn import TurboQuantMetadata
 
         n = self.qsl[-1]
@@ -231,14 +149,15 @@ class Layers:
 
 
 def method_floor(layers: Layers, max_bytes=8 << 30):
-    """One FlashAttention varlen call per layer over K/V of the query's dtype with the same
-    lengths (cached + new per request, causal): prefill over a BF16/FP16 cache. Layers
-    share K/V buffers cyclically beyond max_bytes (far more than the L2 holds)."""
+    """One FlashAttention varlen call per layer over K/V of the query's dtype with the
+    same lengths (cached + new per request, causal): prefill over a BF16/FP16 cache.
+    Layers share K/V buffers cyclically beyond max_bytes (far more than the L2
+    holds)."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    from .attention import _vllm_flash
+    from .attention import vllm_flash
 
-    version = _vllm_flash(layers.d)[1]
+    version = vllm_flash(layers.d)[1]
     dev = layers.block_table.device
     total = sum(layers.seq_lens)
     one = 2 * total * layers.hk * layers.d * layers.dtype.itemsize
@@ -283,8 +202,8 @@ def method_floor(layers: Layers, max_bytes=8 << 30):
 
 
 def method_tq_chunked_default(layers: Layers):
-    """continuation_prefill_varlen with every default: a workspace of its own per call, the
-    block-id check on."""
+    """continuation_prefill_varlen with every default: a workspace of its own per call,
+    the block-id check on."""
 
     def layer_call(i):
         q, k, v = layers.qkv[i]
@@ -334,44 +253,43 @@ def method_tq_chunked(layers: Layers):
     return [layer_call(i) for i in range(len(layers.caches))]
 
 
-def method_latest(layers: Layers):
-    """The latest release's _prefill_attention and _continuation_prefill, on an impl of
-    their own (the installed release's forward keeps its own methods)."""
-    import vllm_latest
+def method_baseline(baseline):
+    """The baseline's ``_prefill_attention`` (its per-request loop, calling its own
+    ``_continuation_prefill``), on an impl of its own: the installed release's forward
+    keeps its own methods. ``baseline``: a tq_chunked.baseline.Baseline."""
 
-    from .vllm_harness import VllmTQ, build_vllm_tq, prepare_latest
+    def make(layers: Layers):
+        from .vllm_harness import build_vllm_tq
 
-    tq = VllmTQ(
-        build_vllm_tq(
+        impl = build_vllm_tq(
             layers.tq.impl.kv_cache_dtype, layers.hq, layers.hk, layers.d
-        ).impl,
-        layers.tq.layer,
-    )
-    prepare_latest(tq, layers.block_table.device)
-    vllm_latest.bind_latest(tq.impl, "_continuation_prefill")
-    prefill = vllm_latest.latest_method("_prefill_attention")
-    meta = layers.metadata()
+        ).impl
+        layer = layers.tq.layer
+        baseline.attach(impl, layer, layers.block_table.device)
+        meta = layers.metadata()
 
-    def layer_call(i):
-        q, k, v = layers.qkv[i]
-        return lambda: prefill(
-            tq.impl,
-            q,
-            k,
-            v,
-            layers.caches[i],
-            meta,
-            tq.layer._tq_Pi,
-            tq.layer._tq_centroids,
-            tq.layer._tq_PiT,
-            tq.layer,
-        )
+        def layer_call(i):
+            q, k, v = layers.qkv[i]
+            cache = layers.caches[i]
+            return lambda: impl._prefill_attention(
+                q,
+                k,
+                v,
+                cache,
+                meta,
+                layer._tq_Pi,
+                layer._tq_centroids,
+                layer._tq_PiT,
+                layer,
+            )
 
-    return [layer_call(i) for i in range(len(layers.caches))]
+        return [layer_call(i) for i in range(len(layers.caches))]
+
+    return make
 
 
 def _forward_calls(layers: Layers, impl):
-    """VLLM's real forward() of ``impl`` per layer (all-prefill batch: it runs
+    """The real vLLM forward() of ``impl`` per layer (all-prefill batch: it runs
     _prefill_attention), into a preallocated output, as the engine calls it."""
     tq = layers.tq
     meta = layers.metadata()
@@ -401,8 +319,6 @@ def method_vllm(layers: Layers):
 def method_patched(layers: Layers):
     """The installed vLLM release's forward with the plugin's replacements (bound to a
     second impl, so the unpatched one stays as it is)."""
-    import types
-
     import vllm.v1.attention.backends.turboquant_attn as tqa
 
     from .vllm_harness import build_vllm_tq
@@ -433,7 +349,8 @@ def _spin_cycles_per_ms():
 
 
 def kernel_ms_per_call(calls):
-    """The GPU kernels' own time per call over the stack (profiler), host gaps excluded."""
+    """The GPU kernels' own time per call over the stack (profiler), host gaps
+    excluded."""
     torch.cuda.synchronize()
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CUDA]
@@ -451,12 +368,10 @@ def kernel_ms_per_call(calls):
 
 class Step:
     """A model-shaped step's GEMMs around each layer's attention: QKV projection, output
-    projection and the MLP (gate+up, down) of one layer's weights (bench.LAYER_GEMMS), on
+    projection and the MLP (gate+up, down) of one layer's weights (LAYER_GEMMS), on
     N tokens; the weights are shared by the layers (they are far larger than the L2)."""
 
     def __init__(self, shape, n, dtype, device):
-        from .bench import LAYER_GEMMS, SHAPES
-
         hq, hk, d = SHAPES[shape]
         hidden, inter = LAYER_GEMMS[shape]
         gen = torch.Generator(device).manual_seed(3)
@@ -477,8 +392,8 @@ class Step:
 
 
 def measure(calls, cycles_per_ms, head_start_ms, step=None):
-    """(stack ms, host ms per call, GPU ms per call, whether the host stayed ahead, model
-    step ms or None).
+    """(stack ms, host ms per call, GPU ms per call, whether the host stayed ahead,
+    model step ms or None).
 
     Host and GPU time are taken one call at a time: a spin kernel keeps the GPU busy
     while the host enqueues the call, so the host never waits, and the queue is empty
@@ -520,36 +435,42 @@ def measure(calls, cycles_per_ms, head_start_ms, step=None):
 
 
 def run_workloads(workloads, methods, layers=LAYERS, repeats=5, progress=True):
-    from .bench import SHAPES
+    """Rows of the results: per workload and method, the times (median of the
+    interleaved repeats), the ratios to the baseline and the floor, and the relative
+    difference of layer 0's answer to the baseline's."""
+    from .baseline import ensure_workspace
     from .vllm_harness import build_vllm_tq
 
+    device = torch.device("cuda")
+    ensure_workspace(device)  # the installed forward of releases from 0.21 needs it
     cycles = _spin_cycles_per_ms()
     rows = []
     for w in tqdm(workloads, desc="workloads", unit="workload", disable=not progress):
         hq, hk, d = SHAPES[w.shape]
         tq = build_vllm_tq(w.preset, hq, hk, d)
-        inputs = Layers(w, layers, tq, torch.device("cuda"))
+        inputs = Layers(w, layers, tq, device)
         calls = {name: make(inputs) for name, make in methods.items()}
-        step = Step(w.shape, inputs.qsl[-1], inputs.dtype, torch.device("cuda"))
+        step = Step(w.shape, inputs.qsl[-1], inputs.dtype, device)
         outs = {}
         for name, fs in calls.items():  # warm-up (compilation), and layer 0's answer
             outs[name] = fs[0]().float()
             for f in fs:
                 f()
         torch.cuda.synchronize()
-        ref = outs.get("latest")
+        ref = outs.get(BASELINE)
         kernel = {name: kernel_ms_per_call(fs) for name, fs in calls.items()}
         head_start = {name: 2.0 for name in calls}
         samples = {name: [] for name in calls}
-        for _ in range(
-            repeats
-        ):  # interleaved: the machine's drift hits every method alike
+        for _ in range(repeats):  # interleaved: the machine's drift hits all alike
             for name, fs in calls.items():
                 sample = measure(fs, cycles, head_start[name], step)
                 head_start[name] = max(head_start[name], 3 * sample[1])
                 samples[name].append(sample)
         for name, ss in samples.items():
-            med = lambda i: statistics.median(s[i] for s in ss)
+            med = [statistics.median(s[i] for s in ss) for i in range(5)]
+            diff = None
+            if ref is not None and name != BASELINE:
+                diff = ((outs[name] - ref).norm() / ref.norm()).item()
             rows.append(
                 dict(
                     workload=w.name,
@@ -560,20 +481,18 @@ def run_workloads(workloads, methods, layers=LAYERS, repeats=5, progress=True):
                     q_tokens=sum(q for _, q in w.requests),
                     cached_tokens=sum(c for c, _ in w.requests),
                     method=name,
-                    stack_ms=med(0),
+                    stack_ms=med[0],
                     stack_ms_all=[s[0] for s in ss],
-                    host_ms_per_call=med(1),
-                    gpu_ms_per_call=med(2),
+                    host_ms_per_call=med[1],
+                    gpu_ms_per_call=med[2],
                     kernel_ms_per_call=kernel[name],
-                    step_ms=med(4),
+                    step_ms=med[4],
                     host_ahead=all(s[3] for s in ss),
-                    diff_to_latest=None
-                    if ref is None or name == "latest"
-                    else ((outs[name] - ref).norm() / ref.norm()).item(),
+                    diff_to_baseline=diff,
                 )
             )
         mine = rows[-len(samples) :]
-        base = next((r for r in mine if r["method"] == "latest"), None)
+        base = next((r for r in mine if r["method"] == BASELINE), None)
         floor = next((r for r in mine if r["method"] == "floor"), None)
         for r in mine:
             r["ratio"] = r["stack_ms"] / base["stack_ms"] if base else None
@@ -586,105 +505,128 @@ def run_workloads(workloads, methods, layers=LAYERS, repeats=5, progress=True):
     return rows
 
 
-def methods_available():
-    from .attention import backend_available
-    from .vllm_harness import latest_available, vllm_available
+def methods_available(baseline):
+    """Name -> method (a function of Layers returning the per-layer calls) of what can
+    run here; ``baseline``: a tq_chunked.baseline.Baseline."""
+    import vllm
 
-    ms = {}
-    if latest_available():
-        ms["latest"] = method_latest
+    from .attention import backend_available
+
+    ms = {BASELINE: method_baseline(baseline)}
     if backend_available("flash", torch.device("cuda"), 128)[0]:
         ms["floor"] = method_floor
     ms["tq_chunked"] = method_tq_chunked
     ms["tq_chunked-default"] = method_tq_chunked_default
-    if vllm_available():
-        import vllm
-
-        ms[f"vllm-{vllm.__version__}"] = method_vllm
-        ms["patched"] = method_patched
+    ms[f"vllm-{vllm.__version__}"] = method_vllm
+    ms["patched"] = method_patched
     return ms
 
 
+def _f(x, digits):
+    return "" if x is None else f"{x:.{digits}f}"
+
+
 def markdown(result) -> str:
+    """The result as a Markdown table (results of any version: see baseline_name)."""
+    base = baseline_name(result)
+    source = result.get("baseline_source")
     lines = [
-        f"# {result['mode']}: continuation prefill as an engine runs it, {result['device']}, {result['date']}",
+        f"# {result['mode']}: continuation prefill as an engine runs it, "
+        f"{result['device']}, {result['date']}",
         "",
-        f"{result['layers']} layers back to back, median of {result['repeats']} interleaved repeats. "
-        "stack: first enqueue to end of GPU work; host: CPU time per call with the GPU kept busy; "
-        "GPU: GPU time per call; kernel: the GPU kernels' own time per call (profiler); step: the "
-        "layers with GEMMs of their weights around each attention call. vs latest: stack time / the "
-        "latest vLLM's; vs floor: kernel time and step time / the floor's (FlashAttention over K/V of "
-        "the query's dtype, what a BF16 cache costs). Lower is better.",
+        f"{result['layers']} layers back to back, median of {result['repeats']} "
+        "interleaved repeats. stack: first enqueue to end of GPU work; host: CPU time "
+        "per call with the GPU kept busy; GPU: GPU time per call; kernel: the GPU "
+        "kernels' own time per call (profiler); step: the layers with GEMMs of their "
+        f"weights around each attention call. vs {base}: stack time / {base}'s; vs "
+        "floor: kernel time and step time / the floor's (FlashAttention over K/V of "
+        "the query's dtype, what a BF16 cache costs). Lower is better."
+        + (f" {base}: {source}." if source else ""),
         "",
-        "| workload | shape | dtype | preset | B | q tokens | cached | method | stack ms | host ms/call | "
-        "GPU ms/call | kernel ms/call | step ms | vs latest | kernel vs floor | step vs floor | diff to latest |",
+        "| workload | shape | dtype | preset | B | q tokens | cached | method | "
+        "stack ms | host ms/call | GPU ms/call | kernel ms/call | step ms | "
+        f"vs {base} | kernel vs floor | step vs floor | diff to {base} |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    f = lambda x, p: "" if x is None else f"{x:.{p}f}"
-    e = lambda x: "" if x is None else f"{x:.1e}"
     for r in result["rows"]:
-        lines.append(
-            f"| {r['workload']} | {r['shape']} | {r.get('dtype', 'float16')} | "
-            f"{r['preset'].replace('turboquant_', '')} | {r['requests']} | {r['q_tokens']} | "
-            f"{r['cached_tokens'] / K:.0f}K | {r['method']} | {f(r['stack_ms'], 1)} | "
-            f"{f(r['host_ms_per_call'], 3)} | {f(r['gpu_ms_per_call'], 3)} | "
-            f"{f(r.get('kernel_ms_per_call'), 3)} | {f(r.get('step_ms'), 1)} | {f(r.get('ratio'), 2)} | "
-            f"{f(r.get('kernel_to_floor'), 2)} | {f(r.get('step_to_floor'), 2)} | "
-            f"{e(r['diff_to_latest'])} |"
-        )
+        diff = diff_to_baseline(r)
+        cells = [
+            r["workload"],
+            r["shape"],
+            r.get("dtype", "float16"),
+            r["preset"].replace("turboquant_", ""),
+            str(r["requests"]),
+            str(r["q_tokens"]),
+            f"{r['cached_tokens'] / K:.0f}K",
+            r["method"],
+            _f(r["stack_ms"], 1),
+            _f(r["host_ms_per_call"], 3),
+            _f(r["gpu_ms_per_call"], 3),
+            _f(r.get("kernel_ms_per_call"), 3),
+            _f(r.get("step_ms"), 1),
+            _f(r.get("ratio"), 2),
+            _f(r.get("kernel_to_floor"), 2),
+            _f(r.get("step_to_floor"), 2),
+            "" if diff is None else f"{diff:.1e}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def summary(result) -> str:
-    """Geometric means and worst cases of the ratios, per method (the issue's targets)."""
-    import math
-
+    """Geometric means and worst cases of the ratios, per method."""
+    base = baseline_name(result)
     out = []
     for m in dict.fromkeys(r["method"] for r in result["rows"]):
         rows = [r for r in result["rows"] if r["method"] == m]
         parts = [m]
         for key, name in (
-            ("ratio", "stack/latest"),
+            ("ratio", f"stack/{base}"),
             ("kernel_to_floor", "kernel/floor"),
             ("step_to_floor", "step/floor"),
         ):
             xs = [r[key] for r in rows if r.get(key)]
             if xs:
                 g = math.exp(sum(math.log(x) for x in xs) / len(xs))
-                worst = max(rows, key=lambda r: r.get(key) or 0)
+                worst = max(rows, key=lambda r, key=key: r.get(key) or 0)
                 parts.append(
-                    f"{name} geomean {g:.2f}, max {worst[key]:.2f} ({worst['workload']}, {worst['shape']})"
+                    f"{name} geomean {g:.2f}, max {worst[key]:.2f} "
+                    f"({worst['workload']}, {worst['shape']})"
                 )
         out.append("; ".join(parts))
     return "\n".join(out) + "\n"
 
 
 def plot(result, path):
-    """Per workload and method, the stack-time ratio to the latest vLLM and the kernel-time
-    ratio to the floor (bars, log scale, one panel each)."""
+    """Per workload and method, the stack-time ratio to the baseline and the
+    kernel-time ratio to the floor (bars, log scale, one panel each)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    base = baseline_name(result)
     panels = [
-        (key, label, base)
-        for key, label, base in (
-            ("ratio", "stack time / latest vLLM", "latest"),
-            ("kernel_to_floor", "GPU kernel time / floor", "floor"),
+        (key, label)
+        for key, label in (
+            ("ratio", f"stack time / {base}"),
+            ("kernel_to_floor", "GPU kernel time / floor"),
         )
         if any(r.get(key) for r in result["rows"])
     ]
     if not panels:
         return None
-    names = list(
-        dict.fromkeys(f"{r['workload']} ({r['shape']})" for r in result["rows"])
-    )
+
+    def label(r):
+        return f"{r['workload']} ({r['shape']})"
+
+    names = list(dict.fromkeys(label(r) for r in result["rows"]))
     methods = [
         m
         for m in dict.fromkeys(r["method"] for r in result["rows"])
-        if m not in ("latest", "floor")
+        if m not in (base, "floor")
     ]
+    rows = {(label(r), r["method"]): r for r in result["rows"]}
     fig, axes = plt.subplots(
         1,
         len(panels),
@@ -693,25 +635,18 @@ def plot(result, path):
         squeeze=False,
     )
     height = 0.8 / max(len(methods), 1)
-    for ax, (key, label, base) in zip(axes[0], panels):
+    for ax, (key, text) in zip(axes[0], panels):
         for j, m in enumerate(methods):
             ys, xs = [], []
             for i, n in enumerate(names):
-                r = next(
-                    (
-                        r
-                        for r in result["rows"]
-                        if f"{r['workload']} ({r['shape']})" == n and r["method"] == m
-                    ),
-                    None,
-                )
+                r = rows.get((n, m))
                 if r and r.get(key):
                     ys.append(i + j * height)
                     xs.append(r[key])
             ax.barh(ys, xs, height=height, label=m)
         ax.axvline(1.0, color="k", lw=0.8)
         ax.set_xscale("log")
-        ax.set_xlabel(f"{label} ({result['layers']} layers; lower is faster)")
+        ax.set_xlabel(f"{text} ({result['layers']} layers; lower is faster)")
         ax.grid(True, axis="x", which="both", alpha=0.3)
         ax.legend(fontsize=7)
     axes[0][0].set_yticks(

@@ -4,8 +4,10 @@ import argparse
 import sys
 
 COMMANDS = {  # name: one-line description
-    "demo": "one long continuation prefill, windowed and full-buffer: time, memory, difference",
-    "bench": "benchmark continuation prefill side by side with vLLM; writes JSON, Markdown, plots",
+    "demo": "one long continuation prefill, windowed and full-buffer: time, memory, "
+    "accuracy",
+    "bench": "benchmark continuation prefill side by side with vLLM; writes JSON, "
+    "Markdown, plots",
 }
 
 
@@ -18,7 +20,8 @@ def make_parser():
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     for name, description in COMMANDS.items():
-        # Each command parses its own options (demo.py, bench.py); these entries only list them.
+        # Each command parses its own options (demo.py, bench.py); these entries only
+        # list them.
         sub.add_parser(name, help=description, add_help=False)
     return p
 
@@ -39,14 +42,14 @@ def main(argv=None):
         if argv[0] in ("-h", "--help", "--version"):
             p.parse_args(argv[:1])  # prints and exits 0
         p.error(
-            f"the first argument must be a command ({', '.join(COMMANDS)}), got {argv[0]!r}"
+            f"the first argument must be a command ({', '.join(COMMANDS)}), "
+            f"got {argv[0]!r}"
         )
     if argv[0] == "bench":
         from .bench import main as run
     else:
         from .demo import main as run
-    run(argv[1:], prog=f"tq-chunked {argv[0]}")
-    return 0
+    return run(argv[1:], prog=f"tq-chunked {argv[0]}") or 0
 
 
 if __name__ == "__main__":
