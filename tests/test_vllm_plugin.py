@@ -7,11 +7,14 @@ line that crashes; 0.33.0, whose builder reserves a max_model_len-sized pair). R
 an environment without vLLM, this file re-runs itself inside each of them; there, the
 tests below use vLLM's real classes (impl, metadata, builder, WorkspaceManager, plugin
 loader). What a CPU cannot give is stood in for and said so at each place: vLLM's Triton
-kernels are disabled without a GPU driver, so caches are written by this project's
-encoder (byte-for-byte vLLM's format; shown against vLLM's own store kernel by the GPU
-suite); ``VllmConfig()`` cannot infer a device, so the few config values a class reads
-are given as plain values; FlashAttention does not run on a CPU, so where vLLM's own
-method needs it a float32 PyTorch attention with the same arguments stands in.
+kernels do not run in Triton's interpreter (its store kernel crashes there), so caches
+are written by this project's encoder (byte-for-byte vLLM's format; shown against
+vLLM's own store kernel by the GPU suite); ``VllmConfig()`` cannot infer a device, so
+the few config values a class reads are given as plain values; FlashAttention does not
+run on a CPU, so where vLLM's own method needs it a float32 PyTorch attention with the
+same arguments stands in. The runs set ``CUDA_VISIBLE_DEVICES`` empty
+(``vllm_harness.cpu_test_env``): vLLM then hands its modules the real Triton, not its
+placeholder, under which UltraQuant's module (0.32 on) cannot be imported.
 
 Two modes. By default the plugin patches vLLM (``register()``). With
 ``TQ_CHUNKED_VENDORED=DIR`` (set by ``tests/test_vendor.py``, which runs this file with
@@ -19,15 +22,17 @@ Two modes. By default the plugin patches vLLM (``register()``). With
 ``PYTHONPATH`` and the plugin off) the same tests use vLLM's own, vendored, classes as
 they are. What runs in which mode is said at each test; in short: in vendored mode
 vLLM's original methods are not there to compare with, so the checks that need them
-(the unpatched answer of issue 46460, the unpatched method on a locked workspace, vLLM's
-own reservation; and the plugin's loading, off there) run with the plugin only, and every
-check of the answers, of the locked workspace and of the reservation runs in both.
+(the unpatched answer of issue 46460, the unpatched method on a locked workspace,
+vLLM's own reservation; and the plugin's loading, off there) run with the plugin only,
+and every check of the answers, of the locked workspace and of the reservation runs in
+both.
 """
 
 import glob
 import importlib.util
 import inspect
 import os
+import re
 import subprocess
 import sys
 import types
@@ -35,11 +40,12 @@ import types
 import pytest
 import torch
 
+from tq_chunked.vllm_harness import cpu_test_env
 from tq_chunked.vllm_plugin import UnsupportedVllm, plan_patches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-# The vLLM tree tests/test_vendor.py vendored tq_chunked into, or None: the plugin's run.
+# The vLLM tree tests/test_vendor.py vendored tq_chunked into; None: the plugin's run.
 VENDORED = os.environ.get("TQ_CHUNKED_VENDORED") or None
 ENVS = sorted(glob.glob(os.path.join(ROOT, ".vllm-envs", "*", "bin", "python")))
 needs_vllm = pytest.mark.skipif(
@@ -49,7 +55,7 @@ WINDOW = 64  # TQ_CHUNKED_WINDOW for these tests: many windows at small sizes
 HQ, HK, D, BS = 4, 2, 64, 16
 
 
-# --- from an environment without vLLM: run this file in each vLLM environment -------------
+# --- from an environment without vLLM: run this file in each vLLM environment ---------
 
 
 @pytest.mark.skipif(
@@ -63,9 +69,7 @@ def test_plugin_in_each_vllm_install(python):
         pytest.skip(
             "no .vllm-envs/: run tests/install_vllm_cpu.sh to test against real vLLM"
         )
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    env.pop("TQ_CHUNKED_DISABLE", None)
-    env.pop("TQ_CHUNKED_VENDORED", None)
+    env = cpu_test_env(ROOT)
     r = subprocess.run(
         [
             python,
@@ -118,7 +122,7 @@ def test_unknown_backend_shape_is_refused_whole():
         plan_patches(types.SimpleNamespace(), None)
 
 
-# --- inside a vLLM environment ------------------------------------------------------------
+# --- inside a vLLM environment --------------------------------------------------------
 
 
 def _plain_config(max_model_len=1 << 20, max_num_batched_tokens=8192, num_heads=HQ):
@@ -143,9 +147,9 @@ def _plain_config(max_model_len=1 << 20, max_num_batched_tokens=8192, num_heads=
 
 
 def _check_vendored(tqa):
-    """The vendored run tests what the vendor tool wrote: vLLM's module from the vendored
-    tree, calling the vendored package (not this checkout's), unpatched by the plugin, and
-    reading the window this file's tests are sized for."""
+    """The vendored run tests what the vendor tool wrote: vLLM's module from the
+    vendored tree, calling the vendored package (not this checkout's), unpatched by the
+    plugin, and reading the window this file's tests are sized for."""
     from tq_chunked.vllm_plugin import is_patched
 
     assert os.path.abspath(tqa.__file__) == os.path.join(
@@ -167,8 +171,8 @@ def _check_vendored(tqa):
 
 
 def _patched_vllm(monkeypatch):
-    """VLLM's TurboQuant module running tq_chunked: patched by the plugin, or, in the
-    vendored run, as the vendor tool wrote it."""
+    """The TurboQuant module of vLLM running tq_chunked: patched by the plugin, or,
+    in the vendored run, as the vendor tool wrote it."""
     # vLLM 0.33's WorkspaceManager releases cached memory before it grows a buffer,
     # through torch.accelerator.empty_cache(), which raises on a torch without any
     # accelerator; on a CPU there is nothing to release.
@@ -184,13 +188,10 @@ def _patched_vllm(monkeypatch):
     from tq_chunked.vllm_plugin import register
 
     monkeypatch.delenv("TQ_CHUNKED_DISABLE", raising=False)
-    monkeypatch.setenv(
-        "TQ_CHUNKED_WINDOW", str(WINDOW)
-    )  # read once, when the plugin patches
-    for name in (
-        "_prefill_attention",
-        "_continuation_prefill",
-    ):  # undone after the test
+    # Read once, when the plugin patches.
+    monkeypatch.setenv("TQ_CHUNKED_WINDOW", str(WINDOW))
+    # The patched attributes, undone after the test.
+    for name in ("_prefill_attention", "_continuation_prefill"):
         monkeypatch.setattr(
             tqa.TurboQuantAttentionImpl,
             name,
@@ -210,7 +211,7 @@ def _patched_vllm(monkeypatch):
 
 
 def _impl_and_layer(tqa, preset):
-    """VLLM's real TurboQuantAttentionImpl.__init__ and _ensure_on_device (the two
+    """The real TurboQuantAttentionImpl.__init__ of vLLM and _ensure_on_device (the two
     module-level lookups __init__ makes that need a GPU return plain values, see
     _patched_vllm)."""
     from vllm.model_executor.layers.quantization.turboquant.centroids import (
@@ -221,15 +222,15 @@ def _impl_and_layer(tqa, preset):
         num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=HK, kv_cache_dtype=preset
     )
     layer = torch.nn.Module()
-    layer._tq_centroids = get_centroids(
-        D, impl.tq_config.centroid_bits
-    )  # what vLLM's layer holds
+    # What vLLM's layer holds.
+    layer._tq_centroids = get_centroids(D, impl.tq_config.centroid_bits)
     impl._ensure_on_device(layer, torch.device("cpu"))
     return impl, layer
 
 
 def _head_major(tqa):
-    """Whether forward() takes the cache head-major, (num_blocks, Hk, block_size, slot)."""
+    """Whether forward() takes the cache head-major, (num_blocks, Hk, block_size,
+    slot)."""
     return "kv_cache.transpose(1, 2)" in inspect.getsource(
         tqa.TurboQuantAttentionImpl.forward
     )
@@ -237,7 +238,7 @@ def _head_major(tqa):
 
 def _batch(layer, preset, requests, seed):
     """A batch written with vLLM's own centroids and rotation (the layer's)."""
-    from conftest import make_batch
+    from tq_chunked.testing import make_batch
 
     b = make_batch(
         requests,
@@ -271,8 +272,8 @@ def _batch(layer, preset, requests, seed):
 
 
 def _metadata(tqa, b):
-    """VLLM's TurboQuantMetadata for an all-prefill batch, with host copies where the
-    release has those fields."""
+    """The TurboQuantMetadata vLLM builds for an all-prefill batch, with host copies
+    where the release has those fields."""
     n = b.query_start_loc[-1]
     q_lens = [
         b.query_start_loc[i + 1] - b.query_start_loc[i] for i in range(len(b.seq_lens))
@@ -299,14 +300,13 @@ def _metadata(tqa, b):
 
 
 def _errors(out, b, only=None):
-    """Per request with query tokens (or request ``only`` alone): (error of out, error of
-    the full-buffer path), both relative to the float64 oracle."""
-    from conftest import rel_err
-
+    """Per request with query tokens (or request ``only`` alone): (error of out, error
+    of the full-buffer path), both relative to the float64 oracle."""
     from tq_chunked.reference import (
         full_buffer_continuation_prefill,
         oracle_continuation_prefill,
     )
+    from tq_chunked.testing import rel_err
 
     res = []
     for r in range(len(b.seq_lens)):
@@ -348,8 +348,8 @@ def _cpu_flash_attn_varlen(
     causal=False,
     **unused,
 ):
-    """FlashAttention's varlen call as float32 PyTorch (bottom-right causal mask), for the
-    CPU: only where vLLM's unpatched method needs it."""
+    """FlashAttention's varlen call as float32 PyTorch (bottom-right causal mask), for
+    the CPU: only where vLLM's unpatched method needs it."""
     out = torch.empty_like(q)
     for b in range(len(cu_seqlens_q) - 1):
         q0, q1, k0, k1 = (
@@ -390,16 +390,18 @@ def _entry_point_registered():
 
 @needs_vllm
 def test_load_general_plugins_applies_the_patch_and_the_switch_turns_it_off():
-    """Plugin run: loaded by vLLM, it patches; TQ_CHUNKED_DISABLE=1 turns it off. Vendored
-    run: only the switch (the vendored tests run with the plugin off, and this shows it
-    is off there)."""
+    """Plugin run: loaded by vLLM, it patches; TQ_CHUNKED_DISABLE=1 turns it off.
+    Vendored run: only the switch (the vendored tests run with the plugin off, and this
+    shows it is off there)."""
     if not _entry_point_registered():
         pytest.skip(
-            "tq_chunked is not pip-installed here: its vllm.general_plugins entry point is not registered"
+            "tq_chunked is not pip-installed here: its vllm.general_plugins entry "
+            "point is not registered"
         )
     code = (
         "import vllm.plugins as p; p.load_general_plugins(); "
-        "from tq_chunked.vllm_plugin import is_patched; print('PATCHED' if is_patched() else 'UNPATCHED')"
+        "from tq_chunked.vllm_plugin import is_patched; "
+        "print('PATCHED' if is_patched() else 'UNPATCHED')"
     )
     cases = (
         (("1", "UNPATCHED"),) if VENDORED else ((None, "PATCHED"), ("1", "UNPATCHED"))
@@ -420,6 +422,32 @@ def test_load_general_plugins_applies_the_patch_and_the_switch_turns_it_off():
 
 
 @needs_vllm
+def test_the_docs_is_patched_snippet_runs_as_written():
+    """The ``is_patched`` snippet of docs/integration.md ("Is it active?"), run as
+    written in a fresh process: it loads vLLM's plugins as a vLLM process does and
+    prints that tq_chunked is active. Plugin run only (the vendored run has the
+    plugin off)."""
+    if VENDORED:
+        pytest.skip("the plugin is off in the vendored run")
+    if not _entry_point_registered():
+        pytest.skip("tq_chunked is not pip-installed here: no entry point to load")
+    with open(os.path.join(ROOT, "docs", "integration.md")) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    [code] = [b for b in blocks if "is_patched" in b]
+    env = dict(os.environ)
+    env.pop("TQ_CHUNKED_DISABLE", None)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "tq_chunked active: True"
+
+
+@needs_vllm
 def test_the_active_line_goes_through_vllms_logger():
     """The start-up line (docs/integration.md, "Is it active?") is logged under vLLM's
     "vllm" logger, the one vLLM gives its handler and level: a logger outside it has its
@@ -428,9 +456,8 @@ def test_the_active_line_goes_through_vllms_logger():
 
     from tq_chunked import __version__, vllm_plugin
 
-    log = (
-        vllm_plugin._logger()
-    )  # imports vllm.logger, which (0.20) configures vLLM's logging
+    # Imports vllm.logger, which (0.20) configures vLLM's logging.
+    log = vllm_plugin._logger()
     records = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -444,8 +471,8 @@ def test_the_active_line_goes_through_vllms_logger():
         vllm_logger.removeHandler(handler)
         vllm_logger.setLevel(level)
     assert [r.getMessage() for r in records] == [
-        f"tq_chunked {__version__} active: prefill attention batched and windowed (windows of 12288 tokens), "
-        "workspace 128.0 MiB per ubatch"
+        f"tq_chunked {__version__} active: prefill attention batched and windowed "
+        "(windows of 12288 tokens), workspace 128.0 MiB per ubatch"
     ]
 
 
@@ -457,13 +484,11 @@ ISSUE_46460 = [(0, 400), (300, 16), (200, 150), (0, 90)]
 
 @needs_vllm
 @pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
-def test_prefix_hits_beside_a_longer_first_chunk_lose_their_prefix_unpatched_and_keep_it_patched(
-    preset, monkeypatch
-):
+def test_prefix_hits_beside_a_longer_first_chunk_keep_their_prefix(preset, monkeypatch):
     """Plugin run: vLLM's forward unpatched (the hits lose their prefix), then patched
-    (every request as exact as the full-buffer path). Vendored run: vLLM's own forward is
-    the vendored one, so only the second half: every request, the hits included (whose
-    errors exceed 0.1 unpatched), as exact as the full-buffer path."""
+    (every request as exact as the full-buffer path). Vendored run: vLLM's own forward
+    is the vendored one, so only the second half: every request, the hits included
+    (whose errors exceed 0.1 unpatched), as exact as the full-buffer path."""
     import vllm.v1.attention.backends.turboquant_attn as tqa
 
     monkeypatch.setattr(tqa, "get_current_vllm_config", lambda: _plain_config())
@@ -475,9 +500,8 @@ def test_prefix_hits_beside_a_longer_first_chunk_lose_their_prefix_unpatched_and
     impl, layer = _impl_and_layer(tqa, preset)
     b = _batch(layer, preset, ISSUE_46460, seed=46460)
     meta = _metadata(tqa, b)
-    cache = (
-        b.kv_cache.transpose(1, 2) if _head_major(tqa) else b.kv_cache
-    )  # as the engine hands it over
+    # As the engine hands it over.
+    cache = b.kv_cache.transpose(1, 2) if _head_major(tqa) else b.kv_cache
     n = b.query.shape[0]
     forward = lambda: impl.forward(
         layer,
@@ -496,9 +520,8 @@ def test_prefix_hits_beside_a_longer_first_chunk_lose_their_prefix_unpatched_and
         assert first < 1e-3 and other < 1e-3  # first chunks are right either way
     _patched_vllm(monkeypatch)
     patched = _errors(forward().view(n, HQ, D), b)
-    print(
-        f"{preset}: {'vendored' if VENDORED else 'patched'} errors {[f'{e:.2e}' for e, _ in patched]}"
-    )
+    mode = "vendored" if VENDORED else "patched"
+    print(f"{preset}: {mode} errors {[f'{e:.2e}' for e, _ in patched]}")
     assert len(patched) == len(ISSUE_46460)
     for e, e_full in patched:
         assert e <= 1.1 * e_full + 1e-4
@@ -509,27 +532,24 @@ def test_prefix_hits_beside_a_longer_first_chunk_lose_their_prefix_unpatched_and
 def test_a_locked_workspace_holds_the_patched_prefill_through_the_builder_hook(
     preset, monkeypatch
 ):
-    """An engine's start on a real WorkspaceManager: the builder reserves (the plugin's
-    hook, or the vendored reservation), a short profile, the lock; then a 16-times longer
-    context. Plugin run: vLLM's own continuation method raises on the locked manager.
-    Both runs: the (patched or vendored) prefill and continuation answer within it, as
-    exact as the full-buffer path (0.20.x: without per-layer buffers)."""
+    """An engine's start on a real WorkspaceManager: the builder reserves (the
+    plugin's hook, or the vendored reservation), a short profile, the lock; then a
+    16-times longer context. Plugin run: vLLM's own continuation method raises on the
+    locked manager. Both runs: the (patched or vendored) prefill and continuation
+    answer within it, as exact as the full-buffer path (0.20.x: without per-layer
+    buffers)."""
     tqa = _patched_vllm(monkeypatch)
     impl, layer = _impl_and_layer(tqa, preset)
     profile_len = 256
-    requests = [
-        (16 * profile_len, 129),
-        (300, 40),
-        (0, 30),
-    ]  # 16x the context the locked profile saw
+    # 16x the context the locked profile saw.
+    requests = [(16 * profile_len, 129), (300, 40), (0, 30)]
     b = _batch(layer, preset, requests, seed=7)
     meta = _metadata(tqa, b)
     max_tokens = b.query.shape[0]
     spec = types.SimpleNamespace(num_kv_heads=HK, head_size=D, block_size=BS)
     config = _plain_config(max_model_len=1 << 14, max_num_batched_tokens=max_tokens)
-    if not hasattr(
-        tqa, "current_workspace_manager"
-    ):  # 0.20.x: per-layer buffers, replaced by a shared one
+    if not hasattr(tqa, "current_workspace_manager"):
+        # 0.20.x: per-layer buffers, replaced by a shared one.
         tqa.TurboQuantMetadataBuilder(spec, ["layer.0"], config, torch.device("cpu"))
         out = impl._prefill_attention(
             b.query,
@@ -551,8 +571,8 @@ def test_a_locked_workspace_holds_the_patched_prefill_through_the_builder_hook(
 
         workspace.init_workspace_manager(torch.device("cpu"))
         try:
-            # An engine's start: the builders are created (the plugin's hook reserves the
-            # window workspace), a short profile runs, the manager is locked.
+            # An engine's start: the builders are created (the plugin's hook reserves
+            # the window workspace), a short profile runs, the manager is locked.
             tqa.TurboQuantMetadataBuilder(
                 spec, ["layer.0"], config, torch.device("cpu")
             )
@@ -561,11 +581,11 @@ def test_a_locked_workspace_holds_the_patched_prefill_through_the_builder_hook(
                 ((1, HK, profile_len, D), torch.float16),
             )
             workspace.lock_workspace()
-            if (
-                not VENDORED
-            ):  # vLLM's own method is there only under the plugin's wrapper
-                # Without a GPU driver vLLM hands its modules a Triton placeholder; the unpatched
-                # method computes triton.next_power_of_2 before it asks the manager for buffers.
+            # vLLM's own method is there only under the plugin's wrapper.
+            if not VENDORED:
+                # Where vLLM hands its modules its Triton placeholder, the unpatched
+                # method's triton.next_power_of_2 (before it asks the manager for
+                # buffers) needs the real one.
                 import triton
 
                 monkeypatch.setattr(tqa, "triton", triton)
@@ -610,12 +630,16 @@ def test_a_locked_workspace_holds_the_patched_prefill_through_the_builder_hook(
 
 
 @needs_vllm
-def test_the_reservation_drops_exactly_the_continuation_pair(monkeypatch):
-    """VLLM's _reserve_workspace for a 1M-token model. Plugin run: vLLM's own reserves the
-    4 GiB (1, Hk, max_model_len, D) pair; the plugin's, the decode scratch alone (its
-    builder hook reserves the window workspace), and its filter keeps any other fp16
-    pair. Vendored run (vLLM's own is not in the tree): the vendored one reserves the
-    decode scratch and the tq_chunked workspace, and not the pair."""
+@pytest.mark.parametrize("layers", ["unlisted", "listed"])
+def test_the_reservation_drops_exactly_the_continuation_pair(monkeypatch, layers):
+    """VLLM's _reserve_workspace for a 1M-token model, for a builder whose layers are
+    TurboQuantAttentionImpl's: looked up in the config's static forward context, as in
+    an engine ("listed"), or not there, as in vLLM's unit tests ("unlisted": taken to be
+    TurboQuantAttentionImpl's). Plugin run: vLLM's own reserves the 4 GiB (1, Hk,
+    max_model_len, D) pair; the plugin's, the decode scratch alone (its builder hook
+    reserves the window workspace), and its filter keeps any other fp16 pair. Vendored
+    run (vLLM's own is not in the tree): the vendored one reserves the decode scratch
+    and the tq_chunked workspace, and not the pair."""
     tqa = _patched_vllm(monkeypatch)
     builder_cls = tqa.TurboQuantMetadataBuilder
     if not hasattr(builder_cls, "_reserve_workspace"):
@@ -629,41 +653,44 @@ def test_the_reservation_drops_exactly_the_continuation_pair(monkeypatch):
     )
 
     # A builder's state as its real __init__ leaves it (plain config values, see above).
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
     builder = types.SimpleNamespace(
         vllm_config=_plain_config(max_model_len=1 << 20, num_heads=32),
         kv_cache_spec=types.SimpleNamespace(
             num_kv_heads=8, head_size=128, block_size=16
         ),
+        layer_names=names,
     )
+    if layers == "listed":
+        impl, _ = _impl_and_layer(tqa, "turboquant_3bit_nc")
+        builder.vllm_config.compilation_config = types.SimpleNamespace(
+            static_forward_context=_attention_layers(impl, names)
+        )
     assert continuation_reservation(builder) == ((1, 8, 1 << 20, 128), torch.float16)
-    pair = (
-        2 * 8 * (1 << 20) * 128 * 2
-    )  # two (1, Hk, max_model_len, D) fp16 buffers: 4 GiB
+    pair = 2 * 8 * (1 << 20) * 128 * 2  # two (1, Hk, max_model_len, D) fp16: 4 GiB
     window, nbytes = builder_workspace_bytes(builder, None)  # the default window
     assert nbytes <= 128 << 20
-    methods = (
-        (("vendored", builder_cls._reserve_workspace),)
-        if VENDORED
-        else (
-            ("vllm", builder_cls._reserve_workspace.__wrapped__),
-            ("plugin", builder_cls._reserve_workspace),
-        )
-    )
+    if VENDORED:
+        methods = {"vendored": builder_cls._reserve_workspace}
+    else:
+        methods = {
+            "vllm": builder_cls._reserve_workspace.__wrapped__,
+            "plugin": builder_cls._reserve_workspace,
+        }
     sizes = {}
-    for name, method in methods:
+    for name, method in methods.items():
         workspace.init_workspace_manager(torch.device("cpu"))
         try:
             method(builder)
             manager = workspace.current_workspace_manager()
             sizes[name] = manager._workspace_size_bytes(manager._current_workspaces[0])
-            if (
-                name == "plugin"
-            ):  # a same-rank fp16 pair of another shape is not the continuation pair: kept
+            if name == "plugin":
+                # A same-rank fp16 pair of another shape is not the continuation
+                # pair: kept.
+                other = ((1, 8, 17, 128), torch.float16)
                 kept = _WithoutContinuationReservation(
                     manager, continuation_reservation(builder)
-                ).get_simultaneous(
-                    ((1, 8, 17, 128), torch.float16), ((1, 8, 17, 128), torch.float16)
-                )
+                ).get_simultaneous(other, other)
                 assert all(
                     isinstance(t, torch.Tensor) and t.shape == (1, 8, 17, 128)
                     for t in kept
@@ -671,12 +698,149 @@ def test_the_reservation_drops_exactly_the_continuation_pair(monkeypatch):
         finally:
             workspace.reset_workspace_manager()
     if VENDORED:
-        _, reserved = builder_workspace_bytes(
-            builder, WINDOW
-        )  # the window the vendored module runs with
-        # One buffer, grown to the larger of the decode scratch (< 16 MiB) and the workspace.
+        # The window the vendored module runs with.
+        _, reserved = builder_workspace_bytes(builder, WINDOW)
+        # One buffer, grown to the larger of the decode scratch (< 16 MiB) and the
+        # workspace.
         assert reserved <= sizes["vendored"] <= max(reserved, 16 << 20)
         assert sizes["vendored"] < pair
     else:
         assert sizes["vllm"] >= pair
         assert 0 < sizes["plugin"] < 16 << 20  # the decode scratch alone
+
+
+def _attention_layers(impl, names):
+    """{name: layer} as vLLM's static forward context holds a model's attention layers,
+    each with ``impl``: the metadata builder looks its layers up there to tell which
+    impl it serves (nothing else of a layer is read)."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    class Layer(AttentionLayerBase):
+        def __init__(self, impl):
+            self.impl = impl
+
+        def get_attn_backend(self):
+            raise NotImplementedError
+
+        def get_kv_cache_spec(self, vllm_config):
+            raise NotImplementedError
+
+    return {name: Layer(impl) for name in names}
+
+
+# UltraQuant (vLLM 0.32 on) pins bf16, D 256 (its FlyDSL decode) and 64-token blocks;
+# one head: without FlashAttention its continuation prefill has no GQA.
+UQ_HEADS, UQ_D, UQ_BS = 1, 256, 64
+# A context of 640 cached + 129 new tokens (over its decode threshold of 128): its
+# K/V pair (640 KiB) is more than a workspace reserved for 129 query tokens.
+UQ_CACHED, UQ_NEW, UQ_MAX_MODEL_LEN = 640, 129, 1024
+
+
+def _ultraquant_prefill_on_a_locked_manager(tqa, uqa):
+    """An engine's start on vLLM's real WorkspaceManager with UltraQuant layers: the
+    builder (TurboQuant's: UltraQuant's backend uses it) reserves, the manager is
+    locked; then UltraQuant's own prefill of a continuation chunk. Returns its output.
+    The cache is zeros: what is tested is the buffers it asks for."""
+    from vllm.v1.attention.ops.ultraquant.format import slot_size
+    from vllm.v1.worker import workspace
+
+    config = _plain_config(
+        max_model_len=UQ_MAX_MODEL_LEN, max_num_batched_tokens=UQ_NEW, num_heads=1
+    )
+    config.model_config.dtype = torch.bfloat16
+    impl = uqa.UltraQuantAttentionImpl(
+        num_heads=UQ_HEADS,
+        head_size=UQ_D,
+        scale=UQ_D**-0.5,
+        num_kv_heads=UQ_HEADS,
+        kv_cache_dtype="ultraquant_4bit",
+    )
+    layer = torch.nn.Module()
+    impl._ensure_on_device(layer, torch.device("cpu"))
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    config.compilation_config = types.SimpleNamespace(
+        static_forward_context=_attention_layers(impl, names)
+    )
+    spec = types.SimpleNamespace(
+        num_kv_heads=UQ_HEADS, head_size=UQ_D, block_size=UQ_BS
+    )
+    seq_len = UQ_CACHED + UQ_NEW
+    blocks = -(-seq_len // UQ_BS)
+    kv_cache = torch.zeros(blocks, UQ_BS, UQ_HEADS, slot_size(UQ_D), dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(16)
+    query, key, value = (
+        torch.randn(UQ_NEW, UQ_HEADS, UQ_D, generator=gen).bfloat16() for _ in range(3)
+    )
+    qsl = torch.tensor([0, UQ_NEW], dtype=torch.int32)
+    seq_lens = torch.tensor([seq_len], dtype=torch.int32)
+    meta = tqa.TurboQuantMetadata(
+        seq_lens=seq_lens,
+        slot_mapping=torch.zeros(UQ_NEW, dtype=torch.int64),
+        block_table=torch.arange(blocks, dtype=torch.int32)[None],
+        query_start_loc=qsl,
+        num_actual_tokens=UQ_NEW,
+        max_query_len=UQ_NEW,
+        max_seq_len=seq_len,
+        is_prefill=True,
+        num_decodes=0,
+        num_decode_tokens=0,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+    )
+    workspace.init_workspace_manager(torch.device("cpu"))
+    try:
+        tqa.TurboQuantMetadataBuilder(spec, names, config, torch.device("cpu"))
+        workspace.lock_workspace()
+        return impl._prefill_attention(
+            query,
+            key,
+            value,
+            kv_cache,
+            meta,
+            layer._tq_Pi,
+            layer._tq_centroids,
+            layer._tq_PiT,
+            layer,
+        )
+    finally:
+        workspace.reset_workspace_manager()
+
+
+@needs_vllm
+def test_ultraquant_keeps_its_continuation_buffers(monkeypatch):
+    """UltraQuant shares TurboQuant's metadata builder and brings its own prefill,
+    whose continuation takes a (1, Hk, alloc_len, D) K/V pair from the WorkspaceManager;
+    tq_chunked computes none of its prefill, so its builder must reserve what vLLM's
+    reserves. On vLLM's real manager, locked after the builder reserved: UltraQuant's
+    prefill of a continuation chunk. Plugin run: on vLLM as it is, then with the
+    plugin, the same answer bit for bit (with the pair filtered out for UltraQuant's
+    layers it raised vLLM's "Workspace is locked but allocation ... requires ...").
+    Vendored run: the vendored tree answers."""
+    if hasattr(torch, "accelerator") and not torch.accelerator.is_available():
+        monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    try:
+        import vllm.v1.attention.backends.ultraquant_attn as uqa
+    except ImportError:
+        pytest.skip("this vLLM has no UltraQuant (0.32 on)")
+    except AttributeError:  # tl.float16 of vLLM's Triton placeholder
+        pytest.skip(
+            "vLLM hands its modules its Triton placeholder here: run with "
+            "CUDA_VISIBLE_DEVICES= (as test_plugin_in_each_vllm_install does)"
+        )
+    import vllm.v1.attention.backends.turboquant_attn as tqa
+
+    assert (
+        uqa.UltraQuantAttentionBackend.get_builder_cls()
+        is tqa.TurboQuantMetadataBuilder
+    )
+    assert "_prefill_attention" in vars(uqa.UltraQuantAttentionImpl)
+    monkeypatch.setattr(uqa, "get_current_vllm_config", lambda: _plain_config())
+    monkeypatch.setattr(uqa, "get_flash_attn_version", lambda *a, **k: None)
+    expected = None
+    if not VENDORED:  # vLLM as it is
+        expected = _ultraquant_prefill_on_a_locked_manager(tqa, uqa)
+    _patched_vllm(monkeypatch)
+    out = _ultraquant_prefill_on_a_locked_manager(tqa, uqa)
+    assert out.shape == (UQ_NEW, UQ_HEADS, UQ_D) and out.isfinite().all()
+    if expected is not None:
+        assert torch.equal(out, expected)

@@ -15,6 +15,7 @@ another name).
 
 from __future__ import annotations
 
+import importlib
 import os
 import weakref
 
@@ -50,6 +51,8 @@ PREFILL_PARAMS = [
     "PiT",
     "layer",
 ]
+# The two methods of vLLM's TurboQuantAttentionImpl whose work ChunkedPrefill does.
+PREFILL_METHODS = ("_prefill_attention", "_continuation_prefill")
 
 
 def window_from_env() -> int | None:
@@ -65,51 +68,58 @@ def window_from_env() -> int | None:
 
 
 class Workspaces:
-    """Where the window workspace comes from. With vLLM's WorkspaceManager (0.21 on), the
-    manager's buffer, of the size reserved when the metadata builder was created (the
-    call fits itself into it); without (0.20.x), one growable buffer per device, shared
-    by all layers.
+    """Where the window workspace comes from. With vLLM's WorkspaceManager (0.21 on),
+    the manager's buffer, of the size reserved when the metadata builder was created
+    (the call fits itself into it); without (0.20.x), one growable buffer per device,
+    shared by all layers.
 
-    ``workspace_manager``: vLLM's ``current_workspace_manager`` where the backend takes
-    its buffers from a WorkspaceManager, None where it keeps its own (0.20.x).
+    ``hooks``: the name of vLLM's backend module (``turboquant_attn``) where it takes
+    its buffers from a WorkspaceManager, None where it keeps its own (0.20.x). The
+    module's ``current_workspace_manager`` and ``is_workspace_manager_initialized``
+    are looked up there at each call, so that whatever replaces them in that module
+    (vLLM's tests patch them there) is what runs.
     """
 
-    def __init__(self, workspace_manager=None):
-        self._current_manager = workspace_manager
-        self.uses_manager = workspace_manager is not None
+    def __init__(self, hooks: str | None = None):
+        self.hooks = hooks
+        self.uses_manager = hooks is not None
         # Bytes reserved per manager (not per device): a manager that vLLM resets and
         # creates again starts without a reservation, as its buffer does.
         self.reserved: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.buffers: dict[torch.device, torch.Tensor] = {}
 
     def _manager(self):
-        """VLLM's WorkspaceManager, or None: this vLLM has none for the backend (0.20.x),
-        or none is initialized (outside an engine)."""
+        """The WorkspaceManager of vLLM, or None: this vLLM has none for the backend
+        (0.20.x), or none is initialized (outside an engine)."""
         if not self.uses_manager:
             return None
-        from vllm.v1.worker.workspace import is_workspace_manager_initialized
-
-        return self._current_manager() if is_workspace_manager_initialized() else None
+        module = importlib.import_module(self.hooks)
+        initialized = getattr(module, "is_workspace_manager_initialized", None)
+        if initialized is None:  # a backend module that imports only the manager
+            from vllm.v1.worker.workspace import (
+                is_workspace_manager_initialized as initialized,
+            )
+        return module.current_workspace_manager() if initialized() else None
 
     def reserve(self, nbytes: int) -> None:
-        """Before the manager is locked (when the metadata builder is created): grow it to
-        hold the workspace. Without a manager, or once it is locked, nothing to do."""
+        """When the metadata builder is created, before vLLM locks the manager: grow it
+        to hold the workspace, as vLLM's own reservations do. Without a manager,
+        nothing to do."""
         manager = self._manager()
-        if manager is not None and not manager.is_locked():
+        if manager is not None:
             self.reserved[manager] = max(self.reserved.get(manager, 0), nbytes)
             manager.get_simultaneous(((self.reserved[manager],), torch.uint8))
 
     def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
         manager = self._manager()
         if manager is not None:
-            # Exactly what was reserved, never more (a locked manager cannot grow): the call
-            # fits itself into any workspace that holds its smallest layout, and says so
-            # if one does not.
+            # Exactly what was reserved, never more (a locked manager cannot grow): the
+            # call fits itself into any workspace that holds its smallest layout, and
+            # says so if one does not.
             nbytes = self.reserved.get(manager) or nbytes
             return manager.get_simultaneous(((nbytes,), torch.uint8))[0]
-        buf = self.buffers.get(
-            device
-        )  # no manager (0.20.x), or none initialized (outside an engine)
+        # No manager (0.20.x), or none initialized (outside an engine).
+        buf = self.buffers.get(device)
         if buf is None or buf.numel() < nbytes:
             self.buffers.pop(device, None)  # free the old one first
             buf = self.buffers[device] = torch.empty(
@@ -119,33 +129,30 @@ class Workspaces:
 
 
 def _window(window, num_kv_heads, head_dim, block_size):
-    return (
-        window
-        if window is not None
-        else default_window(num_kv_heads, head_dim, block_size)
-    )
+    if window is not None:
+        return window
+    return default_window(num_kv_heads, head_dim, block_size)
 
 
 def _host_lengths(meta):
-    """(query_start_loc, seq_lens) host copies from vLLM's metadata, or (None, None): then
-    the call reads the device tensors once (as vLLM 0.20's own method does)."""
-    return getattr(meta, "query_start_loc_cpu", None), getattr(
-        meta, "seq_lens_cpu", None
-    )
+    """(query_start_loc, seq_lens) host copies from vLLM's metadata, or (None, None):
+    then the call reads the device tensors once (as vLLM 0.20's own method does)."""
+    qsl = getattr(meta, "query_start_loc_cpu", None)
+    return qsl, getattr(meta, "seq_lens_cpu", None)
 
 
 def _check_layout(impl):
     if getattr(impl, "_soa_store", False):
         raise NotImplementedError(
-            "tq_chunked reads vLLM's default (array-of-structs) TurboQuant cache layout, not "
-            "the struct-of-arrays one this impl stores (impl._soa_store): vLLM's own method "
-            "serves that layout"
+            "tq_chunked reads vLLM's default (array-of-structs) TurboQuant cache "
+            "layout, not the struct-of-arrays one this impl stores (impl._soa_store): "
+            "vLLM's own method serves that layout"
         )
 
 
 def builder_workspace_bytes(builder, window) -> tuple[int, int]:
-    """(window, workspace bytes) for the largest prefill a builder's engine can schedule:
-    max_num_batched_tokens query tokens."""
+    """(window, workspace bytes) for the largest prefill a builder's engine can
+    schedule: max_num_batched_tokens query tokens."""
     cfg = builder.vllm_config
     spec = builder.kv_cache_spec
     hq = cfg.model_config.get_num_attention_heads(cfg.parallel_config)
@@ -154,6 +161,37 @@ def builder_workspace_bytes(builder, window) -> tuple[int, int]:
     return w, workspace_bytes(
         q_tokens, hq, spec.num_kv_heads, spec.head_size, w, cfg.model_config.dtype
     )
+
+
+def runs_windowed(impl, impl_cls) -> bool:
+    """Whether vLLM's attention impl ``impl`` has its prefill computed here: an instance
+    of ``impl_cls`` (vLLM's TurboQuantAttentionImpl, whose two prefill methods call a
+    ChunkedPrefill) that inherits both methods and stores the default cache layout. A
+    subclass with a prefill or continuation method of its own (UltraQuant's
+    ``_prefill_attention`` and its dequantized K/V pair) keeps what vLLM reserves for
+    it."""
+    cls = type(impl)
+    return (
+        isinstance(impl, impl_cls)
+        and not getattr(impl, "_soa_store", False)
+        and all(getattr(cls, m) is getattr(impl_cls, m) for m in PREFILL_METHODS)
+    )
+
+
+def builder_impls(builder) -> list | None:
+    """The attention impls of the layers a metadata builder serves, looked up the way
+    vLLM looked them up to pick the builder (its static forward context); None where
+    the builder's config has no layers (a config made for a unit test)."""
+    cfg = builder.vllm_config
+    compilation = getattr(cfg, "compilation_config", None)
+    if getattr(compilation, "static_forward_context", None) is None:
+        return None
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(cfg, AttentionLayerBase, builder.layer_names)
+    impls = [getattr(layers.get(name), "impl", None) for name in builder.layer_names]
+    return None if not impls or any(i is None for i in impls) else impls
 
 
 def attach_host_lengths(meta, common_attn_metadata, vllm_config=None) -> None:
@@ -166,36 +204,43 @@ def attach_host_lengths(meta, common_attn_metadata, vllm_config=None) -> None:
     rows of speculative decoding, which TurboQuant sends to prefill (q_len 1 + drafts):
     with a speculative config (``vllm_config``) only an exact copy is attached."""
     cam = common_attn_metadata
-    seq_lens_cpu = getattr(
-        cam, "_seq_lens_cpu", None
-    )  # exact; not the property: it would synchronize
+    # Exact; not the property of that name: it would synchronize.
+    seq_lens_cpu = getattr(cam, "_seq_lens_cpu", None)
     speculative = getattr(vllm_config, "speculative_config", None) is not None
     if seq_lens_cpu is None and not speculative:
         seq_lens_cpu = getattr(cam, "seq_lens_cpu_upper_bound", None)
-    if (
-        getattr(cam, "query_start_loc_cpu", None) is not None
-        and seq_lens_cpu is not None
-    ):
-        meta.query_start_loc_cpu, meta.seq_lens_cpu = (
-            cam.query_start_loc_cpu,
-            seq_lens_cpu,
-        )
+    qsl_cpu = getattr(cam, "query_start_loc_cpu", None)
+    if qsl_cpu is not None and seq_lens_cpu is not None:
+        meta.query_start_loc_cpu, meta.seq_lens_cpu = qsl_cpu, seq_lens_cpu
 
 
 class ChunkedPrefill:
     """The bodies of vLLM's ``TurboQuantAttentionImpl._prefill_attention`` and
-    ``_continuation_prefill`` and the workspace reservation of its metadata builder, with
-    the state they share: the window (tokens of the cached prefix per window; None: the
-    default, ``workspace.default_window``) and the workspace. One per process, shared by
-    every layer and builder.
+    ``_continuation_prefill`` and the workspace reservation of its metadata builder,
+    with the state they share: the window (tokens of the cached prefix per window;
+    None: the default, ``workspace.default_window``) and the workspace. One per
+    process, shared by every layer and builder.
 
-    ``workspace_manager``: vLLM's ``current_workspace_manager`` where the backend takes
-    its buffers from a WorkspaceManager (0.21 on), None where it keeps its own (0.20.x).
+    ``hooks``: the name of vLLM's backend module where it takes its buffers from a
+    WorkspaceManager (0.21 on: ``Workspaces``), None where it keeps its own (0.20.x).
     """
 
-    def __init__(self, workspace_manager=None, window: int | None = None):
-        self.workspaces = Workspaces(workspace_manager)
+    def __init__(self, hooks: str | None = None, window: int | None = None):
+        self.workspaces = Workspaces(hooks)
         self.window = window
+
+    def served(self, builder, impl_cls) -> list[bool]:
+        """Per layer of vLLM's metadata ``builder``: whether its impl's prefill runs
+        here (``runs_windowed``). A builder whose layers cannot be looked up (a unit
+        test's config) is taken to serve ``impl_cls`` itself, as vLLM would build it
+        now: in the default cache layout unless the backend module's
+        ``is_flydsl_available()`` selects the struct-of-arrays one."""
+        impls = builder_impls(builder)
+        if impls is not None:
+            return [runs_windowed(impl, impl_cls) for impl in impls]
+        hooks = self.workspaces.hooks
+        module = importlib.import_module(hooks) if hooks else None
+        return [not getattr(module, "is_flydsl_available", lambda: False)()]
 
     def prefill_attention(
         self, impl, query, key, value, kv_cache, attn_metadata, Pi, centroids
@@ -227,8 +272,8 @@ class ChunkedPrefill:
             seq_lens_cpu=seq_lens_cpu,
             window=w,
             workspace=ws,
-            check_block_table=False,
-        )  # vLLM's block tables index its own cache
+            check_block_table=False,  # vLLM's block tables index its own cache
+        )
 
     def continuation_prefill(
         self,
@@ -248,7 +293,8 @@ class ChunkedPrefill:
         q_len, hq, d = query.shape
         if seq_len != cached_len + q_len:
             raise ValueError(
-                f"seq_len ({seq_len}) must equal cached_len ({cached_len}) + q_len ({q_len})"
+                f"seq_len ({seq_len}) must equal cached_len ({cached_len}) + q_len "
+                f"({q_len})"
             )
         hk = key_chunk.shape[1]
         w = _window(self.window, hk, d, kv_cache.shape[1])
@@ -271,10 +317,15 @@ class ChunkedPrefill:
             check_block_table=False,
         )
 
-    def reserve(self, builder) -> tuple[int, int]:
-        """When vLLM's TurboQuantMetadataBuilder is created, before vLLM locks its
-        WorkspaceManager: reserve the workspace of the largest prefill the engine can
-        schedule (``max_num_batched_tokens`` query tokens). Returns (window, bytes)."""
-        w, nbytes = builder_workspace_bytes(builder, self.window)
-        self.workspaces.reserve(nbytes)
-        return w, nbytes
+    def reserve(self, builder, impl_cls) -> bool:
+        """When vLLM's metadata builder is created, before vLLM locks its
+        WorkspaceManager: where any of the builder's layers has its prefill computed
+        here (``served``), reserve the workspace of the largest prefill the engine can
+        schedule (``max_num_batched_tokens`` query tokens). Returns whether all of them
+        do: then vLLM's own continuation buffers, a (1, Hk, max_model_len, D) K/V pair,
+        are used by none of them."""
+        served = self.served(builder, impl_cls)
+        if any(served):
+            _, nbytes = builder_workspace_bytes(builder, self.window)
+            self.workspaces.reserve(nbytes)
+        return all(served)

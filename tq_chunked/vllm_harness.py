@@ -1,13 +1,16 @@
-"""Real vLLM TurboQuant objects outside an engine, for the GPU tests and the benchmark.
+"""Real vLLM TurboQuant objects outside an engine, for the GPU tests and the
+benchmark, and the places the CPU tests run vLLM in (``cpu_test_env``,
+``symlink_farm``).
 
 Builds vLLM's own ``TurboQuantAttentionImpl`` and a layer carrying the buffers vLLM
 derives (centroids, Pi), fills a paged cache with vLLM's own store kernel, and exposes
-vLLM's ``_continuation_prefill`` (as installed) and the latest release's (through
-``.gpu-carry/latest/vllm_latest.py`` when it is on the path).
+vLLM's ``_continuation_prefill`` as installed (another release's methods:
+``tq_chunked.baseline``).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +42,8 @@ class VllmTQ:
 def build_vllm_tq(
     preset: str, num_q_heads: int, num_kv_heads: int, head_dim: int, device="cuda"
 ) -> VllmTQ:
-    """VLLM's impl for ``preset`` inside a default VllmConfig, and its layer."""
+    """The impl vLLM builds for ``preset`` inside a default VllmConfig, and its
+    layer."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.quantization.turboquant.centroids import (
         get_centroids,
@@ -85,45 +89,53 @@ def vllm_continuation_prefill(
     )
 
 
-def latest_available() -> bool:
-    try:
-        import vllm_latest  # noqa: F401  (.gpu-carry/latest on PYTHONPATH)
-
-        return True
-    except Exception:
-        return False
-
-
-def prepare_latest(tq: VllmTQ, device, fresh_workspace=False) -> None:
-    """Give the impl/layer what the latest method reads (once); fresh_workspace also starts
-    from an empty WorkspaceManager, so the next call allocates (and counts) its buffer."""
-    import vllm_latest
-    from vllm.v1.worker import workspace
-
-    if fresh_workspace:
-        workspace.reset_workspace_manager()
-    if fresh_workspace or not getattr(tq.layer, "_tq_latest_prepared", False):
-        vllm_latest.prepare(tq.impl, tq.layer, device)
-        tq.layer._tq_latest_prepared = True
-
-
-def latest_continuation_prefill(
-    tq: VllmTQ, query, key_chunk, val_chunk, kv_cache, block_table, cached_len
-):
-    """The latest vLLM release's ``_continuation_prefill``, run in the installed runtime."""
-    import vllm_latest
-
-    prepare_latest(tq, query.device)
-    return vllm_latest.latest_continuation_prefill(
-        tq.impl,
-        tq.layer,
-        query,
-        key_chunk,
-        val_chunk,
-        kv_cache,
-        block_table.reshape(1, -1),
-        cached_len,
-        cached_len + query.shape[0],
-        tq.rotation,
-        tq.centroids,
+def cpu_test_env(root: str, **extra: str) -> dict[str, str]:
+    """The environment in which this project's tests run vLLM on a CPU (inside the
+    ``.vllm-envs/`` installs): this checkout (``root``) importable, vLLM's and this
+    project's Triton kernels in Triton's interpreter, and ``CUDA_VISIBLE_DEVICES``
+    empty, under which vLLM hands its modules the real Triton (without a GPU driver it
+    hands them a placeholder, under which UltraQuant's module cannot be imported);
+    neither the plugin's off switch nor the vendored tests' marker is inherited.
+    ``extra`` is added last."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [p for p in (extra.pop("PYTHONPATH", ""), root) if p]
     )
+    for name in ("TQ_CHUNKED_DISABLE", "TQ_CHUNKED_VENDORED", "TQ_CHUNKED_WINDOW"):
+        env.pop(name, None)
+    env.update(extra)
+    return env
+
+
+def symlink_farm(vllm_dir, dest, tests_dir=None):
+    """``dest/vllm``: a vLLM tree to vendor into without copying the installed package
+    ``vllm_dir`` (about 0.9 GB): symlinks to its entries, except along the paths the
+    vendor tool writes (real directories, and a real copy of turboquant_attn.py), so
+    the tool never writes into the install. With ``tests_dir`` (vLLM's ``tests/`` from
+    a source distribution), ``dest/tests`` is a real copy of it, as in a checkout.
+    Returns ``dest``."""
+    import shutil
+    from pathlib import Path
+
+    vllm_dir, dest = Path(vllm_dir).resolve(), Path(dest)
+    real_dirs = {
+        Path("."),
+        Path("v1"),
+        Path("v1/attention"),
+        Path("v1/attention/backends"),
+        Path("v1/attention/ops"),
+    }
+    target = Path("v1/attention/backends/turboquant_attn.py")
+    for rel in sorted(real_dirs):
+        (dest / "vllm" / rel).mkdir(parents=True, exist_ok=True)
+        for entry in (vllm_dir / rel).iterdir():
+            sub = rel / entry.name
+            if entry.name == "__pycache__" or sub in real_dirs:
+                continue
+            if sub == target:
+                shutil.copyfile(entry, dest / "vllm" / sub)
+            else:
+                os.symlink(entry, dest / "vllm" / sub)
+    if tests_dir is not None:
+        shutil.copytree(tests_dir, dest / "tests")
+    return dest

@@ -16,7 +16,11 @@ What it changes, detected by feature, never by version string:
   workspace comes from there too, reserved when the metadata builder is created (before
   the manager is locked), for ``max_num_batched_tokens`` query tokens. Where
   ``TurboQuantMetadataBuilder._reserve_workspace`` also reserves the (1, Hk,
-  max_model_len, D) continuation pair, exactly that pair is no longer reserved.
+  max_model_len, D) continuation pair, exactly that pair is no longer reserved, for a
+  builder whose layers all have their prefill computed by tq_chunked
+  (``vllm_backend.runs_windowed``); a builder with a layer that keeps vLLM's own
+  continuation (UltraQuant, which shares the builder and brings its own prefill; the
+  struct-of-arrays cache layout) reserves what vLLM reserves.
 * Where the methods kept per-layer buffers (0.20.x), one shared workspace per device,
   owned by the plugin, replaces them; and where the metadata has no host copies of the
   lengths (0.20.x), the builder attaches vLLM's own, so that prefill reads no device
@@ -27,8 +31,8 @@ plugin patches everything or nothing. ``TQ_CHUNKED_DISABLE=1`` turns it off;
 ``TQ_CHUNKED_WINDOW=N`` sets the window (key rows per window).
 
 What the replaced methods and the reservation do is ``vllm_backend.py``'s
-``ChunkedPrefill``, which the vendored change (``python -m tq_chunked.vendor``) calls from
-vLLM's own code: this module only decides what to patch and wraps it.
+``ChunkedPrefill``, which the vendored change (``python -m tq_chunked.vendor``) calls
+from vLLM's own code: this module only decides what to patch and wraps it.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import os
 import torch
 
 from . import __version__
-from .vllm_backend import (  # noqa: F401  (builder_workspace_bytes: re-exported, as before the split)
+from .vllm_backend import (
     CONTINUATION_PARAMS,
     PREFILL_PARAMS,
     ChunkedPrefill,
@@ -51,10 +55,9 @@ from .vllm_backend import (  # noqa: F401  (builder_workspace_bytes: re-exported
 )
 
 PATCH_MARK = "__tq_chunked__"
-
-
-LOGGER_NAME = "vllm.tq_chunked"  # vLLM configures only its "vllm" logger: under it, vLLM's handler,
-# format and VLLM_LOGGING_LEVEL apply; a top-level "tq_chunked" logger's INFO lines are dropped.
+# vLLM configures only its "vllm" logger: under it, vLLM's handler, format and
+# VLLM_LOGGING_LEVEL apply; a top-level "tq_chunked" logger's INFO lines are dropped.
+LOGGER_NAME = "vllm.tq_chunked"
 
 
 def _logger():
@@ -71,7 +74,8 @@ class UnsupportedVllm(Exception):
 
 
 def make_prefill_attention(original, prefill: ChunkedPrefill):
-    """The replacement ``_prefill_attention``: every request of the prefill part in one call."""
+    """The replacement ``_prefill_attention``: every request of the prefill part in
+    one call."""
 
     @functools.wraps(original)
     def _prefill_attention(
@@ -86,9 +90,7 @@ def make_prefill_attention(original, prefill: ChunkedPrefill):
         PiT=None,
         layer=None,
     ):
-        if getattr(
-            self, "_soa_store", False
-        ):  # AMD's struct-of-arrays cache: another format
+        if getattr(self, "_soa_store", False):  # AMD's struct-of-arrays layout
             return original(
                 self,
                 query,
@@ -110,7 +112,8 @@ def make_prefill_attention(original, prefill: ChunkedPrefill):
 
 
 def make_continuation_prefill(original, prefill: ChunkedPrefill):
-    """The replacement ``_continuation_prefill``: one request, same answer, O(window) memory."""
+    """The replacement ``_continuation_prefill``: one request, same answer, O(window)
+    memory."""
 
     @functools.wraps(original)
     def _continuation_prefill(
@@ -126,9 +129,7 @@ def make_continuation_prefill(original, prefill: ChunkedPrefill):
         Pi,
         centroids,
     ):
-        if getattr(
-            self, "_soa_store", False
-        ):  # AMD's struct-of-arrays cache: another format
+        if getattr(self, "_soa_store", False):  # AMD's struct-of-arrays layout
             return original(
                 self,
                 layer,
@@ -160,8 +161,9 @@ def make_continuation_prefill(original, prefill: ChunkedPrefill):
 
 
 def continuation_reservation(builder):
-    """The (shape, dtype) of each of the two buffers vLLM's ``_reserve_workspace`` asks for
-    its continuation prefill: (1, Hk, round_up(max_model_len - 1, block_size), D) fp16."""
+    """The (shape, dtype) of each of the two buffers vLLM's ``_reserve_workspace`` asks
+    for its continuation prefill: (1, Hk, round_up(max_model_len - 1, block_size), D)
+    fp16."""
     spec = builder.kv_cache_spec
     cached = max(0, builder.vllm_config.model_config.max_model_len - 1)
     length = -(-cached // spec.block_size) * spec.block_size
@@ -169,8 +171,9 @@ def continuation_reservation(builder):
 
 
 class _WithoutContinuationReservation:
-    """A WorkspaceManager seen through a filter that drops exactly the continuation pair
-    (two buffers of ``pair``'s shape and dtype); every other request goes through."""
+    """A WorkspaceManager seen through a filter that drops exactly the continuation
+    pair (two buffers of ``pair``'s shape and dtype); every other request goes
+    through."""
 
     def __init__(self, manager, pair):
         self._manager, self._pair = manager, pair
@@ -205,8 +208,8 @@ def plan_patches(tqa, window):
     meta_cls = getattr(tqa, "TurboQuantMetadata", None)
     if impl_cls is None or builder_cls is None or meta_cls is None:
         raise UnsupportedVllm(
-            "turboquant_attn has no TurboQuantAttentionImpl, TurboQuantMetadataBuilder or "
-            "TurboQuantMetadata"
+            "turboquant_attn has no TurboQuantAttentionImpl, TurboQuantMetadataBuilder "
+            "or TurboQuantMetadata"
         )
     continuation = _check_signature(
         impl_cls, "_continuation_prefill", CONTINUATION_PARAMS
@@ -215,9 +218,11 @@ def plan_patches(tqa, window):
     if getattr(prefill, PATCH_MARK, False):
         return []  # already patched in this process
     log = _logger()
-    # The same object the vendored change creates in turboquant_attn.py (vllm_backend.py):
-    # the workspace from vLLM's manager where the module takes its buffers from one.
-    chunked = ChunkedPrefill(getattr(tqa, "current_workspace_manager", None), window)
+    # The same object the vendored change creates in turboquant_attn.py: the workspace
+    # from vLLM's manager where the module takes its buffers from one, found through the
+    # module at each call (where vLLM's tests patch it).
+    uses_manager = hasattr(tqa, "current_workspace_manager")
+    chunked = ChunkedPrefill(tqa.__name__ if uses_manager else None, window)
     plan = [
         (impl_cls, "_prefill_attention", make_prefill_attention(prefill, chunked)),
         (
@@ -232,14 +237,14 @@ def plan_patches(tqa, window):
     @functools.wraps(original_init)
     def builder_init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
-        w, nbytes = chunked.reserve(self)  # before vLLM locks its manager
-        _log_active(log, w, nbytes)
+        chunked.reserve(self, impl_cls)  # before vLLM locks its manager
+        if any(chunked.served(self, impl_cls)):
+            _log_active(log, *builder_workspace_bytes(self, chunked.window))
 
     plan.append((builder_cls, "__init__", builder_init))
 
-    if "query_start_loc_cpu" not in getattr(
-        meta_cls, "__dataclass_fields__", {}
-    ):  # 0.20.x: no host copies
+    host_copies = "query_start_loc_cpu" in getattr(meta_cls, "__dataclass_fields__", {})
+    if not host_copies:  # 0.20.x
         original_build = builder_cls.build
 
         @functools.wraps(original_build)
@@ -257,10 +262,10 @@ def plan_patches(tqa, window):
 
         @functools.wraps(original_reserve)
         def reserve_workspace(self):
-            if getattr(tqa, "is_flydsl_available", lambda: False)():
-                return original_reserve(
-                    self
-                )  # the SoA path keeps vLLM's own methods and buffers
+            if not all(chunked.served(self, impl_cls)):
+                # A layer keeps vLLM's own continuation (UltraQuant; the
+                # struct-of-arrays layout): so does the reservation.
+                return original_reserve(self)
             real = tqa.current_workspace_manager
             pair = continuation_reservation(self)
             tqa.current_workspace_manager = lambda: _WithoutContinuationReservation(
@@ -278,8 +283,8 @@ def plan_patches(tqa, window):
 @functools.cache
 def _log_active(log, window, nbytes):
     log.info(
-        "tq_chunked %s active: prefill attention batched and windowed (windows of %d tokens), "
-        "workspace %.1f MiB per ubatch",
+        "tq_chunked %s active: prefill attention batched and windowed "
+        "(windows of %d tokens), workspace %.1f MiB per ubatch",
         __version__,
         window,
         nbytes / 2**20,
@@ -304,7 +309,8 @@ def register() -> bool:
         plan = plan_patches(tqa, window)
     except UnsupportedVllm as e:
         log.warning(
-            "tq_chunked %s: unsupported vLLM TurboQuant backend (%s); vLLM left unpatched",
+            "tq_chunked %s: unsupported vLLM TurboQuant backend (%s); "
+            "vLLM left unpatched",
             __version__,
             e,
         )

@@ -1,0 +1,506 @@
+"""tq_chunked inside a running vLLM engine: the crash, the answers, the time per step.
+
+vLLM's offline ``LLM`` engine on the H200 machine, a model of Llama-3-8B's shape with
+random weights, a TurboQuant KV cache, prefix caching and chunked prefill on, run with
+the plugin off (``TQ_CHUNKED_DISABLE=1``) and on, and with a BF16 cache for reference.
+Each configuration runs in a process of its own (a fresh engine, a fresh GPU); this
+script is the parent, ``--child`` the engine.
+
+Workloads (token ids from a seeded generator, new ones for every repeat so that each
+repeat meets the cache in the same state):
+
+* ``shared-prefix``: a system prompt of 8192 tokens, cached once, then 16 requests that
+  each add 1024 tokens of their own: 16 prefix-cache hits in one batch.
+* ``long-prompt``: one prompt of 60000 tokens, far longer than one step's 16384 tokens:
+  chunked prefill, every chunk after the first a continuation over the cache (the shape
+  of vLLM issue 41565's crash).
+* ``mixed-46460``: four 2048-token prefixes cached, then one batch of a new 4096-token
+  request (the batch's longest, its first chunk) beside four hits of 512 new tokens over
+  those prefixes: the shape of vLLM issue 46460 (upstream attends the hits without their
+  prefixes). The same four hits are also run alone as the reference for their answers.
+
+Measured per configuration: time to first token of each workload's batch (wall time of
+``generate`` with one output token; median of the repeats), prefill throughput (new
+prompt tokens / that time), decode time per step (shared prefix, 64 tokens, reported
+apart: decode is upstream's), the KV-cache blocks the engine got, peak GPU memory above
+the steady state during the workloads, the first token's top-20 logprobs of every
+request (the answers), the plugin's log lines and any error.
+
+    python3 benchmarks/engine.py --out $OUT/engine.json            # the default grid
+    python3 benchmarks/engine.py --configs off:turboquant_3bit_nc,on:turboquant_3bit_nc
+
+Weights: vLLM's dummy loader draws them from U(-1e-3, 1e-3), which makes every logit
+almost equal and any comparison of answers vacuous; after loading they are redrawn from
+N(0, 0.02) with a fixed seed (norm weights 1), the scale of a trained model's
+initialisation, so that attention and the next-token distribution depend on the context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+LLAMA3_8B = {  # Llama-3.1-8B's config.json, fewer layers (see --layers)
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "vocab_size": 128256,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+PRESETS = (
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+)
+TOPK = 20
+BATCH_TOKENS = 16384  # vLLM's max_num_batched_tokens for the offline LLM on an H200
+
+
+# ------------------------------------------------------------- child: one engine
+def _tokens(rng, n):
+    return rng.integers(1000, 120000, size=n).tolist()
+
+
+def _answers(outputs):
+    """First generated token's top-k logprobs per request: [{token_id: logprob}]."""
+    res = []
+    for o in outputs:
+        lp = o.outputs[0].logprobs
+        first = lp[0] if lp else {}
+        res.append({int(t): float(v.logprob) for t, v in first.items()})
+    return res
+
+
+def _generate(llm, prompts, max_tokens=1):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, logprobs=TOPK, detokenize=False
+    )
+    ps = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(ps, sp, use_tqdm=False)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, outs
+
+
+def _redraw_weights(model):
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.fill_(1.0)
+    return sum(p.numel() for p in model.parameters())
+
+
+def workloads(repeats, long_tokens=60000):
+    """{name: [repeat: {"warm": [prompts], "batch": [prompts], "new_tokens": n,
+    "alone": [prompts] or None}]} from a seeded generator: identical in every child."""
+    import numpy as np
+
+    rng = np.random.default_rng(46460)
+    system = _tokens(rng, 8192)
+    out = {"shared-prefix": [], "long-prompt": [], "mixed-46460": []}
+    for _ in range(repeats):
+        out["shared-prefix"].append(
+            {
+                "warm": [system + _tokens(rng, 16)],
+                "batch": [system + _tokens(rng, 1024) for _ in range(16)],
+                "new_tokens": 16 * 1024,
+            }
+        )
+        out["long-prompt"].append(
+            {
+                "warm": [],
+                "batch": [_tokens(rng, long_tokens)],
+                "new_tokens": long_tokens,
+            }
+        )
+        prefixes = [_tokens(rng, 2048) for _ in range(4)]
+        hits = [p + _tokens(rng, 512) for p in prefixes]
+        out["mixed-46460"].append(
+            {
+                "warm": [p + _tokens(rng, 16) for p in prefixes],
+                "batch": [_tokens(rng, 4096), *hits],
+                "new_tokens": 4096 + 4 * 512,
+                "alone": hits,
+            }
+        )
+    return out
+
+
+def child(args):
+    import torch
+
+    result = {"config": args.config, "errors": []}
+    mode, kv = args.config.split("@")[0].split(":")
+    if mode not in ("on", "off", "bf16"):
+        raise SystemExit(
+            "--config: expected on:<preset>, off:<preset> or bf16:auto, "
+            f"got {args.config}"
+        )
+    model_dir = tempfile.mkdtemp(prefix="tq-engine-model-")
+    cfg = dict(LLAMA3_8B, num_hidden_layers=args.layers)
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    import vllm
+    from vllm import LLM
+
+    result["vllm"] = vllm.__version__
+    kwargs = dict(
+        model=model_dir,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        kv_cache_dtype=kv,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=BATCH_TOKENS,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=0.85,
+        seed=0,
+        enforce_eager=args.eager,
+    )
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    result["startup_s"] = time.perf_counter() - t0
+    cache = llm.llm_engine.vllm_config.cache_config
+    result["num_gpu_blocks"] = cache.num_gpu_blocks
+    result["block_size"] = cache.block_size
+    result["cudagraphs"] = not args.eager
+    result["params"] = llm.apply_model(_redraw_weights)[0]
+    try:
+        import tq_chunked.vllm_plugin as plug
+
+        result["plugin_patched"] = bool(plug.is_patched())
+    except Exception as e:  # noqa: BLE001 - reported, not hidden
+        result["plugin_patched"] = f"{type(e).__name__}: {e}"
+    wl = workloads(args.repeats, args.long_tokens)
+    names = args.workloads.split(",")
+    result["workloads"] = {}
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for name in names:
+        rec = {"ttft_s": [], "answers": [], "alone_answers": []}
+        result["workloads"][name] = rec
+        try:
+            for rep in wl[name]:
+                if rep["warm"]:
+                    _generate(llm, rep["warm"])
+                dt, outs = _generate(llm, rep["batch"])
+                rec["ttft_s"].append(dt)
+                rec["answers"].append(_answers(outs))
+                if rep.get("alone"):
+                    # The batch cached the hits' new tokens (wrong ones, where the bug
+                    # dropped their prefixes): forget them, cache the prefixes again and
+                    # run the hits alone.
+                    llm.reset_prefix_cache()
+                    _generate(llm, rep["warm"])
+                    _, outs = _generate(llm, rep["alone"])
+                    rec["alone_answers"].append(_answers(outs))
+            rec["ttft_median_s"] = statistics.median(rec["ttft_s"])
+            rec["prefill_tok_s"] = wl[name][0]["new_tokens"] / rec["ttft_median_s"]
+            if name == "shared-prefix":
+                rep = wl[name][-1]
+                new = [p[:-1024] + p[-1024:][::-1] for p in rep["batch"]]
+                dt, _ = _generate(llm, new, max_tokens=65)
+                rec["decode_ms_per_step"] = 1e3 * (dt - rec["ttft_median_s"]) / 64
+            print(
+                f"[{args.config}] {name}: ttft {rec['ttft_median_s'] * 1e3:.1f} ms",
+                flush=True,
+            )
+        except Exception as e:  # the crash is a result: record it, stop this engine
+            rec["error"] = f"{type(e).__name__}: {e}"
+            rec["traceback"] = traceback.format_exc()[-4000:]
+            result["errors"].append(f"{name}: {type(e).__name__}: {str(e)[:500]}")
+            print(f"[{args.config}] {name}: {type(e).__name__}: {e}", flush=True)
+            break
+    torch.cuda.synchronize()
+    result["peak_above_steady_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    result["steady_mib"] = base / 2**20
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# ------------------------------------------------------------------ parent: the grid
+def _compare(a, b):
+    """Top-1 agreement and max |logprob difference| over the tokens in both top-k sets,
+    per request, between two answer lists."""
+    top1, dmax = [], []
+    for x, y in zip(a, b):
+        if not x or not y:
+            continue
+        top1.append(max(x, key=x.get) == max(y, key=y.get))
+        common = set(x) & set(y)
+        dmax.append(max(abs(x[t] - y[t]) for t in common) if common else float("inf"))
+    if not top1:
+        return None
+    return {
+        "requests": len(top1),
+        "top1_agree": sum(top1) / len(top1),
+        "max_abs_dlogprob_median": statistics.median(dmax),
+        "max_abs_dlogprob_max": max(dmax),
+    }
+
+
+def _flat(rec, key="answers"):
+    return [r for rep in rec.get(key, []) for r in rep]
+
+
+def agreement(results):
+    """Answers of every configuration against the others on the same prompts, and the
+    46460 hits against the same hits run alone (the bug's signature)."""
+    out = {}
+    by = {r["config"]: r for r in results if "workloads" in r}
+    names = sorted({n for r in by.values() for n in r["workloads"]})
+    for n in names:
+        for i, ca in enumerate(by):
+            for cb in list(by)[i + 1 :]:
+                ra, rb = by[ca]["workloads"].get(n, {}), by[cb]["workloads"].get(n, {})
+                c = _compare(_flat(ra), _flat(rb))
+                if c:
+                    out[f"{n}: {ca} vs {cb}"] = c
+        for c, r in by.items():
+            rec = r["workloads"].get(n, {})
+            if rec.get("alone_answers"):
+                hits = [rep[1:] for rep in rec["answers"]]
+                cmp = _compare(
+                    [h for rep in hits for h in rep], _flat(rec, "alone_answers")
+                )
+                if cmp:
+                    out[f"{n}: {c} hits in the batch vs alone"] = cmp
+    return out
+
+
+def parent(args):
+    configs = args.configs.split(",")
+    results = []
+    env_base = dict(
+        os.environ,
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+        VLLM_USE_FLASHINFER_SAMPLER="0",  # FlashInfer is not carried; greedy sampling
+        VLLM_USE_DEEP_GEMM="0",  # nor DeepGEMM (FP8 GEMMs; this model is bf16)
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",  # the model is a local config.json; nothing is fetched
+        TRANSFORMERS_OFFLINE="1",
+    )
+    env_base.setdefault("VLLM_CACHE_ROOT", "/tmp/tq-engine/vllm-cache")
+    print(
+        f"{'config':34s} {'start s':>7s} {'blocks':>7s} "
+        + " ".join(f"{w[:13]:>13s}" for w in args.workloads.split(",")),
+        flush=True,
+    )
+    for cfg in configs:
+        env = dict(env_base)
+        if cfg.startswith("off:"):
+            env["TQ_CHUNKED_DISABLE"] = "1"
+        else:
+            env.pop("TQ_CHUNKED_DISABLE", None)
+        # on:<preset>@<workload>[+<workload>]: that configuration on those workloads
+        only = cfg.split("@")[1].replace("+", ",") if "@" in cfg else args.workloads
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            "--config",
+            cfg,
+            "--layers",
+            str(args.layers),
+            "--repeats",
+            str(args.repeats),
+            "--max-model-len",
+            str(args.max_model_len),
+            "--long-tokens",
+            str(args.long_tokens),
+            "--workloads",
+            only,
+        ]
+        if args.eager:
+            cmd.append("--eager")
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run(
+                cmd, env=env, capture_output=True, text=True, timeout=args.timeout
+            )
+            log = p.stdout + p.stderr
+            rc = p.returncode
+        except subprocess.TimeoutExpired as e:
+            log = (e.stdout or "") + (e.stderr or "")
+            log = log.decode() if isinstance(log, bytes) else log
+            rc = "timeout"
+        lines = log.splitlines()
+        res = next((json.loads(x[7:]) for x in lines if x.startswith("RESULT ")), None)
+        if res is None:
+            res = {"config": cfg, "errors": [f"engine did not finish (rc {rc})"]}
+        res["rc"] = rc
+        res["wall_s"] = time.perf_counter() - t0
+        res["plugin_log"] = [x for x in lines if "tq_chunked" in x][:20]
+        res["log_errors"] = [x for x in lines if "Error" in x or "error" in x][-15:]
+        res["log_tail"] = lines[-40:]
+        results.append(res)
+        cells = []
+        for w in args.workloads.split(","):
+            rec = res.get("workloads", {}).get(w, {})
+            cells.append(
+                "crash"
+                if "error" in rec
+                else f"{rec['ttft_median_s'] * 1e3:9.1f} ms"
+                if "ttft_median_s" in rec
+                else "-"
+            )
+        print(
+            f"{cfg:34s} {res.get('startup_s', float('nan')):7.1f} "
+            f"{res.get('num_gpu_blocks', '-')!s:>7s} "
+            + " ".join(f"{c:>13s}" for c in cells),
+            flush=True,
+        )
+        for e in res["errors"]:
+            print(f"    error: {e[:300]}", flush=True)
+        with open(
+            args.out, "w"
+        ) as f:  # after every configuration: a timeout keeps the rest
+            json.dump(
+                {"results": results, "agreement": agreement(results)}, f, indent=1
+            )
+    agr = agreement(results)
+    with open(args.out, "w") as f:
+        json.dump(
+            {"args": vars(args), "results": results, "agreement": agr}, f, indent=1
+        )
+    print(
+        "\nagreement (first token's top-20 logprobs; top-1 agreement, "
+        "max |dlogprob| median/max)"
+    )
+    for k, v in agr.items():
+        print(
+            f"  {k:70s} {v['top1_agree']:5.2f} {v['max_abs_dlogprob_median']:.3g}/"
+            f"{v['max_abs_dlogprob_max']:.3g} (n={v['requests']})"
+        )
+
+
+def markdown(data) -> str:
+    """The results of one run as Markdown: a row per configuration, then the answers."""
+    res = data["results"]
+    names = list(dict.fromkeys(w for r in res for w in r.get("workloads", {})))
+    head = ["vLLM", "configuration", "CUDA graphs", "KV blocks"]
+    head += [f"{w} TTFT ms (tok/s)" for w in names]
+    head += ["decode ms/step", "peak above steady MiB", "error"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in res:
+        cells = [
+            str(r.get("vllm", "?")),
+            r["config"],
+            {True: "yes", False: "no"}.get(r.get("cudagraphs"), "?"),
+            str(r.get("num_gpu_blocks", "-")),
+        ]
+        decode = "-"
+        for w in names:
+            rec = r.get("workloads", {}).get(w)
+            if rec is None:
+                cells.append("-")
+            elif "error" in rec:
+                cells.append("crashed")
+            else:
+                cells.append(
+                    f"{rec['ttft_median_s'] * 1e3:.1f} ({rec['prefill_tok_s']:.0f})"
+                )
+                if "decode_ms_per_step" in rec:
+                    decode = f"{rec['decode_ms_per_step']:.1f}"
+        peak = r.get("peak_above_steady_mib")
+        err = "; ".join(e[:160] for e in r.get("errors", [])) or "-"
+        cells += [decode, f"{peak:.0f}" if peak is not None else "-", err]
+        rows.append("| " + " | ".join(cells) + " |")
+    rows += [
+        "",
+        "| answers compared (first token, top-20 logprobs) | requests | top-1 agree "
+        "| max abs dlogprob: median | max |",
+        "|---|---|---|---|---|",
+    ]
+    for k, v in data.get("agreement", {}).items():
+        rows.append(
+            f"| {k} | {v['requests']} | {v['top1_agree']:.2f} "
+            f"| {v['max_abs_dlogprob_median']:.3f} | {v['max_abs_dlogprob_max']:.3f} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--configs",
+        default=",".join(
+            [
+                f"{m}:{p}"
+                for p in ("turboquant_3bit_nc", "turboquant_k8v4")
+                for m in ("off", "on")
+            ]
+            + ["bf16:auto"]
+        ),
+        help="comma-separated on:<preset>, off:<preset>, bf16:auto",
+    )
+    ap.add_argument("--workloads", default="mixed-46460,shared-prefix,long-prompt")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--long-tokens", type=int, default=60000, help="long-prompt length")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-model-len", type=int, default=131072)
+    ap.add_argument(
+        "--eager",
+        action="store_true",
+        help="enforce_eager (no CUDA graphs, no compile)",
+    )
+    ap.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds per configuration"
+    )
+    ap.add_argument("--out", default="engine.json")
+    ap.add_argument(
+        "--render", metavar="JSON", help="print a results file as Markdown and exit"
+    )
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            print(markdown(json.load(f)), end="")
+    elif args.child:
+        child(args)
+    else:
+        parent(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Step 3: vLLM's tests as the change needs them, in a tree that has vLLM's ``tests/``
+(a checkout; a site-packages directory has none).
+
+* ``tests/quantization/test_turboquant.py``: where it has
+  ``TestTurboQuantWorkspaceReservation`` (vLLM 0.24 onwards), the methods that assert
+  the (1, Hk, max_model_len, D) continuation pair are replaced by the ones in
+  ``tq_chunked/upstream_tests/turboquant_reservation.py``, which assert tq_chunked's
+  workspace in its place;
+* ``tests/quantization/test_turboquant_chunked_prefill.py``: added, from
+  ``tq_chunked/upstream_tests/``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from .package import SOURCE_DIR, header
+from .paths import NEW_TEST, PACKAGE, VendorError
+from .source import Edit, apply_edits, first_line
+
+UPSTREAM_DIR = SOURCE_DIR / "upstream_tests"
+RESERVATION = UPSTREAM_DIR / "turboquant_reservation.py"
+RESERVATION_CLASS = "TestTurboQuantWorkspaceReservation"
+SPDX = "# SPDX-"
+
+
+def _origin(path: Path) -> str:
+    return f"{PACKAGE}/{path.relative_to(SOURCE_DIR).as_posix()}"
+
+
+def new_test_text() -> str:
+    """The test file the change adds, under the header of the vendored files."""
+    source = UPSTREAM_DIR / NEW_TEST.name
+    lines = source.read_text().splitlines(keepends=True)
+    while lines and lines[0].startswith(SPDX):  # the header brings its own
+        lines.pop(0)
+    return header(_origin(source)) + "".join(lines)
+
+
+def _methods(cls: ast.ClassDef) -> dict[str, ast.FunctionDef]:
+    return {s.name: s for s in cls.body if isinstance(s, ast.FunctionDef)}
+
+
+def _class(tree: ast.Module, name: str) -> ast.ClassDef | None:
+    return next(
+        (s for s in tree.body if isinstance(s, ast.ClassDef) and s.name == name), None
+    )
+
+
+def edited_vllm_test(text: str) -> tuple[str | None, list[str]]:
+    """(vLLM's test_turboquant.py with the reservation tests rewritten, or None where
+    it has none to rewrite; notes). A method of that class whose name the template has
+    but that does not build the metadata builder is left as it is, with a note."""
+    tree = ast.parse(text)
+    cls = _class(tree, RESERVATION_CLASS)
+    if cls is None:
+        return None, []
+    template_text = RESERVATION.read_text()
+    template = _class(ast.parse(template_text), RESERVATION_CLASS)
+    if template is None:
+        raise VendorError(
+            f"internal: {_origin(RESERVATION)} has no {RESERVATION_CLASS}"
+        )
+    template_lines = template_text.splitlines()
+    theirs, edits, notes = _methods(cls), [], []
+    for name, ours in _methods(template).items():
+        method = theirs.get(name)
+        if method is None or "TurboQuantMetadataBuilder" not in ast.unparse(method):
+            notes.append(
+                f"note: {RESERVATION_CLASS}.{name} not found in its expected shape in "
+                "tests/quantization/test_turboquant.py; left as it is"
+            )
+            continue
+        new = template_lines[first_line(ours) : ours.end_lineno]
+        edits.append(Edit(first_line(method), method.end_lineno, new, name))
+    return (apply_edits(text, edits) if edits else None), notes
