@@ -178,6 +178,19 @@ def runs_windowed(impl, impl_cls) -> bool:
     )
 
 
+def reaches_here(impl, impl_cls) -> bool:
+    """Whether vLLM's attention impl ``impl`` runs the batched prefill computed here:
+    an instance of ``impl_cls`` in the default cache layout that inherits its
+    ``_prefill_attention``. A subclass that overrides only ``_continuation_prefill``
+    still does, so it needs the workspace although it keeps vLLM's pair; one with a
+    prefill of its own (UltraQuant's) does not."""
+    return (
+        isinstance(impl, impl_cls)
+        and not getattr(impl, "_soa_store", False)
+        and type(impl)._prefill_attention is impl_cls._prefill_attention
+    )
+
+
 def builder_impls(builder) -> list | None:
     """The attention impls of the layers a metadata builder serves, looked up the way
     vLLM looked them up to pick the builder (its static forward context); None where
@@ -191,7 +204,9 @@ def builder_impls(builder) -> list | None:
 
     layers = get_layers_from_vllm_config(cfg, AttentionLayerBase, builder.layer_names)
     impls = [getattr(layers.get(name), "impl", None) for name in builder.layer_names]
-    return None if not impls or any(i is None for i in impls) else impls
+    # Only a config where none of the layers is found is a unit test's; a layer that
+    # is missing from a real one is not served (it keeps what vLLM reserves).
+    return None if all(i is None for i in impls) else impls
 
 
 def attach_host_lengths(meta, common_attn_metadata, vllm_config=None) -> None:
@@ -229,15 +244,16 @@ class ChunkedPrefill:
         self.workspaces = Workspaces(hooks)
         self.window = window
 
-    def served(self, builder, impl_cls) -> list[bool]:
+    def served(self, builder, impl_cls, rule=runs_windowed) -> list[bool]:
         """Per layer of vLLM's metadata ``builder``: whether its impl's prefill runs
-        here (``runs_windowed``). A builder whose layers cannot be looked up (a unit
-        test's config) is taken to serve ``impl_cls`` itself, as vLLM would build it
-        now: in the default cache layout unless the backend module's
-        ``is_flydsl_available()`` selects the struct-of-arrays one."""
+        here (``rule``: ``runs_windowed``, or ``reaches_here`` for "can run here"). A
+        builder none of whose layers can be looked up (a unit test's config) is taken
+        to serve ``impl_cls`` itself, as vLLM would build it now: in the default cache
+        layout unless the backend module's ``is_flydsl_available()`` selects the
+        struct-of-arrays one."""
         impls = builder_impls(builder)
         if impls is not None:
-            return [runs_windowed(impl, impl_cls) for impl in impls]
+            return [rule(impl, impl_cls) for impl in impls]
         hooks = self.workspaces.hooks
         module = importlib.import_module(hooks) if hooks else None
         return [not getattr(module, "is_flydsl_available", lambda: False)()]
@@ -319,13 +335,13 @@ class ChunkedPrefill:
 
     def reserve(self, builder, impl_cls) -> bool:
         """When vLLM's metadata builder is created, before vLLM locks its
-        WorkspaceManager: where any of the builder's layers has its prefill computed
-        here (``served``), reserve the workspace of the largest prefill the engine can
-        schedule (``max_num_batched_tokens`` query tokens). Returns whether all of them
-        do: then vLLM's own continuation buffers, a (1, Hk, max_model_len, D) K/V pair,
-        are used by none of them."""
-        served = self.served(builder, impl_cls)
-        if any(served):
+        WorkspaceManager: where any of the builder's layers can run the prefill
+        computed here (``reaches_here``), reserve the workspace of the largest prefill
+        the engine can schedule (``max_num_batched_tokens`` query tokens). Returns
+        whether all of them have both prefill methods computed here
+        (``runs_windowed``): then vLLM's own continuation buffers, a (1, Hk,
+        max_model_len, D) K/V pair, are used by none of them."""
+        if any(self.served(builder, impl_cls, reaches_here)):
             _, nbytes = builder_workspace_bytes(builder, self.window)
             self.workspaces.reserve(nbytes)
-        return all(served)
+        return all(self.served(builder, impl_cls))

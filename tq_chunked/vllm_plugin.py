@@ -51,6 +51,7 @@ from .vllm_backend import (
     ChunkedPrefill,
     attach_host_lengths,
     builder_workspace_bytes,
+    reaches_here,
     window_from_env,
 )
 
@@ -238,7 +239,7 @@ def plan_patches(tqa, window):
     def builder_init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         chunked.reserve(self, impl_cls)  # before vLLM locks its manager
-        if any(chunked.served(self, impl_cls)):
+        if any(chunked.served(self, impl_cls, reaches_here)):
             _log_active(log, *builder_workspace_bytes(self, chunked.window))
 
     plan.append((builder_cls, "__init__", builder_init))
