@@ -20,14 +20,21 @@ repeat meets the cache in the same state):
   prefixes). The same four hits are also run alone as the reference for their answers.
 
 Measured per configuration: time to first token of each workload's batch (wall time of
-``generate`` with one output token; median of the repeats), prefill throughput (new
-prompt tokens / that time), decode time per step (shared prefix, 64 tokens, reported
-apart: decode is upstream's), the KV-cache blocks the engine got, peak GPU memory above
-the steady state during the workloads, the first token's top-20 logprobs of every
-request (the answers), the plugin's log lines and any error.
+``generate`` with one output token; median of the repeats after the first, which
+waits for Triton's compilation), prefill throughput (new prompt tokens / that time),
+decode time per step (shared prefix, 64 tokens, reported apart: decode is upstream's),
+the KV-cache blocks the engine got, vLLM's workspace (its size, and whether it is
+locked), peak GPU memory above the steady state during the workloads and what they left
+allocated, the first token's top-20 logprobs of every request (the answers), the
+plugin's log lines and any error.
 
     python3 benchmarks/engine.py --out $OUT/engine.json            # the default grid
     python3 benchmarks/engine.py --configs off:turboquant_3bit_nc,on:turboquant_3bit_nc
+    # vLLM 0.21-0.23's locked-workspace crash: max_num_seqs bounds the decode batches
+    # vLLM warms up, and so the workspace it locks (4.09 MiB at 8 on this model)
+    python3 benchmarks/engine.py --workloads shared-prefix,long-prompt \
+        --configs off:turboquant_3bit_nc,on:turboquant_3bit_nc \
+        --long-tokens 32768 --max-num-seqs 8
 
 Weights: vLLM's dummy loader draws them from U(-1e-3, 1e-3), which makes every logit
 almost equal and any comparison of answers vacuous; after loading they are redrawn from
@@ -127,6 +134,27 @@ def _redraw_weights(model):
     return sum(p.numel() for p in model.parameters())
 
 
+def warm_median(times):
+    """The median of the repeats after the first: the first request of a shape after a
+    start waits for Triton to compile kernels (vLLM's and the plugin's alike; up to
+    about 100 s on a fresh machine), which is not what a step costs."""
+    return statistics.median(times[1:] or times)
+
+
+def _workspace_state():
+    """VLLM's WorkspaceManager in this process (0.21+): its size in MiB and whether
+    it is locked (vLLM locks it after capturing CUDA graphs); None where none is."""
+    try:
+        from vllm.v1.worker import workspace as ws
+    except ImportError:
+        return None
+    if not ws.is_workspace_manager_initialized():
+        return None
+    mgr = ws.current_workspace_manager()
+    sizes = [mgr._workspace_size_bytes(w) for w in mgr._current_workspaces]
+    return {"mib": max(sizes) / 2**20, "locked": mgr.is_locked()}
+
+
 def workloads(repeats, long_tokens=60000):
     """{name: [repeat: {"warm": [prompts], "batch": [prompts], "new_tokens": n,
     "alone": [prompts] or None}]} from a seeded generator: identical in every child."""
@@ -195,6 +223,8 @@ def child(args):
         seed=0,
         enforce_eager=args.eager,
     )
+    if args.max_num_seqs:
+        kwargs["max_num_seqs"] = args.max_num_seqs
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     result["startup_s"] = time.perf_counter() - t0
@@ -202,6 +232,8 @@ def child(args):
     result["num_gpu_blocks"] = cache.num_gpu_blocks
     result["block_size"] = cache.block_size
     result["cudagraphs"] = not args.eager
+    result["max_num_seqs"] = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+    result["workspace"] = _workspace_state()
     result["params"] = llm.apply_model(_redraw_weights)[0]
     try:
         import tq_chunked.vllm_plugin as plug
@@ -216,12 +248,12 @@ def child(args):
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     for name in names:
-        rec = {"ttft_s": [], "answers": [], "alone_answers": []}
+        rec = {"ttft_s": [], "warm_s": [], "answers": [], "alone_answers": []}
         result["workloads"][name] = rec
         try:
             for rep in wl[name]:
                 if rep["warm"]:
-                    _generate(llm, rep["warm"])
+                    rec["warm_s"].append(_generate(llm, rep["warm"])[0])
                 dt, outs = _generate(llm, rep["batch"])
                 rec["ttft_s"].append(dt)
                 rec["answers"].append(_answers(outs))
@@ -233,7 +265,7 @@ def child(args):
                     _generate(llm, rep["warm"])
                     _, outs = _generate(llm, rep["alone"])
                     rec["alone_answers"].append(_answers(outs))
-            rec["ttft_median_s"] = statistics.median(rec["ttft_s"])
+            rec["ttft_median_s"] = warm_median(rec["ttft_s"])
             rec["prefill_tok_s"] = wl[name][0]["new_tokens"] / rec["ttft_median_s"]
             if name == "shared-prefix":
                 rep = wl[name][-1]
@@ -251,7 +283,10 @@ def child(args):
             print(f"[{args.config}] {name}: {type(e).__name__}: {e}", flush=True)
             break
     torch.cuda.synchronize()
+    result["workspace_after"] = _workspace_state()
     result["peak_above_steady_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    # what the workloads left allocated (vLLM 0.20's per-layer continuation buffers)
+    result["held_after_mib"] = (torch.cuda.memory_allocated() - base) / 2**20
     result["steady_mib"] = base / 2**20
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -349,6 +384,8 @@ def parent(args):
             str(args.long_tokens),
             "--workloads",
             only,
+            "--max-num-seqs",
+            str(args.max_num_seqs),
         ]
         if args.eager:
             cmd.append("--eager")
@@ -413,19 +450,27 @@ def parent(args):
         )
 
 
+def _workspace_cell(ws) -> str:
+    if not ws:
+        return "-"
+    return f"{ws['mib']:.1f}" + (" (locked)" if ws.get("locked") else "")
+
+
 def markdown(data) -> str:
     """The results of one run as Markdown: a row per configuration, then the answers."""
     res = data["results"]
     names = list(dict.fromkeys(w for r in res for w in r.get("workloads", {})))
-    head = ["vLLM", "configuration", "CUDA graphs", "KV blocks"]
-    head += [f"{w} TTFT ms (tok/s)" for w in names]
-    head += ["decode ms/step", "peak above steady MiB", "error"]
+    head = ["vLLM", "configuration", "CUDA graphs", "max_num_seqs", "workspace MiB"]
+    head += ["KV blocks"] + [f"{w} TTFT ms (tok/s)" for w in names]
+    head += ["decode ms/step", "peak above steady MiB", "held after MiB", "error"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in res:
         cells = [
             str(r.get("vllm", "?")),
             r["config"],
             {True: "yes", False: "no"}.get(r.get("cudagraphs"), "?"),
+            str(r.get("max_num_seqs", "-")),
+            _workspace_cell(r.get("workspace")),
             str(r.get("num_gpu_blocks", "-")),
         ]
         decode = "-"
@@ -436,14 +481,16 @@ def markdown(data) -> str:
             elif "error" in rec:
                 cells.append("crashed")
             else:
-                cells.append(
-                    f"{rec['ttft_median_s'] * 1e3:.1f} ({rec['prefill_tok_s']:.0f})"
-                )
+                t = warm_median(rec["ttft_s"])
+                n = rec["prefill_tok_s"] * rec["ttft_median_s"]  # new tokens
+                cells.append(f"{t * 1e3:.1f} ({n / t:.0f})")
                 if "decode_ms_per_step" in rec:
                     decode = f"{rec['decode_ms_per_step']:.1f}"
         peak = r.get("peak_above_steady_mib")
         err = "; ".join(e[:160] for e in r.get("errors", [])) or "-"
-        cells += [decode, f"{peak:.0f}" if peak is not None else "-", err]
+        held = r.get("held_after_mib")
+        cells += [decode, f"{peak:.0f}" if peak is not None else "-"]
+        cells += [f"{held:.0f}" if held is not None else "-", err]
         rows.append("| " + " | ".join(cells) + " |")
     rows += [
         "",
@@ -478,6 +525,13 @@ def main(argv=None):
     ap.add_argument("--long-tokens", type=int, default=60000, help="long-prompt length")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-model-len", type=int, default=131072)
+    ap.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=0,
+        help="the engine's max_num_seqs (0: vLLM's default); it bounds the decode "
+        "batches vLLM warms up, and so the workspace vLLM 0.21-0.23 lock",
+    )
     ap.add_argument(
         "--eager",
         action="store_true",
