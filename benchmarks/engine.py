@@ -142,8 +142,8 @@ def warm_median(times):
 
 
 def _workspace_state():
-    """VLLM's WorkspaceManager in this process (0.21+): its size in MiB and whether
-    it is locked (vLLM locks it after capturing CUDA graphs); None where none is."""
+    """The size in MiB of the WorkspaceManager of vLLM in this process, and whether
+    it is locked (0.21+ lock it after capturing CUDA graphs); None where none is."""
     try:
         from vllm.v1.worker import workspace as ws
     except ImportError:
