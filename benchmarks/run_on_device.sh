@@ -22,8 +22,8 @@ carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 for mode in "$@"; do
   case "$mode" in
     suite)
-      # every gpu-marked test but the 1M and 128K cases (about 4 minutes; they take
-      # 3 more): test_docs.py needs Sybil, which the machine's image lacks
+      # every gpu-marked test but the 1M and 128K cases, which would not fit the call
+      # (4 minutes without them); test_docs.py needs Sybil, which the image lacks
       carry .gpu-carry timeout 420 python3 -m pytest -q -m gpu tests -p no:cacheprovider \
         --ignore=tests/test_docs.py -k "not one_million and not 131072" -rfEs 2>&1 \
         | tee "$OUT/gpu-tests.log" | grep -E "MiB|1M|passed|failed|Error|assert|cuda" | tail -25 ;;
