@@ -21,7 +21,7 @@ repeat meets the cache in the same state):
 
 Measured per configuration: time to first token of each workload's batch (wall time of
 ``generate`` with one output token; median of the repeats after the first, which
-waits for Triton's compilation), prefill throughput (new prompt tokens / that time),
+waits for one-time work such as Triton's compilation), prefill throughput (new prompt tokens / that time),
 decode time per step (shared prefix, 64 tokens, reported apart: decode is upstream's),
 the KV-cache blocks the engine got, vLLM's workspace (its size, and whether it is
 locked), peak GPU memory above the steady state during the workloads and what they left
@@ -135,9 +135,9 @@ def _redraw_weights(model):
 
 
 def warm_median(times):
-    """The median of the repeats after the first: the first request of a shape after a
-    start waits for Triton to compile kernels (vLLM's and the plugin's alike; up to
-    about 100 s on a fresh machine), which is not what a step costs."""
+    """The median of the repeats after the first: the first requests after a start
+    wait for one-time work (Triton compiling vLLM's kernels and the plugin's among it;
+    up to about 100 s on a fresh machine), which is not what a step costs."""
     return statistics.median(times[1:] or times)
 
 
