@@ -20,12 +20,12 @@ repeat meets the cache in the same state):
   prefixes). The same four hits are also run alone as the reference for their answers.
 
 Measured per configuration: time to first token of each workload's batch (wall time of
-``generate`` with one output token; median of the repeats after the first, which
-waits for one-time work such as Triton's compilation), prefill throughput (new prompt tokens / that time),
-decode time per step (shared prefix, 64 tokens, reported apart: decode is upstream's),
-the KV-cache blocks the engine got, vLLM's workspace (its size, and whether it is
-locked), peak GPU memory above the steady state during the workloads and what they left
-allocated, the first token's top-20 logprobs of every request (the answers), the
+``generate`` with one output token; median of the repeats after the first, which waits
+for one-time work such as Triton's compilation), prefill throughput (new prompt tokens /
+that time), decode time per step (shared prefix, 64 tokens, reported apart: decode is
+upstream's), the KV-cache blocks the engine got, vLLM's workspace (its size, and whether
+it is locked), peak GPU memory above the steady state during the workloads and what they
+left allocated, the first token's top-20 logprobs of every request (the answers), the
 plugin's log lines and any error.
 
     python3 benchmarks/engine.py --out $OUT/engine.json            # the default grid
