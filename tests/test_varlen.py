@@ -22,6 +22,14 @@ from tq_chunked.reference import (
     oracle_continuation_prefill,
 )
 from tq_chunked.testing import make_batch, rel_err, strided
+from tq_chunked.workspace import (
+    DEFAULT_WORKSPACE_BYTES,
+    FIT_ROWS,
+    capacity,
+    default_window,
+    fit_window,
+    layout_bytes,
+)
 
 BACKEND = "triton" if TRITON_OK else "torch"
 MIXED = [(150, 65), (0, 24), (40, 8), (0, 0), (90, 1), (130, 0), (17, 70), (33, 33)]
@@ -346,9 +354,80 @@ def test_workspace_bytes_suffice_whatever_the_cached_lengths_and_batch_size(requ
     assert torch.isfinite(out).all() and (ws[need:] == 0x5A).all()
 
 
-def test_a_smaller_workspace_runs_fewer_kv_heads_at_once_down_to_one():
+def test_a_window_too_long_for_the_budget_is_shortened_to_fit():
+    # one kv head: grouping cannot help, so the window gives way
+    n, hq, hk, d, window, budget = 60, 4, 1, 64, 2048, 400_000
+    assert workspace_bytes(n, hq, hk, d, window) > budget  # the window as asked
+    fitted = fit_window(window, n, hq, hk, d, torch.float16, budget)
+    assert fitted == 1280  # the most rows on the 256-row grid whose layout fits
+    nbytes = workspace_bytes(n, hq, hk, d, window, max_bytes=budget)
+    assert nbytes == layout_bytes(
+        "long", n, hq, 1, d, capacity(fitted, n), torch.float16
+    )
+    assert nbytes <= budget
+    more = capacity(fitted + FIT_ROWS, n)
+    assert layout_bytes("long", n, hq, 1, d, more, torch.float16) > budget
+    batch = make_batch(
+        [(3000, 40), (100, 20)], num_q_heads=hq, num_kv_heads=hk, seed=19
+    )
+    steps, _, cap, need = schedule(
+        tuple(batch.query_start_loc),
+        tuple(batch.seq_lens),
+        window,
+        hq,
+        hk,
+        d,
+        torch.float16,
+        budget,
+        torch.device(DEVICE),
+    )
+    assert cap == fitted and need <= budget
+    assert isinstance(steps[0], LongRequest) and len(steps[0].windows) == 3
+    # into a workspace of exactly that size, poisoned: every request exact
+    check_batch(batch, window=window, max_workspace_bytes=budget)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("q_tokens", [2048, 8192, 16384])
+@pytest.mark.parametrize(
+    "hq,hk,d",
+    [
+        (8, 1, 128),
+        (16, 2, 128),
+        (16, 1, 128),
+        (8, 1, 64),
+        (8, 1, 256),
+        (32, 8, 128),
+        (64, 8, 128),
+        (28, 4, 128),
+        (16, 16, 64),
+    ],
+)
+def test_the_default_workspace_stays_within_128_mib_where_any_window_can(
+    hq, hk, d, q_tokens, dtype
+):
+    window = default_window(hk, d, 16)
+    nbytes = workspace_bytes(q_tokens, hq, hk, d, window, dtype)
+    # the smallest layout there is: one kv head, a window of the query tokens alone
+    least = layout_bytes("long", q_tokens, hq // hk, 1, d, q_tokens + 1, dtype)
+    if least <= DEFAULT_WORKSPACE_BYTES:
+        assert nbytes <= DEFAULT_WORKSPACE_BYTES
+    else:  # the state alone is larger (Hq 16/Hk 1 and D 256 at 16384): as documented
+        assert nbytes > DEFAULT_WORKSPACE_BYTES and q_tokens == 16384
+
+
+def test_the_fitted_windows_docs_design_md_gives():
+    bf16 = torch.bfloat16
+    assert fit_window(196608, 8192, 8, 1, 128, bf16) == 163072
+    assert fit_window(196608, 16384, 8, 1, 128, bf16) == 64256
+    assert workspace_bytes(16384, 16, 1, 128, 196608) >> 20 == 225
+    assert workspace_bytes(16384, 8, 1, 256, 98304, bf16) >> 20 == 288
+
+
+def test_a_smaller_workspace_runs_fewer_kv_heads_then_shorter_windows():
     batch = make_batch([(200, 60)], seed=18)
-    one_head = workspace_bytes(60, 4, 2, 64, 64, max_bytes=1)  # one kv head at a time
+    # 64 rows per window: one kv head at a time
+    one_head = layout_bytes("long", 60, 2, 1, 64, 64, torch.float16)
     assert one_head < workspace_bytes(60, 4, 2, 64, 64)
     ref = continuation_prefill_varlen(
         *batch.args, **batch.kwargs, window=64, backend=BACKEND
@@ -358,12 +437,16 @@ def test_a_smaller_workspace_runs_fewer_kv_heads_at_once_down_to_one():
         *batch.args, **batch.kwargs, window=64, workspace=ws, backend=BACKEND
     )
     assert torch.equal(out, ref)  # heads are independent: the same bits
+    # smaller still: the window gives way too, down to the 61 rows every window holds
+    least = layout_bytes("long", 60, 2, 1, 64, 61, torch.float16)
+    assert workspace_bytes(60, 4, 2, 64, 64, max_bytes=least) == least
+    check_batch(batch, window=64, max_workspace_bytes=least)
     with pytest.raises(ValueError, match="workspace must hold"):
         continuation_prefill_varlen(
             *batch.args,
             **batch.kwargs,
             window=64,
-            workspace=ws[: one_head - 1],
+            workspace=ws[: least - 1],
             backend=BACKEND,
         )
 

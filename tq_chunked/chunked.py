@@ -37,6 +37,7 @@ from .workspace import (
     capacity,
     carve,
     default_window,
+    fit_window,
     kv_head_group,
     layout_bytes,
 )
@@ -375,7 +376,8 @@ def continuation_prefill_varlen(
             copies given, the call never synchronizes with the GPU; without one, it
             reads that device tensor once.
         window: key rows per window (at least N + 1 are used); default
-            ``default_window(Hk, D, block_size)``.
+            ``default_window(Hk, D, block_size)``. Fewer where the workspace would not
+            fit the budget even one kv head at a time (``workspace.fit_window``).
         workspace: optional contiguous uint8 buffer of at least ``workspace_bytes(N,
             Hq, Hk, D, window, query.dtype, max_bytes=max_workspace_bytes)`` bytes on
             the query's device; allocated per call when None.
@@ -669,6 +671,7 @@ def schedule(qsl, lens, window, hq, hk, d, dtype, budget, device, stream=None):
     Memoized per stream, like the plans: one per step, and a plan's device tensors are
     only ever read on the stream that wrote them."""
     n = qsl[-1]
+    window = fit_window(window, n, hq, hk, d, dtype, budget)
     reads = [s for r, s in enumerate(lens) if qsl[r + 1] > qsl[r]]
     rows = sum(reads) + GAP * max(len(reads) - 1, 0)  # the most rows the call fills
     cap = capacity(min(window, max(rows, 1)), n)

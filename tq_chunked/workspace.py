@@ -17,11 +17,12 @@ more than the batch's N query tokens when that is larger; plan.py says why):
 A long request's partial results are fp16 whatever the query dtype, so that each is
 rounded once to fp16, not to bf16, before the float32 merge (bf16 partials cost
 1.08-1.25x the full path's error: benchmarks/NOTES.md); its last window's partial waits
-in ``out``'s own bytes for the final merge. Within a budget (``max_bytes``, default
-128 MiB) a long request runs its kv heads in groups (``kv_head_group``), each group
-dequantizing only its own heads. Nothing here depends on the cached lengths or the
-number of requests: ``workspace_bytes`` is the largest layout a call of N query tokens
-can pick.
+in ``out``'s own bytes for the final merge. Within a budget (``max_bytes``, default 128
+MiB) a long request runs its kv heads in groups (``kv_head_group``), each group
+dequantizing only its own heads, and where one kv head at a time does not fit either,
+the window is shortened until it does (``fit_window``). Nothing here depends on the
+cached lengths or the number of requests: ``workspace_bytes`` is the largest layout a
+call of N query tokens can pick.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ ALIGN = 256
 # K + V of a window's rows; chosen by measurement: benchmarks/NOTES.md
 DEFAULT_WINDOW_BYTES = 96 << 20
 DEFAULT_WORKSPACE_BYTES = 128 << 20  # the budget that groups a long request's kv heads
+FIT_ROWS = 256  # a window fitted to the budget is a multiple of this (fit_window)
 
 
 def default_window(num_kv_heads: int, head_dim: int, block_size: int) -> int:
@@ -124,9 +126,13 @@ def workspace_bytes(
     query tokens (all requests of a batch together) in ``dtype`` (the query's) with
     this window, however those tokens are split into requests and whatever the cached
     lengths: the larger of the batch layout and the layout of one long request of all
-    q_tokens rows (its kv heads grouped within ``max_bytes``). A uint8 buffer of at
-    least this many bytes on the query's device may be passed as ``workspace=``; pass
-    the same budget to the call (``max_workspace_bytes``).
+    q_tokens rows (its kv heads grouped within ``max_bytes``), at the window
+    ``fit_window`` gives (shorter where one kv head at a time does not fit). A uint8
+    buffer of at least this many bytes on the query's device may be passed as
+    ``workspace=``; pass the same budget to the call (``max_workspace_bytes``). A
+    call of fewer query tokens fits itself into a workspace of this size too (it
+    takes the smaller of its budget and the workspace as its budget, then groups kv
+    heads and shortens the window as that requires).
     """
     q_tokens = as_int("q_tokens", q_tokens, 0)
     num_q_heads = as_int("num_q_heads", num_q_heads, 1)
@@ -153,15 +159,72 @@ def workspace_bytes(
 def _workspace_bytes(
     q_tokens, num_q_heads, num_kv_heads, head_dim, window, dtype, max_bytes
 ):
-    cap = capacity(window, q_tokens)
+    window = fit_window(
+        window, q_tokens, num_q_heads, num_kv_heads, head_dim, dtype, max_bytes
+    )
+    return _largest_layout(
+        q_tokens,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        capacity(window, q_tokens),
+        dtype,
+        max_bytes,
+    )
+
+
+def _largest_layout(q_tokens, num_q_heads, num_kv_heads, head_dim, cap, dtype, budget):
+    """Bytes of the larger of the batch layout and a long request of q_tokens rows (its
+    kv heads grouped within ``budget``) at ``cap`` rows per window."""
     g = num_q_heads // num_kv_heads
     batch = layout_bytes("batch", 0, num_q_heads, num_kv_heads, head_dim, cap, dtype)
     hk_g = kv_head_group(
-        q_tokens, num_q_heads, num_kv_heads, head_dim, cap, dtype, max_bytes
+        q_tokens, num_q_heads, num_kv_heads, head_dim, cap, dtype, budget
     )
     return max(
         batch, layout_bytes("long", q_tokens, g * hk_g, hk_g, head_dim, cap, dtype)
     )
+
+
+@functools.lru_cache(maxsize=64)
+def fit_window(
+    window: int,
+    q_tokens: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    max_bytes: int | None = None,
+) -> int:
+    """The window a call of q_tokens query tokens uses: ``window``, or fewer rows where
+    the largest layout would not fit ``max_bytes`` (default DEFAULT_WORKSPACE_BYTES)
+    even one kv head at a time: then the most rows with which it fits. That happens
+    where a shard has one or two kv heads, whose default window is long (196608 rows
+    at Hk 1, D 128) while a long request's state grows with q_tokens; e.g. Hq 8, Hk 1,
+    D 128, 8192 bf16 query tokens: 144.3 MiB at the default window, 128 MiB here
+    (163072 rows: rounded down to a multiple of FIT_ROWS).
+    Where no window fits (the state alone is larger), ``window`` is kept and the
+    layout is larger than max_bytes, as workspace_bytes says."""
+    budget = DEFAULT_WORKSPACE_BYTES if max_bytes is None else max_bytes
+
+    def need(w):
+        cap = capacity(w, q_tokens)
+        return _largest_layout(
+            q_tokens, num_q_heads, num_kv_heads, head_dim, cap, dtype, budget
+        )
+
+    lo = q_tokens + 1  # a window never holds fewer rows (capacity)
+    if window <= lo or need(window) <= budget or need(lo) > budget:
+        return window
+    hi = window  # need(lo) fits, need(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if need(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    # whole tiles of 256 rows where that keeps more than q_tokens
+    return max(q_tokens + 1, lo // FIT_ROWS * FIT_ROWS)
 
 
 @dataclass
