@@ -7,10 +7,16 @@ import pytest
 import torch
 from conftest import TRITON_OK
 
-from tq_chunked.dequant import GAP_ROW, fill_window
-from tq_chunked.format import PRESETS, TQConfig, dequantize_reference
+from tq_chunked.dequant import (
+    GAP_ROW,
+    SPLIT_BLOCK,
+    fill_window,
+    split_flags,
+    split_rotation,
+)
+from tq_chunked.format import PRESETS, TQConfig, dequantize_reference, hadamard
 from tq_chunked.plan import LongRequest, plan
-from tq_chunked.testing import make_batch
+from tq_chunked.testing import DEVICE, make_batch, random_rotation
 
 pytestmark = pytest.mark.skipif(
     not TRITON_OK, reason="Triton needs a GPU or TRITON_INTERPRET=1"
@@ -223,3 +229,63 @@ def test_bad_block_ids_read_nothing_decode_to_nan_and_are_recorded(bad):
         batch.kv_cache, batch.block_table[1], 16, 16, cfg, batch.kwargs["centroids"]
     )
     assert k_ref.isnan().all()  # the reference decoder says the same
+
+
+def _rotation(kind, d):
+    if kind == "random":
+        return random_rotation(d, torch.Generator().manual_seed(d))
+    h = hadamard(d).clone()  # (a cached tensor)
+    if kind == "hadamard, one entry off":
+        h[d - 1, d // 2] = h[d - 1, d // 2] * (1 + 2**-20)
+    elif kind == "zeros":
+        h = torch.zeros(d, d)
+    elif kind == "a NaN":
+        h[3, 1] = float("nan")
+    return h
+
+
+@pytest.mark.parametrize("d", [16, 64, 128, 256])
+@pytest.mark.parametrize(
+    "kind,dtype,one_magnitude",
+    [
+        ("hadamard", torch.float32, True),
+        ("hadamard", torch.float16, True),
+        ("hadamard", torch.bfloat16, True),
+        ("random", torch.float32, False),
+        ("hadamard, one entry off", torch.float32, False),
+        ("zeros", torch.float32, False),
+        ("a NaN", torch.float32, False),
+    ],
+)
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_split_rotation_finds_one_magnitude_and_splits_exactly(
+    d, kind, dtype, one_magnitude, path, monkeypatch
+):
+    """The device split (and its PyTorch form) against its definition: the fp16 part
+    and the remainder, the signs, and "one magnitude" only where every entry has
+    |rotation[0, 0]| (a normalized Hadamard, in any float dtype), which the fill then
+    uses as ``rotation = magnitude * signs``."""
+    if path == "torch":
+        if DEVICE != "cpu":
+            pytest.skip("the PyTorch form runs where Triton does not: on a CPU")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    r = _rotation(kind, d).to(dtype)
+    # read through strides: a transposed view of the transpose
+    rot = r.t().contiguous().t().to(DEVICE)
+    parts = torch.full((3, d, d), float("nan"), dtype=torch.float16, device=DEVICE)
+    flags = torch.full((split_flags(d) + 1,), -7, dtype=torch.int32, device=DEVICE)
+    split_rotation(rot, parts, flags)
+    r32 = r.float()
+    hi = r32.half()
+    bits = lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    bits(parts[0].cpu(), hi)
+    bits(parts[1].cpu(), ((r32 - hi.float()) * 4096).half())
+    bits(parts[2].cpu(), torch.where(r32 < 0, -1.0, 1.0).half())
+    n = split_flags(d)
+    assert n == -(-d * d // SPLIT_BLOCK)
+    assert bool((flags[:n] == 1).all()) == one_magnitude
+    assert set(flags[:n].tolist()) <= {0, 1}
+    mag = flags[n:].view(torch.float32).cpu()
+    assert torch.equal(mag, r32[0, 0].abs().reshape(1)) or kind == "a NaN"
+    if one_magnitude:  # the identity the fill relies on, exactly
+        assert torch.equal(mag * parts[2].float().cpu(), r32)

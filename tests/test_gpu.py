@@ -398,9 +398,12 @@ def test_non_finite_values_propagate_with_flash_attention(where, value, token, d
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_unrotation_on_tensor_cores_is_within_half_an_fp16_ulp(preset, head_dim, dtype):
+@pytest.mark.parametrize("rotation", ["random", "hadamard"])
+def test_unrotation_on_tensor_cores_is_within_half_an_fp16_ulp(
+    preset, head_dim, dtype, rotation
+):
     """tests/test_dequant.py's bound, on the H200's tensor cores (fp16 MMA, float32
-    sums)."""
+    sums): two dots for a random rotation, one with the signs for vLLM's Hadamard."""
     from test_dequant import check
 
     batch = make_batch(
@@ -412,6 +415,7 @@ def test_unrotation_on_tensor_cores_is_within_half_an_fp16_ulp(preset, head_dim,
         num_kv_heads=2,
         seed=head_dim,
         device="cuda",
+        rotation=rotation,
     )
     check(batch, 480, unrotate=True, dtype=dtype, tag=f"seed {head_dim}")
 

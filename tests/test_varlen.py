@@ -327,16 +327,22 @@ def test_a_batch_of_short_hits_is_one_fill_and_one_attention_call_without_merges
 def test_workspace_bytes_is_the_documented_layout():
     up = lambda x: -(-x // 256) * 256
     n, hq, hk, d, w = 60, 4, 2, 64, 64
-    batch = 2 * up(w * hk * d * 2) + 256  # k_buf, v_buf
+    # the rotation's two fp16 parts and its signs, with a flag per 1024 entries
+    parts = up(3 * d * d * 2) + up((d * d // 1024 + 1) * 4)
+    batch = parts + 2 * up(w * hk * d * 2) + 256  # k_buf, v_buf
     # + the float32 state
-    long = 2 * up(w * hk * d * 2) + up(n * hq * d * 4) + up(hq * n * 4) + 256
+    long = parts + 2 * up(w * hk * d * 2) + up(n * hq * d * 4) + up(hq * n * 4) + 256
     assert workspace_bytes(n, hq, hk, d, w) == max(batch, long)
     # + the query in fp16
     long_bf16 = long + up(n * hq * d * 2)
     assert workspace_bytes(n, hq, hk, d, w, torch.bfloat16) == long_bf16
     assert (
         workspace_bytes(100, hq, hk, d, w)
-        == 2 * up(101 * hk * d * 2) + up(100 * hq * d * 4) + up(hq * 100 * 4) + 256
+        == parts
+        + 2 * up(101 * hk * d * 2)
+        + up(100 * hq * d * 4)
+        + up(hq * 100 * 4)
+        + 256
     )
 
 
@@ -359,7 +365,7 @@ def test_a_window_too_long_for_the_budget_is_shortened_to_fit():
     n, hq, hk, d, window, budget = 60, 4, 1, 64, 2048, 400_000
     assert workspace_bytes(n, hq, hk, d, window) > budget  # the window as asked
     fitted = fit_window(window, n, hq, hk, d, torch.float16, budget)
-    assert fitted == 1280  # the most rows on the 256-row grid whose layout fits
+    assert fitted == 1024  # the most rows on the 256-row grid whose layout fits
     nbytes = workspace_bytes(n, hq, hk, d, window, max_bytes=budget)
     assert nbytes == layout_bytes(
         "long", n, hq, 1, d, capacity(fitted, n), torch.float16

@@ -26,9 +26,15 @@ from collections.abc import Sequence
 
 import torch
 
-from ._utils import as_int, check_overlaps, check_tensor, self_overlapping
+from ._utils import (
+    as_int,
+    check_overlaps,
+    check_tensor,
+    self_overlapping,
+    use_triton,
+)
 from .attention import resolve_backend, varlen_attention
-from .dequant import fill_window
+from .dequant import fill_window, split_rotation
 from .format import TQConfig, resolve_config
 from .merge import merge_attn_states
 from .plan import GAP, LongRequest, plan
@@ -720,8 +726,13 @@ class _Call:
         self.scale, self.backend = scale, backend
         self.centroids, self.rotation = centroids, None if cfg.key_fp8 else rotation
         self.workspace, self.reuse, self.cap, self.err = workspace, reuse, cap, err
+        self.split = False  # the rotation's parts written into the workspace
 
-    def _fill(self, window, head0, k_buf, v_buf):
+    def _fill(self, window, head0, bufs):
+        if self.rotation is not None and not self.split and use_triton(self.kv_cache):
+            # once per call: every layout holds the parts at the same place
+            split_rotation(self.rotation, bufs.rot_parts, bufs.rot_flags)
+            self.split = True
         fill_window(
             self.kv_cache,
             self.block_table,
@@ -732,9 +743,10 @@ class _Call:
             self.value,
             window,
             head0,
-            k_buf,
-            v_buf,
+            bufs.k_buf,
+            bufs.v_buf,
             self.err,
+            parts=(bufs.rot_parts, bufs.rot_flags),
         )
 
     def batch_window(self, w):
@@ -752,7 +764,7 @@ class _Call:
             self.query.dtype,
             self.reuse,
         )
-        self._fill(w, 0, bufs.k_buf, bufs.v_buf)
+        self._fill(w, 0, bufs)
         # the filled rows only: attention reads zeros past them (plan.GAP)
         k, v = bufs.k_buf[: w.rows], bufs.v_buf[: w.rows]
         lse = varlen_attention(
@@ -800,7 +812,7 @@ class _Call:
                 else (self.lse[:, rows] if whole else self.lse[heads, rows])
             )
             for i, w in enumerate(step.windows):
-                self._fill(w, kv0, bufs.k_buf, bufs.v_buf)
+                self._fill(w, kv0, bufs)
                 part_lse = varlen_attention(
                     w,
                     q,

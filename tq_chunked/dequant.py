@@ -5,20 +5,24 @@ A window holds segments, one per request (plan.py): a segment's first rows are c
 tokens, dequantized from the paged TurboQuant cache, and its last rows, if any, are
 the chunk's own new tokens, copied from ``key``/``value``. Row ``t`` of the window
 belongs to segment ``s`` with ``seg_start[s] <= t < seg_start[s + 1]`` (found by
-binary search). One launch fills every segment of a window, ``cdiv(rows, BLOCK_T)``
-programs per kv head, element by element; a gap between segments (plan.GAP) is
-written as zeros.
+binary search). One launch fills every segment of a window: a program takes a tile of
+``BLOCK_T`` rows with all kv heads of the group (``BLOCK_T x HEADS`` cache slots, one
+tensor-core tile), so that it reads whole slots and writes contiguous rows; a gap
+between segments (plan.GAP) is written as zeros. Bit-packed indices are unpacked eight
+at a time: indices ``8g .. 8g + 7`` of a ``BITS``-wide stream are the ``BITS`` bytes
+from byte ``g * BITS``, one 32-bit word.
 
 MSE keys are cached in the rotated space ``k_rot = k @ rotation^T``. With ``unrotate``
-a second launch turns each cached key back in place, ``k = fp16(k_rot) @ rotation``,
-on the tensor cores: the rotation is split into an fp16 part and an fp16 remainder
-scaled by 2^12, so every product is exact and sums in float32 (22 significant bits of
-the rotation, against the one fp16 rounding that follows), as vLLM's own path
-computes it (``k_rot.float() @ Pi``, then ``.half()``). The query and the chunk's
-keys then stay as they are: one attention call over [cached | new] keys is exactly the
-full-buffer computation. Values, and keys of fp8 presets, are not rotated. (The
-un-rotation fused into the first kernel ran 15-20% slower on the H200 machine:
-benchmarks/NOTES.md §12.)
+the same program turns each cached key back, ``k = fp16(k_rot) @ rotation``, on the
+tensor cores, from the rotation's parts (``split_rotation``, once per call): a rotation
+whose entries have one magnitude ``s`` (vLLM's normalized Hadamard) is ``s`` times its
+signs, one dot of exact products; any other is an fp16 part plus an fp16 remainder
+scaled by 2^12, two dots of exact products (22 significant bits of the rotation); the
+sums are float32, ahead of the one fp16 rounding, as vLLM's own path computes it
+(``k_rot.float() @ Pi``, then ``.half()``).
+The query and the chunk's keys then stay as they are: one attention call over [cached
+| new] keys is exactly the full-buffer computation. Values, and keys of fp8 presets,
+are not rotated.
 
 Rounding: a cached element is rounded to fp16 (as vLLM's dequant writes it), then to
 the window dtype (bf16 windows: a second rounding, as vLLM's ``.to(query.dtype)``).
@@ -80,13 +84,23 @@ def _fp16_at(ptr, mask):
 
 
 @triton.jit
-def _indices_at(ptr, d, mask, BITS: tl.constexpr):
-    """Indices d (a tensor of positions) of a little-endian BITS-wide stream at ptr."""
-    bit = d * BITS
-    lo = tl.load(ptr + bit // 8, mask=mask, other=0).to(tl.int32)
-    # inside the slot: a norm/scale follows
-    hi = tl.load(ptr + bit // 8 + 1, mask=mask, other=0).to(tl.int32)
-    return ((lo | (hi << 8)) >> (bit % 8)) & ((1 << BITS) - 1)
+def _unpack(ptr, mask, D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(M, BLOCK_D) int32: indices 0 .. D - 1 of a little-endian BITS-wide stream
+    (BITS <= 4) at each row's ``ptr`` (M, 1); rows outside ``mask`` (M, 1) and
+    columns past D read nothing and give 0. Eight indices at a time: indices 8g ..
+    8g + 7 are the BITS bytes from byte g * BITS, one 32-bit word (int32: a set top
+    bit is masked off after the shift)."""
+    M: tl.constexpr = ptr.shape[0]
+    G: tl.constexpr = BLOCK_D // 8
+    g = tl.arange(0, G)[None, :]
+    m = mask & (g < D // 8)
+    w = tl.zeros([M, G], dtype=tl.int32)
+    for j in tl.static_range(BITS):
+        b = tl.load(ptr + g * BITS + j, mask=m, other=0).to(tl.int32)
+        w = w | (b << (8 * j))
+    shift = (tl.arange(0, 8) * BITS)[None, None, :]
+    idx = (w[:, :, None] >> shift) & ((1 << BITS) - 1)
+    return tl.reshape(idx, [M, BLOCK_D])
 
 
 @triton.jit
@@ -99,11 +113,13 @@ def _to_window(x, OUT_BF16: tl.constexpr, ROUND_BF16: tl.constexpr):
     return x
 
 
-@triton.jit(do_not_specialize=["n_rows", "nseg", "steps", "head0"])
+@triton.jit(do_not_specialize=["n_rows", "nseg", "steps", "head0", "n_heads", "nflags"])
 def _fill_kernel(
     cache_ptr,
     block_table_ptr,
     centroids_ptr,
+    parts_ptr,
+    flags_ptr,
     key_ptr,
     value_ptr,
     seg_ptr,
@@ -114,6 +130,8 @@ def _fill_kernel(
     nseg,
     steps,
     head0,
+    n_heads,
+    nflags,
     num_blocks,
     max_blocks,
     s_cache_block,
@@ -142,25 +160,34 @@ def _fill_kernel(
     VALUE_INDEX_BYTES: tl.constexpr,
     NORM_CORRECTION: tl.constexpr,
     FP8_E4B15: tl.constexpr,
+    ROTATE: tl.constexpr,
     HAS_CHUNK: tl.constexpr,
     CHECK: tl.constexpr,
-    K_BF16: tl.constexpr,
-    V_BF16: tl.constexpr,
+    OUT_BF16: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    # the interpreter: products and sums in float64 (numpy's float32 matmul sums a
+    # row in an order that depends on its place in the tile)
+    DOT_F64: tl.constexpr,
+    HEADS: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NFLAGS: tl.constexpr,
 ):
-    """The first pass of the fill (module docstring): every row of the window decoded
-    element by element, MSE keys still in the rotated space; the new tokens copied."""
-    head = tl.program_id(1).to(tl.int64)  # kv head within the group
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,) window row
-    t_mask = t < n_rows
-    tt = tl.where(t_mask, t, 0)
+    """The fill (module docstring): BLOCK_T window rows x HEADS kv heads (n_heads of
+    them real) per program, values first, then keys, un-rotated with ROTATE."""
+    M: tl.constexpr = BLOCK_T * HEADS
+    m = tl.arange(0, M)
+    t = tl.program_id(0) * BLOCK_T + m // HEADS  # (M,) window row
+    head = (m % HEADS).to(tl.int64)  # (M,) kv head within the group
+    in_rows = t < n_rows
+    live = in_rows & (head < n_heads)
+    tt = tl.where(in_rows, t, 0)
     seg = _segment_of(seg_ptr, tt, nseg, steps)
     # the per-segment arrays follow the nseg + 1 starts
     fields = seg_ptr + nseg + 1 + seg
     off = tt - tl.load(seg_ptr + seg)
     cached = tl.load(fields + 2 * nseg)
-    in_cache = t_mask & (off < cached)
+    in_cache = live & (off < cached)
     req = tl.load(fields).to(tl.int64)
     pos = tl.load(fields + nseg) + off  # cache position of a cached row
     col = pos // BLOCK_SIZE
@@ -173,166 +200,236 @@ def _fill_kernel(
     bad = in_cache & ((block < 0) | (block >= num_blocks))
     if CHECK:  # the smallest (request, column) with a bad id, for the caller's report
         tl.atomic_min(
-            err_ptr + tl.zeros_like(t), (req << 32) + col.to(tl.int64), mask=bad
+            err_ptr + tl.zeros_like(m), (req << 32) + col.to(tl.int64), mask=bad
         )
     slot = (
         block * s_cache_block
         + (pos % BLOCK_SIZE).to(tl.int64) * s_cache_pos
         + (head0 + head) * s_cache_head
     )
-    slot = tl.where(ok, slot, 0)[:, None]  # (BLOCK_T, 1) byte offset of each slot
-    row = t.to(tl.int64)[:, None]  # (BLOCK_T, 1) window row
+    slot = cache_ptr + tl.where(ok, slot, 0)[:, None]  # (M, 1) each slot's first byte
+    ok2 = ok[:, None]
+    bad2 = bad[:, None]
+    row = t.to(tl.int64)[:, None]  # (M, 1) window row
+    h2 = head[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]  # (1, BLOCK_D)
-    mask = ok[:, None] & (d < D)
-    out_mask = t_mask[:, None] & (d < D)
     nan = float("nan")
     if HAS_CHUNK:
         # row of key/value; < 0 in a gap
         crow = (tl.load(fields + 3 * nseg) + off - cached).to(tl.int64)
-        chunk = t_mask & (off >= cached)
-        cmask = (chunk & (crow >= 0))[:, None] & (d < D)
+        chunk = (live & (off >= cached))[:, None]
+        cmask = chunk & (crow >= 0)[:, None]
         crow = crow[:, None]
+
+    # Values
+    vslot = slot + KEY_BYTES
+    vidx = _unpack(vslot, ok2, D, VALUE_BITS, BLOCK_D).to(tl.float32)
+    scale = _fp16_at(vslot + VALUE_INDEX_BYTES, ok2)
+    zero = _fp16_at(vslot + VALUE_INDEX_BYTES + 2, ok2)
+    vw = _to_window(tl.where(bad2, nan, vidx * scale + zero), OUT_BF16, ROUND_BF16)
+    if HAS_CHUNK:
+        vc = tl.load(
+            value_ptr + crow * s_val_tok + (head0 + h2) * s_val_head + d * s_val_d,
+            mask=cmask & (d < D),
+            other=0.0,
+        )
+        vw = tl.where(chunk, vc.to(vw.dtype), vw)
+    tl.store(
+        v_out_ptr + row * s_v_tok + h2 * s_v_head + d, vw, mask=live[:, None] & (d < D)
+    )
 
     # Keys
     if KEY_BITS == 8:
-        raw = tl.load(cache_ptr + slot + d, mask=mask, other=0)
+        raw = tl.load(slot + d, mask=ok2 & (d < D), other=0)
         if FP8_E4B15:
             k = raw.to(tl.float8e4b15, bitcast=True).to(tl.float32)
         else:
             k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
-        idx = _indices_at(cache_ptr + slot, d, mask, KEY_BITS)
-        # (BLOCK_T, BLOCK_D) float32
-        c = tl.load(centroids_ptr + idx * s_centroid, mask=mask, other=0.0)
+        idx = _unpack(slot, ok2, D, KEY_BITS, BLOCK_D)
+        c = tl.load(centroids_ptr + idx * s_centroid, mask=ok2, other=0.0)
         if NORM_CORRECTION:
             c64 = c.to(tl.float64)
             sumsq = tl.sum(c64 * c64, axis=1).to(tl.float32)
             inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(sumsq + 1e-16))
             c = c * inv[:, None]
-        norm = _fp16_at(cache_ptr + slot + KEY_INDEX_BYTES, ok[:, None])  # (BLOCK_T, 1)
-        k = norm * c
-    k = tl.where(bad[:, None], nan, k)
-    kw = _to_window(k, K_BF16, ROUND_BF16)
-    if HAS_CHUNK:
-        kc = tl.load(
-            key_ptr + crow * s_key_tok + (head0 + head) * s_key_head + d * s_key_d,
-            mask=cmask,
-            other=0.0,
+        k = _fp16_at(slot + KEY_INDEX_BYTES, ok2) * c
+    k = tl.where(bad2, nan, k)
+    if ROTATE:
+        # k = fp16(k_rot) @ rotation, in column blocks, with split_rotation's parts:
+        # a rotation of one magnitude s is s * signs, one dot of exact products;
+        # any other, two exact fp16 products per term; sums in float32
+        flags = tl.load(
+            flags_ptr + tl.arange(0, NFLAGS),
+            mask=tl.arange(0, NFLAGS) < nflags,
+            other=1,
         )
-        kw = tl.where(chunk[:, None], kc.to(kw.dtype), kw)
-    tl.store(k_out_ptr + row * s_k_tok + head * s_k_head + d, kw, mask=out_mask)
-
-    # Values
-    vslot = cache_ptr + slot + KEY_BYTES
-    vidx = _indices_at(vslot, d, mask, VALUE_BITS).to(tl.float32)
-    scale = _fp16_at(vslot + VALUE_INDEX_BYTES, ok[:, None])
-    zero = _fp16_at(vslot + VALUE_INDEX_BYTES + 2, ok[:, None])
-    val = tl.where(bad[:, None], nan, vidx * scale + zero)
-    vw = _to_window(val, V_BF16, ROUND_BF16)
-    if HAS_CHUNK:
-        vc = tl.load(
-            value_ptr + crow * s_val_tok + (head0 + head) * s_val_head + d * s_val_d,
-            mask=cmask,
-            other=0.0,
+        uniform = tl.min(flags, 0) == 1
+        mag = tl.load(flags_ptr + nflags).to(tl.float32, bitcast=True)
+        a = k.to(tl.float16)
+        if DOT_F64:
+            a = a.to(tl.float64)
+        dr = tl.arange(0, BLOCK_D)[:, None]
+        for n0 in tl.static_range(0, BLOCK_D, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)[None, :]
+            if uniform:
+                sg = tl.load(parts_ptr + 2 * BLOCK_D * BLOCK_D + dr * BLOCK_D + n)
+                if DOT_F64:
+                    acc = tl.dot(a, sg.to(tl.float64), out_dtype=tl.float64)
+                    acc = acc.to(tl.float32) * mag
+                else:
+                    acc = tl.dot(a, sg, out_dtype=tl.float32) * mag
+            else:
+                hi = tl.load(parts_ptr + dr * BLOCK_D + n)
+                lo = tl.load(parts_ptr + BLOCK_D * BLOCK_D + dr * BLOCK_D + n)
+                if DOT_F64:
+                    acc = tl.dot(a, lo.to(tl.float64), out_dtype=tl.float64) / 4096.0
+                    acc = tl.dot(a, hi.to(tl.float64), acc, out_dtype=tl.float64)
+                    acc = acc.to(tl.float32)
+                else:
+                    acc = tl.dot(a, lo, out_dtype=tl.float32) * (1.0 / 4096.0)
+                    acc = tl.dot(a, hi, acc, out_dtype=tl.float32)
+            kn = _to_window(acc, OUT_BF16, ROUND_BF16)
+            if HAS_CHUNK:
+                kc = tl.load(
+                    key_ptr
+                    + crow * s_key_tok
+                    + (head0 + h2) * s_key_head
+                    + n * s_key_d,
+                    mask=cmask,
+                    other=0.0,
+                )
+                kn = tl.where(chunk, kc.to(kn.dtype), kn)
+            tl.store(
+                k_out_ptr + row * s_k_tok + h2 * s_k_head + n, kn, mask=live[:, None]
+            )
+    else:
+        kw = _to_window(k, OUT_BF16, ROUND_BF16)
+        if HAS_CHUNK:
+            kc = tl.load(
+                key_ptr + crow * s_key_tok + (head0 + h2) * s_key_head + d * s_key_d,
+                mask=cmask & (d < D),
+                other=0.0,
+            )
+            kw = tl.where(chunk, kc.to(kw.dtype), kw)
+        tl.store(
+            k_out_ptr + row * s_k_tok + h2 * s_k_head + d,
+            kw,
+            mask=live[:, None] & (d < D),
         )
-        vw = tl.where(chunk[:, None], vc.to(vw.dtype), vw)
-    tl.store(v_out_ptr + row * s_v_tok + head * s_v_head + d, vw, mask=out_mask)
 
 
 launch_fill = Launcher(_fill_kernel)
 
 
-@triton.jit(do_not_specialize=["n_rows", "nseg", "steps", "head0"])
-def _unrotate_kernel(
-    k16_ptr,
-    k_out_ptr,
-    rot_ptr,
-    key_ptr,
-    seg_ptr,
-    n_rows,
-    nseg,
-    steps,
-    head0,
-    s_k_tok,
-    s_k_head,
-    s_rot0,
-    s_rot1,
-    s_key_tok,
-    s_key_head,
-    s_key_d,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_CHUNK: tl.constexpr,
-    K_BF16: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+# split_rotation's blocks of rotation entries, each with its "one magnitude" flag
+SPLIT_BLOCK = 1024
+
+
+def split_flags(head_dim: int) -> int:
+    """How many "one magnitude" flags split_rotation writes for this head size."""
+    return triton.cdiv(head_dim * head_dim, SPLIT_BLOCK)
+
+
+@triton.jit
+def _split_kernel(
+    rot_ptr, parts_ptr, flags_ptr, s_rot0, s_rot1, D: tl.constexpr, BLOCK: tl.constexpr
 ):
-    """The second pass of a two-pass fill: the window's cached keys, written by the
-    first pass as fp16 in the rotated space, turned back in place (``k16_ptr`` and
-    ``k_out_ptr`` are the same bytes); the chunk's new keys copied from key."""
-    head = tl.program_id(1).to(tl.int64)
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = t < n_rows
-    tt = tl.where(t_mask, t, 0)
-    seg = _segment_of(seg_ptr, tt, nseg, steps)
-    fields = seg_ptr + nseg + 1 + seg
-    off = tt - tl.load(seg_ptr + seg)
-    cached = tl.load(fields + 2 * nseg)
-    in_cache = t_mask & (off < cached)
-    row = t.to(tl.int64)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    a = tl.load(
-        k16_ptr + row * s_k_tok + head * s_k_head + d,
-        mask=in_cache[:, None] & (d < D),
-        other=0.0,
-    )
-    if DOT_F32:
-        a = a.to(tl.float32)
-    if HAS_CHUNK:
-        chunk = t_mask & (off >= cached)
-        crow = (tl.load(fields + 3 * nseg) + off - cached).to(tl.int64)
-        crow = crow[:, None]  # < 0 in a gap
-    dr = tl.arange(0, BLOCK_D)[:, None]
-    for n0 in tl.static_range(0, BLOCK_D, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)[None, :]
-        r = tl.load(
-            rot_ptr + dr * s_rot0 + n * s_rot1, mask=(dr < D) & (n < D), other=0.0
-        ).to(tl.float32)
-        hi = r.to(tl.float16)
-        lo = ((r - hi.to(tl.float32)) * 4096.0).to(tl.float16)
-        if DOT_F32:
-            hi = hi.to(tl.float32)
-            lo = lo.to(tl.float32)
-        acc = tl.dot(a, lo, out_dtype=tl.float32) * (1.0 / 4096.0)
-        acc = tl.dot(a, hi, acc, out_dtype=tl.float32)
-        kn = _to_window(acc, K_BF16, ROUND_BF16)
-        if HAS_CHUNK:
-            kc = tl.load(
-                key_ptr + crow * s_key_tok + (head0 + head) * s_key_head + n * s_key_d,
-                mask=(chunk[:, None] & (crow >= 0)) & (n < D),
-                other=0.0,
-            )
-            kn = tl.where(chunk[:, None], kc.to(kn.dtype), kn)
-        tl.store(
-            k_out_ptr + row * s_k_tok + head * s_k_head + n,
-            kn,
-            mask=t_mask[:, None] & (n < D),
+    """split_rotation on the device: parts[0] = fp16(r), parts[1] = fp16((r -
+    parts[0]) * 2^12), parts[2] = sign(r), and per block whether every entry has the
+    magnitude of r[0, 0] (flags[block]); program 0 writes that magnitude (flags[-1],
+    float32 bits)."""
+    pid = tl.program_id(0)
+    i = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = i < D * D
+    r = tl.load(
+        rot_ptr + (i // D) * s_rot0 + (i % D) * s_rot1, mask=mask, other=0.0
+    ).to(tl.float32)
+    mag = tl.abs(tl.load(rot_ptr).to(tl.float32))
+    hi = r.to(tl.float16)
+    lo = ((r - hi.to(tl.float32)) * 4096.0).to(tl.float16)
+    tl.store(parts_ptr + i, hi, mask=mask)
+    tl.store(parts_ptr + D * D + i, lo, mask=mask)
+    tl.store(parts_ptr + 2 * D * D + i, tl.where(r < 0, -1.0, 1.0), mask=mask)
+    # mag is finite and positive (0 == 0 and inf == inf must not pass)
+    usable = ((mag > 0) & (mag < float("inf"))).to(tl.int32)
+    same = tl.where(mask, (tl.abs(r) == mag).to(tl.int32), 1) * usable
+    tl.store(flags_ptr + pid, tl.min(same, 0))
+    if pid == 0:
+        tl.store(flags_ptr + tl.num_programs(0), mag.to(tl.int32, bitcast=True))
+
+
+launch_split = Launcher(_split_kernel)
+
+
+def split_rotation(
+    rotation: torch.Tensor,
+    parts: torch.Tensor | None = None,
+    flags: torch.Tensor | None = None,
+):
+    """The rotation, prepared for the fill's un-rotation on the tensor cores (no
+    host-device synchronization):
+
+    * ``parts[0]``, ``parts[1]``: its fp16 rounding and the remainder scaled by 2^12
+      (``rotation ~= parts[0] + parts[1] / 4096`` to 22 significant bits);
+    * ``parts[2]``: its signs (+-1), and in ``flags`` whether every entry has one
+      magnitude ``s`` (vLLM's normalized Sylvester Hadamard: ``+-1/sqrt(D)``), with
+      ``s``: then ``rotation = s * parts[2]`` exactly and the fill makes one fp16 dot
+      with the signs (exact products, float32 sums, one scaling) instead of two.
+
+    rotation: (D, D), float32, fp16 or bf16, any strides. parts: fp16 (3, D, D),
+    contiguous; flags: int32 (split_flags(D) + 1,): per block of SPLIT_BLOCK entries
+    1 where every entry has the magnitude of rotation[0, 0], then that magnitude's
+    float32 bits (workspace regions); allocated when None. Returns (parts, flags).
+    """
+    d = rotation.shape[0]
+    nflags = split_flags(d)
+    if parts is None:
+        parts = torch.empty(3, d, d, dtype=torch.float16, device=rotation.device)
+    if flags is None:
+        flags = torch.empty(nflags + 1, dtype=torch.int32, device=rotation.device)
+    if not use_triton(rotation):
+        r = rotation.float()
+        mag = r[0, 0].abs()
+        parts[0] = r.half()
+        parts[1] = ((r - parts[0].float()) * 4096.0).half()
+        parts[2] = torch.where(r < 0, -1.0, 1.0)
+        same = (r.abs() == mag) & (mag > 0) & torch.isfinite(mag)
+        blocks = torch.nn.functional.pad(
+            same.flatten(), (0, nflags * SPLIT_BLOCK - d * d), value=True
         )
+        flags[:nflags] = blocks.view(nflags, SPLIT_BLOCK).all(1).int()
+        flags[nflags] = mag.view(torch.int32)
+        return parts, flags
+    launch_split(
+        (nflags,),
+        rotation,
+        parts,
+        flags,
+        rotation.stride(0),
+        rotation.stride(1),
+        d,
+        SPLIT_BLOCK,
+    )
+    return parts, flags
 
 
-launch_unrotate = Launcher(_unrotate_kernel)
-
-# The un-rotation's launch configuration, (rows per program, output columns per dot,
-# warps), by padded head size. Not tuned yet: benchmarks/fill_configs.py sweeps them
-# (NOTES.md §12).
-UNROTATE = {
-    16: (64, 16, 4),
-    32: (64, 32, 4),
-    64: (64, 64, 4),
-    128: (64, 64, 4),
-    256: (64, 64, 4),
+# The fill's launch configuration, (slots per program, output columns per dot, warps),
+# by padded head size and whether keys are un-rotated: 64 slots and 4 warps were the
+# fastest of 4-7 configurations at D 64, 128 and 256 on the H200 machine, for one
+# request's window and for a window of 24 requests (benchmarks/fill_configs.py, NOTES.md
+# §16); 16 and 32 follow D 64.
+FILL = {
+    (16, True): (64, 16, 4),
+    (32, True): (64, 32, 4),
+    (64, True): (64, 64, 4),
+    (128, True): (64, 64, 4),
+    (256, True): (64, 64, 4),
+    (16, False): (64, 16, 4),
+    (32, False): (64, 32, 4),
+    (64, False): (64, 64, 4),
+    (128, False): (64, 128, 4),
+    (256, False): (64, 256, 4),
 }
 
 
@@ -351,6 +448,7 @@ def fill_window(
     err: torch.Tensor | None = None,
     unrotate: bool = True,
     config: tuple | None = None,
+    parts: tuple | None = None,
 ) -> None:
     """Write the rows of ``window`` (a ``plan.Window``), kv heads [head0, head0 +
     k_out.shape[1]), into k_out and v_out.
@@ -360,11 +458,14 @@ def fill_window(
     (2**key_bits,), any stride (unused for fp8 keys). rotation: (D, D), any float dtype
     and strides (unused for fp8 keys, or without ``unrotate``). key, value: (N, Hk, D)
     fp16/bf16, any strides: the chunk's own tokens (read for the window's new rows).
-    k_out, v_out: fp16 or bf16 (>= window.rows, Hk_group, D), unit stride over D.
-    err: int64 (1,) on the device, or None: lowered to ``request << 32 | column`` of a
-    bad block id read. unrotate: False writes MSE keys in the rotated space.
-    config: the un-rotation's launch configuration (rows, columns, warps); default:
-    UNROTATE. Arguments are trusted: ``continuation_prefill_varlen`` validates them.
+    k_out, v_out: fp16 or bf16, both the same (>= window.rows, Hk_group, D), unit
+    stride over D. err: int64 (1,) on the device, or None: lowered to ``request << 32
+    | column`` of a bad block id read. unrotate: False writes MSE keys in the rotated
+    space. config: the launch configuration (slots per program, columns per dot,
+    warps); default: FILL. parts: ``split_rotation(rotation)``'s (parts, flags) (a
+    caller that fills several windows splits once); made here when None. Arguments
+    are trusted:
+    ``continuation_prefill_varlen`` validates them.
     """
     if window.rows <= 0:
         return
@@ -386,30 +487,39 @@ def fill_window(
             fp8_e4b15,
         )
         return
+    assert k_out.dtype == v_out.dtype, "k_out and v_out: one window dtype"
     block_d = triton.next_power_of_2(cfg.head_dim)
-    # Element-wise: one warp, 4096 elements per program (4-bit keys: 1024), measured
-    # (NOTES.md).
-    elements = 1024 if cfg.key_bits == 4 else 4096
-    block_t = 16 if interpreting() else max(1, elements // block_d)
+    if rotate and parts is None:
+        parts = split_rotation(rotation)
+    parts, flags = parts if rotate else (kv_cache, kv_cache)  # not read unrotated
+    nflags = split_flags(cfg.head_dim) if rotate else 1
+    slots, block_n, warps = config if config is not None else FILL[(block_d, rotate)]
+    n_heads = k_out.shape[1]
+    heads = triton.next_power_of_2(n_heads)
+    # A program's slots are the same number whatever the kv-head group (rows x heads),
+    # so that each row's un-rotation is the same dot, and the same bits, however a
+    # call groups its kv heads. The interpreter: small tiles of 32 slots.
+    block_t = max(1, (32 if interpreting() else slots) // heads)
     centroids = centroids if centroids is not None else kv_cache  # fp8 keys: not read
-    k_bf16 = k_out.dtype == torch.bfloat16
-    # rotated fp16 keys, where the second pass reads them
-    k_first = k_out.view(torch.float16) if rotate else k_out
     launch_fill(
-        (triton.cdiv(window.rows, block_t), k_out.shape[1]),
+        (triton.cdiv(window.rows, block_t),),
         kv_cache,
         block_table,
         centroids,
+        parts,
+        flags,
         key,
         value,
         window.segs,
-        k_first,
+        k_out,
         v_out,
         err if err is not None else window.segs,
         window.rows,
         window.nseg,
         window.steps,
         head0,
+        n_heads,
+        nflags,
         kv_cache.shape[0],
         block_table.shape[1],
         kv_cache.stride(0),
@@ -438,47 +548,19 @@ def fill_window(
         cfg.value_index_bytes,
         cfg.norm_correction,
         fp8_e4b15,
+        rotate,
         window.has_chunk,
         err is not None,
-        k_bf16 and not rotate,
-        k_bf16,
+        k_out.dtype == torch.bfloat16,
         interpreter_rounds_bf16(k_out.dtype),
+        not kv_cache.is_cuda,
+        heads,
         block_t,
-        num_warps=1,
+        min(block_n, block_d),
+        triton.next_power_of_2(nflags),
+        num_warps=warps,
         enable_fp_fusion=False,
     )
-    if rotate:
-        block_t, block_n, warps = config if config is not None else UNROTATE[block_d]
-        if interpreting():
-            block_t = 16
-        launch_unrotate(
-            (triton.cdiv(window.rows, block_t), k_out.shape[1]),
-            k_first,
-            k_out,
-            rotation,
-            key,
-            window.segs,
-            window.rows,
-            window.nseg,
-            window.steps,
-            head0,
-            k_out.stride(0),
-            k_out.stride(1),
-            rotation.stride(0),
-            rotation.stride(1),
-            key.stride(0),
-            key.stride(1),
-            key.stride(2),
-            cfg.head_dim,
-            block_d,
-            window.has_chunk,
-            k_bf16,
-            interpreter_rounds_bf16(k_out.dtype),
-            not kv_cache.is_cuda,
-            block_t,
-            block_n,
-            num_warps=warps,
-        )
 
 
 def _fill_torch(

@@ -3,7 +3,12 @@ kv heads are grouped to stay within a budget.
 
 All scratch memory lives in one flat uint8 buffer, carved into regions (each start
 aligned to 256 bytes). A window holds ``C`` key rows (``capacity``: the window, or
-more than the batch's N query tokens when that is larger; plan.py says why):
+more than the batch's N query tokens when that is larger; plan.py says why). Every
+layout starts with the rotation's parts and flags (``dequant.split_rotation``), written
+once per call and read by every window's fill:
+
+        rot_parts     (3, D, D)       fp16         the rotation: two parts, its signs
+        rot_flags     (D*D/1024 + 1,) int32        whether it has one magnitude, which
 
     batch windows (requests that fit a window; the answer is written to ``out``):
         k_buf, v_buf  (C, Hk, D)      query dtype  the window's keys and values
@@ -28,11 +33,13 @@ call of N query tokens can pick.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ._utils import as_int
+from .dequant import split_flags
 
 ALIGN = 256
 # K + V of a window's rows; chosen by measurement: benchmarks/NOTES.md
@@ -66,6 +73,9 @@ def layout(kind, rows, group_q_heads, group_kv_heads, head_dim, cap, dtype):
     docstring)."""
     kv_dtype = dtype if kind == "batch" else torch.float16
     regions = {
+        # first in every layout, so that one split per call serves all its steps
+        "rot_parts": ((3, head_dim, head_dim), torch.float16),
+        "rot_flags": ((split_flags(head_dim) + 1,), torch.int32),
         "k_buf": ((cap, group_kv_heads, head_dim), kv_dtype),
         "v_buf": ((cap, group_kv_heads, head_dim), kv_dtype),
     }
@@ -229,6 +239,8 @@ def fit_window(
 
 @dataclass
 class Buffers:
+    rot_parts: torch.Tensor | None = None
+    rot_flags: torch.Tensor | None = None
     k_buf: torch.Tensor | None = None
     v_buf: torch.Tensor | None = None
     state_out: torch.Tensor | None = None
@@ -282,9 +294,7 @@ def _carve(buffer, offsets):
     for name, (off, shape, t) in offsets.items():
         if t not in typed:
             typed[t] = buf[: buf.numel() // t.itemsize * t.itemsize].view(t)
-        strides = (
-            (shape[1] * shape[2], shape[2], 1) if len(shape) == 3 else (shape[1], 1)
-        )
+        strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
         views[name] = typed[t].as_strided(
             shape, strides, typed[t].storage_offset() + off // t.itemsize
         )
