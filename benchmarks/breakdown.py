@@ -22,12 +22,16 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tq_chunked import continuation_prefill_varlen, default_window, workspace_bytes
+from tq_chunked.bench_engine import _spin_cycles_per_ms, measure
 from tq_chunked.chunked import schedule
 from tq_chunked.plan import LongRequest
 from tq_chunked.testing import SHAPES, build_batch, serving_workloads, stack_workloads
 
 STAGES = [
     ("fill", "_fill_kernel"),
+    ("fill", "_split_kernel"),  # the rotation's parts, once per call
+    ("fill", "_unrotate_kernel"),  # version 0.3's second fill pass
+    ("fill", "_prepare_kernel"),  # version 0.2's query rotation
     ("merge", "_merge_kernel"),
     ("attention", "flash"),
     ("attention", "fmha"),
@@ -80,9 +84,16 @@ def main():
     print(
         "| workload | shape | W | windows | long | "
         + " | ".join(NAMES)
-        + " | sum | floor | sum / floor |"
+        + " | sum | floor | sum / floor | GPU span | floor span | span / floor |"
     )
-    print("|---|---|---|---|---|" + "---|" * (len(NAMES) + 3))
+    print("|---|---|---|---|---|" + "---|" * (len(NAMES) + 6))
+    cycles = _spin_cycles_per_ms()
+
+    def span_ms(call):
+        """GPU time per call, first kernel to last (events, the host kept ahead by a
+        spin kernel): what overlapping kernels take together."""
+        return measure([call] * 10, cycles, 5.0)[2]
+
     for wl in chosen:
         hq, hk, d = SHAPES[wl.shape]
         dtype = getattr(torch, wl.dtype)
@@ -99,22 +110,21 @@ def main():
             device="cuda",
         )
         max_q = max(q for _, q in wl.requests)
-        floor = profile_ms(
-            functools.partial(
-                flash_attn_varlen_func,
-                b["query"],
-                k_full,
-                v_full,
-                max_q,
-                qsl_cpu.cuda(),
-                max(b["seq_lens"]),
-                cu_k,
-                softmax_scale=d**-0.5,
-                causal=True,
-                fa_version=3,
-            )
+        floor_call = functools.partial(
+            flash_attn_varlen_func,
+            b["query"],
+            k_full,
+            v_full,
+            max_q,
+            qsl_cpu.cuda(),
+            max(b["seq_lens"]),
+            cu_k,
+            softmax_scale=d**-0.5,
+            causal=True,
+            fa_version=3,
         )
-        floor_ms = sum(floor.values())
+        floor_ms = sum(profile_ms(floor_call).values())
+        floor_span = span_ms(floor_call)
         for w in [int(x) for x in a.windows.split(",") if x] or [
             default_window(hk, d, 16)
         ]:
@@ -160,10 +170,12 @@ def main():
             longs = sum(isinstance(s, LongRequest) for s in steps)
             ms = profile_ms(call)
             total_ms = sum(ms.values())
+            span = span_ms(call)
             print(
                 f"| {wl.name} | {wl.shape} | {w} | {count} | {longs} | "
                 + " | ".join(f"{ms[x]:.3f}" for x in NAMES)
-                + f" | {total_ms:.3f} | {floor_ms:.3f} | {total_ms / floor_ms:.2f} |",
+                + f" | {total_ms:.3f} | {floor_ms:.3f} | {total_ms / floor_ms:.2f} | "
+                f"{span:.3f} | {floor_span:.3f} | {span / floor_span:.2f} |",
                 flush=True,
             )
         del b, k_full, v_full

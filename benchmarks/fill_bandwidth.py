@@ -101,3 +101,7 @@ def main():
             f,
             indent=1,
         )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,81 +1,110 @@
-"""Launch configurations of the window fill's un-rotation pass, against the element-wise
-fill alone and the copy rate (GPU).
+"""Launch configurations of the window fill, against the copy rate (GPU).
 
     python benchmarks/fill_configs.py [OUT_DIR]
 
-One window of 65536 tokens x 8 kv heads, block size 16; bytes counted as in
-fill_bandwidth.py. Prints a table and writes fill-configs.json.
+A configuration is (cache slots per program, output columns per dot, warps): a program
+fills slots / Hk window rows of all Hk kv heads. Two windows per case, Hk 8, block
+size 16: one request's 65536 cached tokens (one segment), and a batch window of 24
+requests of 1000-3000 cached tokens with 384 new ones each (48 segments with the gaps
+between them, the shape of a serving step). Bytes counted as in fill_bandwidth.py (the
+new rows counted as written only). Prints a row as each configuration ends and writes
+fill-configs.json.
 """
 
 import functools
 import json
 import os
+import random
 import sys
 
 import torch
 import triton.testing
 from fill_bandwidth import HK, TOKENS, copy_rate
 
-from tq_chunked.dequant import fill_window
+from tq_chunked.dequant import FILL, fill_window, split_rotation
 from tq_chunked.format import TQConfig, lloyd_max_centroids
-from tq_chunked.plan import cached_window
+from tq_chunked.plan import cached_window, plan
 
 CASES = [
     ("turboquant_3bit_nc", 128),
     ("turboquant_4bit_nc", 128),
+    ("turboquant_k8v4", 128),
     ("turboquant_3bit_nc", 64),
     ("turboquant_k3v4_nc", 256),
 ]
 CONFIGS = {
-    64: [(16, 64, 1), (32, 64, 2), (64, 64, 4), (128, 64, 4), (128, 64, 8)],
-    128: [
-        (16, 128, 1),
-        (16, 64, 1),
-        (32, 64, 2),
-        (32, 128, 4),
+    (64, True): [(64, 64, 4), (128, 64, 4), (128, 64, 8), (256, 64, 8)],
+    (128, True): [
         (64, 64, 4),
-        (64, 32, 4),
-        (64, 128, 8),
+        (64, 128, 4),
+        (128, 64, 4),
         (128, 64, 8),
         (128, 128, 8),
+        (256, 64, 8),
+        (256, 128, 8),
     ],
-    256: [
-        (16, 64, 1),
-        (32, 64, 2),
-        (64, 64, 4),
-        (64, 32, 4),
-        (64, 64, 8),
-        (128, 64, 8),
-    ],
+    (128, False): [(64, 128, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8)],
+    (256, True): [(32, 64, 4), (64, 64, 4), (64, 64, 8), (64, 128, 8), (128, 64, 8)],
 }
+
+
+def serving_window(device):
+    """The first batch window of 24 hits of 1000-3000 cached + 384 new tokens."""
+    rng = random.Random(0)
+    reqs = [(rng.randrange(1000, 3001), 384) for _ in range(24)]
+    qsl = [0]
+    for _, q in reqs:
+        qsl.append(qsl[-1] + q)
+    p = plan(tuple(qsl), tuple(c + q for c, q in reqs), 65536, device)
+    w = p.steps[0]
+    return reqs, qsl, w
 
 
 def main():
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
+    dev = torch.device("cuda")
     rate = copy_rate()
-    print(f"copy rate {rate:.2f} TB/s")
+    print(f"copy rate {rate:.2f} TB/s (read + written)")
     print(
-        "| preset | D | variant | ms | TB/s | of copy |\n|---|---|---|---|---|---|",
+        "| preset | D | window | slots, columns, warps | ms | TB/s | of copy |\n"
+        "|---|---|---|---|---|---|---|",
         flush=True,
     )
     rows = []
+    reqs, qsl, serving = serving_window(dev)
     for preset, d in CASES:
         cfg = TQConfig.from_preset(preset, d)
-        nb = TOKENS // 16
+        nb = TOKENS // 16 + 8
         cache = torch.randint(
-            0, 256, (nb, 16, HK, cfg.slot_bytes), dtype=torch.uint8, device="cuda"
+            0, 256, (nb, 16, HK, cfg.slot_bytes), dtype=torch.uint8, device=dev
         )
-        bt = torch.randperm(nb, device="cuda", dtype=torch.int64).int()[None]
-        w = cached_window(0, 0, TOKENS, torch.device("cuda"))
-        k = torch.empty(TOKENS, HK, d, dtype=torch.float16, device="cuda")
-        v = torch.empty_like(k)
         cent = lloyd_max_centroids(d, cfg.centroid_bits).cuda()
         rot = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))[0].float().cuda()
-        nbytes = TOKENS * HK * (cfg.slot_bytes + 4 * d)
-        variants = [("element-wise only", dict(unrotate=False))]
-        variants += [(f"with the un-rotation {c}", dict(config=c)) for c in CONFIGS[d]]
-        for name, kw in variants:
-            try:
+        parts = None if cfg.key_fp8 else split_rotation(rot)
+        k = torch.empty(TOKENS + 8192, HK, d, dtype=torch.float16, device=dev)
+        v = torch.empty_like(k)
+        long = cached_window(0, 0, TOKENS, dev)
+        bt_long = torch.randperm(nb, device=dev, dtype=torch.int64).int()[None]
+        # serving: each request's own blocks, shuffled over the same cache
+        need = [-(-(c + q) // 16) for c, q in reqs]
+        perm = torch.randperm(nb, device=dev).int()
+        bt_serving = torch.zeros(len(reqs), max(need), dtype=torch.int32, device=dev)
+        used = 0
+        for r, n in enumerate(need):
+            bt_serving[r, :n] = perm[used : used + n]
+            used += n
+        new_k = torch.randn(qsl[-1], HK, d, dtype=torch.float16, device=dev)
+        new_v = torch.randn_like(new_k)
+        cached_rows = {"one request": TOKENS, "24 hits": sum(c for c, _ in reqs)}
+        new_rows = {"one request": 0, "24 hits": qsl[-1]}
+        for label, w, bt, kk, vv in (
+            ("one request", long, bt_long, k[:1], v[:1]),
+            ("24 hits", serving, bt_serving, new_k, new_v),
+        ):
+            nbytes = cached_rows[label] * HK * (cfg.slot_bytes + 4 * d) + new_rows[
+                label
+            ] * HK * (4 * d)
+            for c in CONFIGS[(d, not cfg.key_fp8)]:
                 fn = functools.partial(
                     fill_window,
                     cache,
@@ -83,35 +112,44 @@ def main():
                     cfg,
                     cent,
                     rot,
-                    k[:1],
-                    v[:1],
+                    kk,
+                    vv,
                     w,
                     0,
                     k,
                     v,
-                    **kw,
+                    config=c,
+                    parts=parts,
                 )
-                ms = triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
-            # a configuration that does not compile (out of resources)
-            except Exception as e:  # noqa: BLE001
-                print(preset, d, name, "failed:", type(e).__name__, str(e)[:100])
-                continue
-            rows.append(
-                dict(
-                    preset=preset,
-                    head_dim=d,
-                    variant=name,
-                    ms=ms,
-                    tb_s=nbytes / ms / 1e9,
-                    of_copy=nbytes / ms / 1e9 / rate,
+                try:
+                    ms = triton.testing.do_bench(
+                        fn, warmup=5, rep=30, return_mode="median"
+                    )
+                # a configuration that does not compile (out of resources)
+                except Exception as e:  # noqa: BLE001
+                    print(
+                        preset, d, label, c, "failed:", type(e).__name__, str(e)[:100]
+                    )
+                    continue
+                tbs = nbytes / ms / 1e9
+                rows.append(
+                    dict(
+                        preset=preset,
+                        head_dim=d,
+                        window=label,
+                        config=c,
+                        default=c == FILL[(d, not cfg.key_fp8)],
+                        ms=ms,
+                        tb_s=tbs,
+                        of_copy=tbs / rate,
+                    )
                 )
-            )
-            r = rows[-1]
-            print(
-                f"| {preset} | {d} | {name} | {ms:.3f} | {r['tb_s']:.2f} | "
-                f"{r['of_copy']:.0%} |",
-                flush=True,
-            )
+                mark = " (default)" if rows[-1]["default"] else ""
+                print(
+                    f"| {preset} | {d} | {label} | {c}{mark} | {ms:.3f} | {tbs:.2f} | "
+                    f"{tbs / rate:.0%} |",
+                    flush=True,
+                )
     with open(os.path.join(out_dir, "fill-configs.json"), "w") as f:
         json.dump({"copy_tb_s": rate, "rows": rows}, f, indent=1)
 

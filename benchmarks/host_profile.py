@@ -20,7 +20,7 @@ from tq_chunked import continuation_prefill_varlen, dequant, workspace_bytes
 from tq_chunked._utils import check_overlaps
 from tq_chunked.attention import varlen_attention
 from tq_chunked.chunked import schedule
-from tq_chunked.dequant import fill_window
+from tq_chunked.dequant import fill_window, split_rotation
 from tq_chunked.format import TQConfig
 from tq_chunked.plan import LongRequest
 from tq_chunked.testing import build_batch
@@ -109,7 +109,8 @@ def profile_case(name, requests):
     bufs = carve(ws, "batch", 0, 32, 8, 128, cap, torch.float16, True)
     out = torch.empty_like(b["query"])
     q, o = b["query"][w.q0 : w.q1], out[w.q0 : w.q1]
-    fill = lambda: fill_window(
+    parts = split_rotation(b["kwargs"]["rotation"], bufs.rot_parts, bufs.rot_flags)
+    fill = lambda: fill_window(  # as a call fills a window: the rotation split already
         b["kv_cache"],
         b["block_table"],
         cfg,
@@ -121,6 +122,7 @@ def profile_case(name, requests):
         0,
         bufs.k_buf,
         bufs.v_buf,
+        parts=parts,
     )
     fill()
     # the fill's launch arguments, to launch them through Triton's own path too

@@ -2,36 +2,70 @@
 # What ran on the H200 machine for the figures in benchmarks/NOTES.md, in calls that each fit
 # under the machine's 10-minute limit (the carries are built by ../shared/gpu/make-vllm-carry.sh):
 #   bash benchmarks/run_on_device.sh suite     # carry .gpu-carry: the GPU suite
-#   bash benchmarks/run_on_device.sh kernels   # carry .gpu-carry: fill bandwidth, stage breakdown, host profile
+#   bash benchmarks/run_on_device.sh check     # carry .gpu-carry: the fill's GPU tests and
+#                                              #   the exactness tests with FlashAttention
+#   bash benchmarks/run_on_device.sh fill      # carry .gpu-carry: fill bandwidth per preset and head size
+#   bash benchmarks/run_on_device.sh configs   # carry .gpu-carry: the fill's launch configurations
+#   bash benchmarks/run_on_device.sh kernels   # carry .gpu-carry: stage breakdown
+#   bash benchmarks/run_on_device.sh host      # carry .gpu-carry: host profile
+#   bash benchmarks/run_on_device.sh before    # carry .gpu-carry, .bench-old: fill bandwidth and
+#                                              #   breakdown of an earlier version, side by side
 #   bash benchmarks/run_on_device.sh checks    # carry .gpu-carry: soak, sanitizers
 #   bash benchmarks/run_on_device.sh serving   # carry .gpu-carry: serving grid with the floor
 #   bash benchmarks/run_on_device.sh stack     # carry .gpu-carry: single requests with the floor
 #   bash benchmarks/run_on_device.sh forward   # carry .gpu-carry, .gpu-carry-0.21.0 (0.26.0 likewise)
 # serving and stack compare with vLLM 0.33.0's methods run in the carry's vLLM 0.20.0
 # (tq-chunked bench --baseline-source): BASELINE_SOURCE, by default the 0.33.0
-# turboquant_attn.py that make-vllm-carry.sh puts in the carry.
-# Modes can be joined: bash benchmarks/run_on_device.sh suite kernels. Logs, JSON, Markdown and
-# plots land in $OUT.
+# turboquant_attn.py that make-vllm-carry.sh puts in the carry. "before" imports the
+# package from .bench-old/<name>/tq_chunked (BEFORE, default v03), an earlier commit's
+# tq_chunked/ unpacked here: mkdir -p .bench-old/v03 && git archive REV tq_chunked | tar x
+# -C .bench-old/v03 (the folder is git-ignored through .git/info/exclude).
+# Modes can be joined: bash benchmarks/run_on_device.sh check fill kernels. Logs, JSON,
+# Markdown and plots land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 BASELINE_SOURCE=${BASELINE_SOURCE:-.gpu-carry/latest/turboquant_attn.py}
+BEFORE=${BEFORE:-v03}
+WORKLOADS=${WORKLOADS:-24 hits,16 hits q256 1K-8K,1 long hit,1 hit q2048 8K,16 hits q512 2K-16K}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|kernels|checks|serving|stack|forward ..." >&2; exit 2; }
+before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|fill|configs|kernels|host|before|checks|serving|stack|forward ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
       # every gpu-marked test but the 1M and 128K cases, which would not fit the call
       # (4 minutes without them); test_docs.py needs Sybil, which the image lacks
-      carry .gpu-carry timeout 420 python3 -m pytest -q -m gpu tests -p no:cacheprovider \
+      carry .gpu-carry timeout "${SUITE_TIMEOUT:-420}" python3 -m pytest -q -m gpu tests -p no:cacheprovider \
         --ignore=tests/test_docs.py -k "not one_million and not 131072" -rfEs 2>&1 \
         | tee "$OUT/gpu-tests.log" | grep -E "MiB|1M|passed|failed|Error|assert|cuda" | tail -25 ;;
+    check)
+      # the fill against the reference decoder on the GPU (every served head size), then
+      # the exactness tests with FlashAttention that exercise it
+      carry .gpu-carry timeout 180 python3 -m pytest -q -x tests/test_dequant.py -p no:cacheprovider \
+        2>&1 | tee "$OUT/dequant-gpu.log" | tail -3
+      carry .gpu-carry timeout 150 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
+        -k "unrotation or batch_matches or long_requests or launcher or synchronization" -rfEs \
+        2>&1 | tee "$OUT/check-gpu.log" | grep -E "passed|failed|Error|assert" | tail -12 ;;
+    fill)
+      carry .gpu-carry timeout 120 python3 benchmarks/fill_bandwidth.py "$OUT" --quick 2>&1 \
+        | tee "$OUT/fill-bandwidth.md" | tail -14 ;;
+    configs)
+      carry .gpu-carry timeout 200 python3 benchmarks/fill_configs.py "$OUT" 2>&1 \
+        | tee "$OUT/fill-configs.md" | tail -45 ;;
     kernels)
-      carry .gpu-carry timeout 150 python3 benchmarks/fill_bandwidth.py "$OUT" 2>&1 | tail -3
-      carry .gpu-carry timeout 100 python3 benchmarks/breakdown.py 2>&1 | tee "$OUT/breakdown.md" | tail -8
+      carry .gpu-carry timeout 200 python3 benchmarks/breakdown.py --workloads "$WORKLOADS" 2>&1 \
+        | tee "$OUT/breakdown.md" | tail -16 ;;
+    host)
       carry .gpu-carry timeout 80 python3 benchmarks/host_profile.py 2>&1 | tee "$OUT/host-profile.txt" \
         | grep -E "==|us$" ;;
+    before)
+      mkdir -p "$OUT/before"
+      before .gpu-carry timeout 120 python3 benchmarks/fill_bandwidth.py "$OUT/before" --quick 2>&1 \
+        | tee "$OUT/before/fill-bandwidth.md" | tail -14
+      before .gpu-carry timeout 200 python3 benchmarks/breakdown.py --workloads "$WORKLOADS" 2>&1 \
+        | tee "$OUT/before/breakdown.md" | tail -16 ;;
     checks)
       carry .gpu-carry timeout 300 python3 benchmarks/soak.py 300 2>&1 | tee "$OUT/soak.log" | tail -3
       carry .gpu-carry timeout 60 compute-sanitizer --tool memcheck python3 benchmarks/sanitize.py 2>&1 \
@@ -39,8 +73,10 @@ for mode in "$@"; do
       carry .gpu-carry timeout 60 compute-sanitizer --tool racecheck python3 benchmarks/sanitize.py 2>&1 \
         | tee "$OUT/sanitizer-racecheck.log" | tail -2 ;;
     serving|stack)
-      carry .gpu-carry timeout 420 python3 -m tq_chunked.bench --"$mode" --repeats 3 \
-        --baseline-source "$BASELINE_SOURCE" --methods baseline,floor,tq_chunked \
+      # BENCH_WORKLOADS: name prefixes, comma-separated (default: the whole grid)
+      carry .gpu-carry timeout "${BENCH_TIMEOUT:-420}" python3 -m tq_chunked.bench --"$mode" \
+        --repeats "${REPEATS:-3}" --baseline-source "$BASELINE_SOURCE" \
+        --methods baseline,floor,tq_chunked ${BENCH_WORKLOADS:+--workloads "$BENCH_WORKLOADS"} \
         --out "$OUT" 2>&1 | grep -E "^\||geomean|error|Error|wrote" | tail -40 ;;
     forward)
       for c in .gpu-carry .gpu-carry-0.21.0 .gpu-carry-0.26.0; do
