@@ -6,8 +6,9 @@ size and cache layout (issue 18's roofline target: >= 70 % of the measured copy 
 Bytes counted: the cache slots read (tokens x Hk x slot bytes; the block table and
 centroids are noise) plus the K/V rows written (tokens x Hk x D x 2 x 2), over one
 window of 65536 tokens x 8 kv heads; the copy rate is a device-to-device copy of 2 GiB
-in the same run (bytes read + written). --quick: block size 16 and vLLM 0.20's layout
-only.
+in the same run (bytes read + written). The rotation is split once before the timing, as
+a call splits it once for all its windows (until 2026-12-01's last runs the script split
+it in every timed call). --quick: block size 16 and vLLM 0.20's layout only.
 Writes fill-bandwidth.json and prints a table, a row as each case ends.
 """
 
@@ -19,7 +20,7 @@ import sys
 import torch
 import triton.testing
 
-from tq_chunked.dequant import fill_window
+from tq_chunked.dequant import fill_window, split_rotation
 from tq_chunked.format import PRESETS, TQConfig, hadamard, lloyd_max_centroids
 from tq_chunked.plan import cached_window
 
@@ -71,8 +72,22 @@ def main():
                     v = torch.empty_like(k)
                     cent = lloyd_max_centroids(d, cfg.centroid_bits).cuda()
                     rot = hadamard(d).cuda()
+                    # the rotation split once, as a call does (not timed)
+                    parts = None if cfg.key_fp8 else split_rotation(rot)
                     fn = functools.partial(
-                        fill_window, cache, bt, cfg, cent, rot, k[:1], v[:1], w, 0, k, v
+                        fill_window,
+                        cache,
+                        bt,
+                        cfg,
+                        cent,
+                        rot,
+                        k[:1],
+                        v[:1],
+                        w,
+                        0,
+                        k,
+                        v,
+                        parts=parts,
                     )
                     ms = triton.testing.do_bench(
                         fn, warmup=5, rep=40, return_mode="median"

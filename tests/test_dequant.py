@@ -241,6 +241,11 @@ def _rotation(kind, d):
         h = torch.zeros(d, d)
     elif kind == "a NaN":
         h[3, 1] = float("nan")
+    elif kind.startswith("first entry"):  # the magnitude every entry is compared with
+        h = h.abs()
+        h[0, 0] = {"-0": -0.0, "inf": float("inf"), "NaN": float("nan")}[
+            kind.split()[-1]
+        ]
     return h
 
 
@@ -255,6 +260,9 @@ def _rotation(kind, d):
         ("hadamard, one entry off", torch.float32, False),
         ("zeros", torch.float32, False),
         ("a NaN", torch.float32, False),
+        ("first entry -0", torch.float32, False),
+        ("first entry inf", torch.float32, False),
+        ("first entry NaN", torch.float32, False),
     ],
 )
 @pytest.mark.parametrize("path", ["triton", "torch"])
@@ -286,6 +294,62 @@ def test_split_rotation_finds_one_magnitude_and_splits_exactly(
     assert bool((flags[:n] == 1).all()) == one_magnitude
     assert set(flags[:n].tolist()) <= {0, 1}
     mag = flags[n:].view(torch.float32).cpu()
-    assert torch.equal(mag, r32[0, 0].abs().reshape(1)) or kind == "a NaN"
+    bits(mag, r32[0, 0].abs().reshape(1))
     if one_magnitude:  # the identity the fill relies on, exactly
         assert torch.equal(mag * parts[2].float().cpu(), r32)
+
+
+@pytest.mark.parametrize("flag", [0, 1], ids=["two parts", "one magnitude"])
+def test_the_flags_choose_the_dot(flag):
+    """The fill reads the signs (times the magnitude) where every flag is 1 and the two
+    parts otherwise: given parts whose two forms disagree on purpose, the un-rotated
+    keys follow the form the flags choose, exactly as the same dot in float64."""
+    batch = make_batch(
+        [(70, 1), (40, 1)],
+        num_q_heads=2,
+        num_kv_heads=2,
+        rotation="hadamard",
+        seed=11,
+    )
+    cfg = TQConfig.from_preset("turboquant_3bit_nc", 64)
+    d = cfg.head_dim
+    parts, flags = split_rotation(batch.kwargs["rotation"])
+    gen = torch.Generator().manual_seed(12)
+    signs = torch.where(torch.rand(d, d, generator=gen) < 0.5, -1.0, 1.0)
+    parts[2] = signs.half().to(parts.device)  # not the rotation's signs
+    flags[:-1] = flag
+    mag = flags[-1:].view(torch.float32).cpu()
+    w = windows_of(batch, 200)[0]
+    k = torch.full((w.rows, 2, d), float("nan"), dtype=torch.float16, device=DEVICE)
+    v = torch.full_like(k, float("nan"))
+    fill_window(
+        batch.kv_cache,
+        batch.block_table,
+        cfg,
+        batch.kwargs["centroids"],
+        batch.kwargs["rotation"],
+        batch.key,
+        batch.value,
+        w,
+        0,
+        k,
+        v,
+        parts=(parts, flags),
+    )
+    _, _, k_rot = reference_rows(batch, cfg, w, False, torch.float16)
+    if flag:
+        chosen = signs.double() * mag.double()
+    else:
+        p = parts.cpu().double()
+        chosen = p[0] + p[1] / 4096
+    expected = k_rot.double().cpu() @ chosen
+    other = k_rot.double().cpu() @ batch.kwargs["rotation"].double().cpu()
+    cached = torch.zeros(w.rows, dtype=torch.bool)
+    for s in range(w.nseg):
+        start, _, _, n_cached, _ = w.segment(s)
+        cached[start : start + n_cached] = True
+    got = k.cpu().double()[cached]
+    ulp = torch.finfo(torch.float16).eps * expected[cached].abs().clamp(min=2**-14)
+    assert ((got - expected[cached]).abs() <= ulp).all()  # the chosen form, to rounding
+    if flag:  # and not the other: the random signs are far from the rotation
+        assert ((got - other[cached]).abs() > 0.1).any()

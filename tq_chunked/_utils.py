@@ -208,7 +208,7 @@ class Launcher:
     Triton's launch path binds and specializes every argument, builds a cache key
     string and checks globals on each call: 33-48 us of host per launch on the H200
     machine (Triton 3.6, 25-40 arguments; benchmarks/NOTES.md), where the launch itself
-    is a few. (This key costs about as much itself: 41 us for the fill's 50 arguments
+    is a few. (This key costs about as much itself: 41 us for the fill's 55 parameters
     on the H200 machine, NOTES.md §17.) The key here is at least as fine as Triton's
     specialization (each tensor's dtype and 16-byte alignment, each specialized int's
     value class, the constexprs and options), so a kept kernel is the one Triton would

@@ -336,9 +336,9 @@ def _split_kernel(
     rot_ptr, parts_ptr, flags_ptr, s_rot0, s_rot1, D: tl.constexpr, BLOCK: tl.constexpr
 ):
     """split_rotation on the device: parts[0] = fp16(r), parts[1] = fp16((r -
-    parts[0]) * 2^12), parts[2] = sign(r), and per block whether every entry has the
-    magnitude of r[0, 0] (flags[block]); program 0 writes that magnitude (flags[-1],
-    float32 bits)."""
+    parts[0]) * 2^12), parts[2] = -1 where r < 0, else +1 (+-0 and NaN: +1), and per
+    block whether every entry has the magnitude of r[0, 0], that magnitude positive and
+    finite (flags[block]); program 0 writes the magnitude (flags[-1], float32 bits)."""
     pid = tl.program_id(0)
     i = pid * BLOCK + tl.arange(0, BLOCK)
     mask = i < D * D
@@ -372,15 +372,17 @@ def split_rotation(
 
     * ``parts[0]``, ``parts[1]``: its fp16 rounding and the remainder scaled by 2^12
       (``rotation ~= parts[0] + parts[1] / 4096`` to 22 significant bits);
-    * ``parts[2]``: its signs (+-1), and in ``flags`` whether every entry has one
-      magnitude ``s`` (vLLM's normalized Sylvester Hadamard: ``+-1/sqrt(D)``), with
-      ``s``: then ``rotation = s * parts[2]`` exactly and the fill makes one fp16 dot
-      with the signs (exact products, float32 sums, one scaling) instead of two.
+    * ``parts[2]``: its signs (-1 where an entry is negative, else +1), and in ``flags``
+      whether every entry has one magnitude ``s``, positive and finite (vLLM's
+      normalized Sylvester Hadamard: ``+-1/sqrt(D)``), with ``s``: then ``rotation = s *
+      parts[2]`` exactly and the fill makes one fp16 dot with the signs (exact
+      products, float32 sums, one scaling) instead of two.
 
     rotation: (D, D), float32, fp16 or bf16, any strides. parts: fp16 (3, D, D),
     contiguous; flags: int32 (split_flags(D) + 1,): per block of SPLIT_BLOCK entries
-    1 where every entry has the magnitude of rotation[0, 0], then that magnitude's
-    float32 bits (workspace regions); allocated when None. Returns (parts, flags).
+    1 where every entry has the magnitude of rotation[0, 0] and that magnitude is
+    positive and finite, else 0; then the magnitude's float32 bits (workspace regions);
+    allocated when None. Returns (parts, flags).
     """
     d = rotation.shape[0]
     nflags = split_flags(d)
@@ -417,8 +419,9 @@ def split_rotation(
 # The fill's launch configuration, (slots per program, output columns per dot, warps),
 # by padded head size and whether keys are un-rotated: 64 slots and 4 warps were the
 # fastest of 4-7 configurations at D 64, 128 and 256 on the H200 machine, for one
-# request's window and for a window of 24 requests (benchmarks/fill_configs.py, NOTES.md
-# §16); 16 and 32 follow D 64.
+# request's window and for a window of 24 requests (but 4bit_nc at D 128 in the 24-hit
+# window: 0.312 against 0.309 ms at 128 slots), in benchmarks/fill_configs.py's sweep of
+# the first version (two dots, NOTES.md §16); 16 and 32 follow D 64.
 FILL = {
     (16, True): (64, 16, 4),
     (32, True): (64, 32, 4),
@@ -496,9 +499,10 @@ def fill_window(
     slots, block_n, warps = config if config is not None else FILL[(block_d, rotate)]
     n_heads = k_out.shape[1]
     heads = triton.next_power_of_2(n_heads)
-    # A program's slots are the same number whatever the kv-head group (rows x heads),
-    # so that each row's un-rotation is the same dot, and the same bits, however a
-    # call groups its kv heads. The interpreter: small tiles of 32 slots.
+    # A program's slots are the same number whatever the kv-head group (rows x heads;
+    # past 64 heads, one row of all of them), so that each row's un-rotation is the
+    # same dot, and the same bits, however a call groups its kv heads. The
+    # interpreter: small tiles of 32 slots.
     block_t = max(1, (32 if interpreting() else slots) // heads)
     centroids = centroids if centroids is not None else kv_cache  # fp8 keys: not read
     launch_fill(
