@@ -43,19 +43,22 @@ def host_us(fn, n=200):
     return statistics.median(times)
 
 
+CASES = [
+    ("1 hit q512 8K", [(8192, 512)]),
+    ("1 hit q2048 128K", [(131072, 2048)]),
+    ("16 hits q256 1K-8K", [(1024 + 448 * i, 256) for i in range(16)]),
+]
+
+
 def main():
-    cases = [
-        ("1 hit q512 8K", [(8192, 512)]),
-        ("1 hit q2048 128K", [(131072, 2048)]),
-        ("16 hits q256 1K-8K", [(1024 + 448 * i, 256) for i in range(16)]),
-    ]
-    for name, requests in cases:
+    for name, requests in CASES:
         profile_case(name, requests)
 
 
-def profile_case(name, requests):
-    """Print the host-time profile of one case (see the module's doc)."""
-    launcher = dequant.launch_fill
+def plugin_call(requests):
+    """A batch of these (cached, new) requests (3bit_nc, Hq 32, Hk 8, D 128, fp16) and
+    a call over it as the plugin makes it: host copies of the lengths, a caller-owned
+    workspace, no block-id check. Returns (batch, workspace, window, call)."""
     b = build_batch(
         "turboquant_3bit_nc", requests, 32, 8, 128, 16, torch.float16, "cuda"
     )
@@ -75,15 +78,25 @@ def profile_case(name, requests):
         qsl_cpu.cuda(),
         lens_cpu.cuda(),
     )
-    call = lambda: continuation_prefill_varlen(
-        *args,
-        **b["kwargs"],
-        query_start_loc_cpu=qsl_cpu,
-        seq_lens_cpu=lens_cpu,
-        window=window,
-        workspace=ws,
-        check_block_table=False,
-    )
+
+    def call():
+        return continuation_prefill_varlen(
+            *args,
+            **b["kwargs"],
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=lens_cpu,
+            window=window,
+            workspace=ws,
+            check_block_table=False,
+        )
+
+    return b, ws, window, call
+
+
+def profile_case(name, requests):
+    """Print the host-time profile of one case (see the module's doc)."""
+    launcher = dequant.launch_fill
+    b, ws, window, call = plugin_call(requests)
     steps, _, cap, _ = schedule(
         tuple(b["query_start_loc"]),
         tuple(b["seq_lens"]),
@@ -165,6 +178,7 @@ def profile_case(name, requests):
         "fill kernel (Triton's launch path)": lambda: launcher.kernel[seen["grid"]](
             *seen["args"], **seen["opts"]
         ),
+        "the launcher's key (fill)": lambda: _fill_key(launcher, seen),
         "FlashAttention, a window": lambda: varlen_attention(
             w, q, bufs.k_buf, bufs.v_buf, 0.1, o, "flash"
         ),
@@ -179,6 +193,15 @@ def profile_case(name, requests):
     prof.disable()
     torch.cuda.synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+def _fill_key(launcher, seen):
+    """The launcher's cache key of the fill's arguments (0.4.0's key took no device)."""
+    options = tuple(sorted(seen["opts"].items()))
+    try:
+        return launcher._key(seen["args"], options, torch.cuda.current_device())
+    except TypeError:
+        return launcher._key(seen["args"], options)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,14 @@
 #   bash benchmarks/run_on_device.sh host      # carry .gpu-carry: host profile
 #   bash benchmarks/run_on_device.sh before    # carry .gpu-carry, .bench-old: fill bandwidth and
 #                                              #   breakdown of an earlier version, side by side
+#   bash benchmarks/run_on_device.sh host-before # carry .gpu-carry, .bench-old: host profile of
+#                                              #   an earlier version
+#   bash benchmarks/run_on_device.sh launcher  # carry .gpu-carry, .bench-old: this launcher against
+#                                              #   an earlier one, alternating in one process
 #   bash benchmarks/run_on_device.sh checks    # carry .gpu-carry: soak, sanitizers
 #   bash benchmarks/run_on_device.sh serving   # carry .gpu-carry: serving grid with the floor
+#   bash benchmarks/run_on_device.sh serving-before # carry .gpu-carry, .bench-old: the serving
+#                                              #   grid of an earlier version (floor beside it)
 #   bash benchmarks/run_on_device.sh stack     # carry .gpu-carry: single requests with the floor
 #   bash benchmarks/run_on_device.sh forward   # carry .gpu-carry, .gpu-carry-0.21.0 (0.26.0 likewise)
 # serving and stack compare with vLLM 0.33.0's methods run in the carry's vLLM 0.20.0
@@ -31,7 +37,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|fill|configs|kernels|host|before|checks|serving|stack|forward ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|fill|configs|kernels|host|before|host-before|launcher|checks|serving|serving-before|stack|forward ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -66,6 +72,13 @@ for mode in "$@"; do
         | tee "$OUT/before/fill-bandwidth.md" | tail -14
       before .gpu-carry timeout 200 python3 benchmarks/breakdown.py --workloads "$WORKLOADS" 2>&1 \
         | tee "$OUT/before/breakdown.md" | tail -16 ;;
+    host-before)
+      mkdir -p "$OUT/before"
+      before .gpu-carry timeout 80 python3 benchmarks/host_profile.py 2>&1 \
+        | tee "$OUT/before/host-profile.txt" | grep -E "==|us$" ;;
+    launcher)
+      carry .gpu-carry timeout 200 python3 benchmarks/launcher_ab.py "$OUT" \
+        ".bench-old/$BEFORE/tq_chunked/_utils.py" 2>&1 | tee "$OUT/launcher-ab.txt" ;;
     checks)
       carry .gpu-carry timeout 300 python3 benchmarks/soak.py 300 2>&1 | tee "$OUT/soak.log" | tail -3
       carry .gpu-carry timeout 60 compute-sanitizer --tool memcheck python3 benchmarks/sanitize.py 2>&1 \
@@ -78,6 +91,13 @@ for mode in "$@"; do
         --repeats "${REPEATS:-3}" --baseline-source "$BASELINE_SOURCE" \
         --methods baseline,floor,tq_chunked ${BENCH_WORKLOADS:+--workloads "$BENCH_WORKLOADS"} \
         --out "$OUT" 2>&1 | grep -E "^\||geomean|error|Error|wrote" | tail -40 ;;
+    serving-before)
+      # the earlier version's tq_chunked beside the floor, in $OUT/before
+      mkdir -p "$OUT/before"
+      before .gpu-carry timeout "${BENCH_TIMEOUT:-420}" python3 -m tq_chunked.bench --serving \
+        --repeats "${REPEATS:-3}" --methods floor,tq_chunked \
+        ${BENCH_WORKLOADS:+--workloads "$BENCH_WORKLOADS"} --out "$OUT/before" 2>&1 \
+        | grep -E "^\||geomean|error|Error|wrote" | tail -40 ;;
     forward)
       for c in .gpu-carry .gpu-carry-0.21.0 .gpu-carry-0.26.0; do
         [ -d "$c" ] && carry "$c" timeout 90 python3 benchmarks/vllm_forward.py "$OUT" 2>&1 | grep -v "^INFO\|^WARNING"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import operator
 import os
+from itertools import repeat
 
 import torch
 import triton
@@ -200,6 +201,64 @@ def _param_kind(p) -> str:
     return kind
 
 
+def _pick(positions):
+    """A function of the arguments returning the tuple of those at ``positions``."""
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda args: (args[i],)
+    return operator.itemgetter(*positions)
+
+
+_dtype = operator.attrgetter("dtype")
+_data_ptr = operator.methodcaller("data_ptr")
+
+
+class _Keyer:
+    """The key of one kernel's arguments of fixed types (which positions hold
+    tensors, ints and other values). It is at least as fine as Triton's
+    specialization, and as cheap as C-level maps make it: each tensor's dtype, and its
+    address mod 16 where Triton specializes on 16-byte alignment; each specialized
+    int's value mod 16 and min(value, 2) (1 and multiples of 16 are Triton's
+    classes); each int's value >> 31 (0 for Triton's int32, -1 below zero); every
+    other value itself (constexprs, bools, None). Floats enter through their type, as
+    in Triton. A finer key than Triton's only costs a second kept kernel, never a
+    wrong one."""
+
+    def __init__(self, types, kinds):
+        tensor = [issubclass(t, torch.Tensor) for t in types]
+        plain = [k != "constexpr" for k in kinds]
+        ints = [i for i, t in enumerate(types) if t is int and plain[i]]
+        spec = [i for i in ints if kinds[i].startswith("int")]
+        self.tensors = _pick([i for i, t in enumerate(tensor) if t])
+        self.aligned = _pick(
+            [i for i, k in enumerate(kinds) if tensor[i] and k.endswith("+align")]
+        )
+        self.ints, self.spec = _pick(ints), _pick(spec)
+        self.values = _pick(
+            [
+                i
+                for i, t in enumerate(types)
+                if not tensor[i] and i not in ints and not (t is float and plain[i])
+            ]
+        )
+
+    def __call__(self, args, options, device, types):
+        spec = self.spec(args)
+        return (
+            device,
+            options,
+            types,
+            tuple(map(_dtype, self.tensors(args))),
+            tuple(map(operator.and_, map(_data_ptr, self.aligned(args)), repeat(15))),
+            tuple(map(operator.and_, spec, repeat(15))),
+            tuple(map(min, spec, repeat(2))),
+            tuple(map(operator.rshift, self.ints(args), repeat(31))),
+            self.values(args),
+        )
+
+
 class Launcher:
     """Calls a ``@triton.jit`` kernel as ``kernel[grid](*args, **options)`` does,
     keeping the compiled kernel of each specialization and launching it directly next
@@ -208,11 +267,11 @@ class Launcher:
     Triton's launch path binds and specializes every argument, builds a cache key
     string and checks globals on each call: 33-48 us of host per launch on the H200
     machine (Triton 3.6, 25-40 arguments; benchmarks/NOTES.md), where the launch itself
-    is a few. (This key costs about as much itself: 41 us for the fill's 55 parameters
-    on the H200 machine, NOTES.md §17.) The key here is at least as fine as Triton's
-    specialization (each tensor's dtype and 16-byte alignment, each specialized int's
-    value class, the constexprs and options), so a kept kernel is the one Triton would
-    pick. Used on
+    is a few. The key here (``_Keyer``) is at least as fine as Triton's specialization
+    (each tensor's dtype and 16-byte alignment, each specialized int's value class, the
+    constexprs and options), so a kept kernel is the one Triton would pick; a fill
+    launch took 35-84 us of host with it, 47-112 us with 0.4.0's loop over every
+    parameter (NOTES.md §18). Used on
     CUDA only, with Triton's launch hooks unset and a launch path of the known shape;
     otherwise every call goes through ``kernel[grid]``. ``args`` are all of the
     kernel's parameters, in order, constexprs included.
@@ -223,6 +282,7 @@ class Launcher:
     def __init__(self, kernel):
         self.kernel = kernel
         self.compiled: dict = {}
+        self._keyers: dict = {}  # argument types -> _Keyer
         params = getattr(kernel, "params", None)
         self._kinds = None
         if params is not None and all(hasattr(p, "do_not_specialize") for p in params):
@@ -231,24 +291,16 @@ class Launcher:
                 i for i, k in enumerate(self._kinds) if k == "constexpr"
             )
 
-    def _key(self, args, options):
-        key = [torch.cuda.current_device(), options]
-        for a, kind in zip(args, self._kinds):
-            if isinstance(a, torch.Tensor):
-                aligned = a.data_ptr() % 16 == 0 if kind.endswith("+align") else None
-                key.append((a.dtype, aligned))
-            elif isinstance(a, bool) or kind == "constexpr" or a is None:
-                key.append(a)
-            elif isinstance(a, int):
-                wide = not -(2**31) <= a < 2**31
-                key.append(
-                    (wide,) if kind.startswith("free") else (wide, a == 1, a % 16 == 0)
-                )
-            elif isinstance(a, float):
-                key.append(float)
-            else:
-                key.append(a)
-        return tuple(key)
+    def _key(self, args, options, device):
+        """The kept kernel's key: the argument types (fixing which positions hold
+        tensors, ints and other values), then per position what Triton specializes
+        on, each group read with one itemgetter (a loop over all parameters with
+        isinstance checks took 41 us for the fill's 55 on the H200 machine)."""
+        types = tuple(map(type, args))
+        keyer = self._keyers.get(types)
+        if keyer is None:
+            keyer = self._keyers[types] = _Keyer(types, self._kinds)
+        return keyer(args, options, device, types)
 
     def __call__(self, grid, *args, **options):
         if Launcher.direct is None:
@@ -263,7 +315,9 @@ class Launcher:
         ):
             self.kernel[grid](*args, **options)
             return
-        key = self._key(args, tuple(sorted(options.items())))
+        driver = triton.runtime.driver.active
+        device = driver.get_current_device()
+        key = self._key(args, tuple(sorted(options.items())), device)
         compiled = self.compiled.get(key)
         if compiled is None:
             self.compiled[key] = self.kernel[grid](*args, **options)
@@ -275,7 +329,7 @@ class Launcher:
             g[0],
             g[1],
             g[2],
-            torch.cuda.current_stream().cuda_stream,
+            driver.get_current_stream(device),
             compiled.function,
             compiled.packed_metadata,
             None,
