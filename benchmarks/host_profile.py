@@ -3,13 +3,14 @@
     python benchmarks/host_profile.py
 
 For a single request (Hq 32, Hk 8, q 512, 8K cached: one window), a long one (q 2048,
-128K: 11 windows) and a batch of 16 prefix-cache hits: the host time per call with the
+128K: 6 windows) and a batch of 16 prefix-cache hits: the host time per call with the
 GPU kept busy (so the host never waits), per window, each piece of the call timed alone
 the same way (a Triton launch through Triton's own path and through the project's
 launcher), and a cProfile of 30 calls (top functions by own time).
 """
 
 import cProfile
+import inspect
 import pstats
 import statistics
 import time
@@ -198,10 +199,9 @@ def profile_case(name, requests):
 def _fill_key(launcher, seen):
     """The launcher's cache key of the fill's arguments (0.4.0's key took no device)."""
     options = tuple(sorted(seen["opts"].items()))
-    try:
+    if "device" in inspect.signature(launcher._key).parameters:
         return launcher._key(seen["args"], options, torch.cuda.current_device())
-    except TypeError:
-        return launcher._key(seen["args"], options)
+    return launcher._key(seen["args"], options)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@
 # turboquant_attn.py that make-vllm-carry.sh puts in the carry. "before" imports the
 # package from .bench-old/<name>/tq_chunked (BEFORE, default v03), an earlier commit's
 # tq_chunked/ unpacked here: mkdir -p .bench-old/v03 && git archive REV tq_chunked | tar x
-# -C .bench-old/v03 (the folder is git-ignored through .git/info/exclude).
+# -C .bench-old/v03 (the folder is git-ignored through .git/info/exclude). host-before and
+# launcher need a version with split_rotation and Launcher (0.4.0 on: BEFORE=v04).
 # Modes can be joined: bash benchmarks/run_on_device.sh check fill kernels. Logs, JSON,
 # Markdown and plots land in $OUT.
 set -uo pipefail

@@ -234,7 +234,7 @@ def test_bad_block_ids_read_nothing_decode_to_nan_and_are_recorded(bad):
 def _rotation(kind, d):
     if kind == "random":
         return random_rotation(d, torch.Generator().manual_seed(d))
-    h = hadamard(d).clone()  # (a cached tensor)
+    h = hadamard(d)
     if kind == "hadamard, one entry off":
         h[d - 1, d // 2] = h[d - 1, d // 2] * (1 + 2**-20)
     elif kind == "zeros":

@@ -77,6 +77,15 @@ def test_hadamard_is_orthonormal_and_symmetric():
     assert torch.equal(h, h.T)
 
 
+def test_a_caller_writing_into_the_rotation_or_centroids_changes_no_later_call():
+    h, c = hadamard(64), lloyd_max_centroids(64, 3)
+    h_first, c_first = h.clone(), c.clone()
+    h.fill_(7.0)
+    c.fill_(7.0)
+    assert torch.equal(hadamard(64), h_first)
+    assert torch.equal(lloyd_max_centroids(64, 3), c_first)
+
+
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_round_trip_error_is_that_of_the_quantizer(preset):
     cfg = TQConfig.from_preset(preset, 128)

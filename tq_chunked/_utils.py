@@ -211,6 +211,12 @@ def _pick(positions):
     return operator.itemgetter(*positions)
 
 
+def _width(x: int) -> int:
+    """Triton's width class of an int: 0 for int32, 1 for int64, 2 for uint64 (and
+    beyond); a few classes, so that the kept kernels stay a few whatever the values."""
+    return 0 if -(2**31) <= x < 2**31 else (1 if -(2**63) <= x < 2**63 else 2)
+
+
 _dtype = operator.attrgetter("dtype")
 _data_ptr = operator.methodcaller("data_ptr")
 
@@ -221,10 +227,9 @@ class _Keyer:
     specialization, and as cheap as C-level maps make it: each tensor's dtype, and its
     address mod 16 where Triton specializes on 16-byte alignment; each specialized
     int's value mod 16 and min(value, 2) (1 and multiples of 16 are Triton's
-    classes); each int's value >> 31 (0 for Triton's int32, -1 below zero); every
-    other value itself (constexprs, bools, None). Floats enter through their type, as
-    in Triton. A finer key than Triton's only costs a second kept kernel, never a
-    wrong one."""
+    classes); each int's width (int32, int64, uint64); every other value itself
+    (constexprs, bools, None). Floats enter through their type, as in Triton. A finer
+    key than Triton's only costs a second kept kernel, never a wrong one."""
 
     def __init__(self, types, kinds):
         tensor = [issubclass(t, torch.Tensor) for t in types]
@@ -254,7 +259,7 @@ class _Keyer:
             tuple(map(operator.and_, map(_data_ptr, self.aligned(args)), repeat(15))),
             tuple(map(operator.and_, spec, repeat(15))),
             tuple(map(min, spec, repeat(2))),
-            tuple(map(operator.rshift, self.ints(args), repeat(31))),
+            tuple(map(_width, self.ints(args))),
             self.values(args),
         )
 

@@ -128,27 +128,36 @@ def _preset_config(preset: str, head_dim: int) -> TQConfig:
     return TQConfig.from_preset(preset, head_dim)
 
 
-@functools.cache
 def hadamard(d: int) -> torch.Tensor:
     """(d, d) float32 normalized Sylvester Hadamard matrix: orthonormal and
-    symmetric."""
+    symmetric. A new tensor each call (a caller may write into it)."""
     if d <= 0 or d & (d - 1):
         raise ValueError(f"d must be a power of two, got {d}")
+    return _hadamard(d).clone()
+
+
+@functools.cache
+def _hadamard(d: int) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return (h / math.sqrt(d)).float()
 
 
-@functools.cache
 def lloyd_max_centroids(d: int, bits: int, iters: int = 500) -> torch.Tensor:
-    """Sorted float32 Lloyd-Max centroids of N(0, 1/d) with 2**bits levels.
+    """Sorted float32 Lloyd-Max centroids of N(0, 1/d) with 2**bits levels, a new
+    tensor each call (a caller may write into it).
 
     Uses the Gaussian's closed-form cell means, E[X | a < X < b] =
     sigma^2 (pdf(a) - pdf(b)) / (cdf(b) - cdf(a)). A cache written by vLLM must be
     read with the centroids it was written with (vLLM integrates numerically and
     lands about 1e-3 away from these): pass those, not these.
     """
+    return torch.tensor(_lloyd_max(d, bits, iters), dtype=torch.float32)
+
+
+@functools.cache
+def _lloyd_max(d: int, bits: int, iters: int) -> tuple[float, ...]:
     sigma = 1.0 / math.sqrt(d)
     n = 2**bits
     pdf = lambda x: math.exp(-0.5 * (x / sigma) ** 2) / (sigma * math.sqrt(2 * math.pi))
@@ -161,7 +170,7 @@ def lloyd_max_centroids(d: int, bits: int, iters: int = 500) -> torch.Tensor:
             sigma**2 * (pd[i] - pd[i + 1]) / (cdf(edges[i + 1]) - cdf(edges[i]))
             for i in range(n)
         ]
-    return torch.tensor(c, dtype=torch.float32)
+    return tuple(c)
 
 
 # ---------------------------------------------------------------------------
