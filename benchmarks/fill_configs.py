@@ -2,11 +2,13 @@
 
     python benchmarks/fill_configs.py [OUT_DIR]
 
-A configuration is (cache slots per program, output columns per dot, warps): a program
-fills slots / Hk window rows of all Hk kv heads. Two windows per case, Hk 8, block
-size 16: one request's 65536 cached tokens (one segment), and a batch window of 24
-requests of 1000-3000 cached tokens with 384 new ones each (48 segments with the gaps
-between them, the shape of a serving step). Bytes counted as in fill_bandwidth.py (the
+A configuration is (cache slots per program, output columns per dot, warps[, split]): a
+program fills slots / Hk window rows of all Hk kv heads (with split, two programs do:
+one the values, one the keys). Two windows per case, Hk 8, block size 16: one
+request's 65536 cached tokens (one segment), and a batch window of 24 requests of
+1000-3000 cached tokens with 384 new ones each (48 segments with the gaps between them,
+the shape of a serving step). The rotation is random (not of one magnitude): the
+two-dot un-rotation. Bytes counted as in fill_bandwidth.py (the
 new rows counted as written only). Prints a row as each configuration ends and writes
 fill-configs.json.
 """
@@ -32,19 +34,38 @@ CASES = [
     ("turboquant_3bit_nc", 64),
     ("turboquant_k3v4_nc", 256),
 ]
+# (slots, columns, warps[, split: values and keys in programs of their own])
 CONFIGS = {
-    (64, True): [(64, 64, 4), (128, 64, 4), (128, 64, 8), (256, 64, 8)],
+    (64, True): [
+        (64, 64, 4),
+        (64, 64, 4, True),
+        (128, 64, 4, True),
+        (128, 64, 8, True),
+        (32, 64, 4, True),
+    ],
     (128, True): [
         (64, 64, 4),
-        (64, 128, 4),
-        (128, 64, 4),
-        (128, 64, 8),
-        (128, 128, 8),
-        (256, 64, 8),
-        (256, 128, 8),
+        (64, 64, 4, True),
+        (32, 64, 4, True),
+        (64, 32, 4, True),
+        (64, 128, 4, True),
+        (64, 64, 8, True),
+        (128, 64, 8, True),
     ],
-    (128, False): [(64, 128, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8)],
-    (256, True): [(32, 64, 4), (64, 64, 4), (64, 64, 8), (64, 128, 8), (128, 64, 8)],
+    (128, False): [
+        (64, 128, 4),
+        (64, 128, 4, True),
+        (128, 128, 4, True),
+        (128, 128, 8, True),
+        (256, 128, 8, True),
+    ],
+    (256, True): [
+        (64, 64, 4),
+        (64, 64, 4, True),
+        (32, 64, 4, True),
+        (64, 64, 8, True),
+        (64, 128, 8, True),
+    ],
 }
 
 
@@ -138,7 +159,7 @@ def main():
                         head_dim=d,
                         window=label,
                         config=c,
-                        default=c == FILL[(d, not cfg.key_fp8)],
+                        default=tuple(c) == tuple(FILL[(d, not cfg.key_fp8)]),
                         ms=ms,
                         tb_s=tbs,
                         of_copy=tbs / rate,

@@ -6,6 +6,12 @@
 #                                              #   the exactness tests with FlashAttention
 #   bash benchmarks/run_on_device.sh fill      # carry .gpu-carry: fill bandwidth per preset and head size
 #   bash benchmarks/run_on_device.sh configs   # carry .gpu-carry: the fill's launch configurations
+#   bash benchmarks/run_on_device.sh probe     # no carry: the fill per case, with and without the
+#                                              #   un-rotation, registers, spills, shared memory
+#   bash benchmarks/run_on_device.sh ncu       # no carry: Nsight Compute on the fill's cases
+#   bash benchmarks/run_on_device.sh upstream  # carry CARRY (default .gpu-carry) and
+#                                              #   .vllm-envs/vllm-$VLLM_TESTS_VERSION/src: vLLM's own
+#                                              #   TurboQuant tests on the vendored tree
 #   bash benchmarks/run_on_device.sh kernels   # carry .gpu-carry: stage breakdown
 #   bash benchmarks/run_on_device.sh host      # carry .gpu-carry: host profile
 #   bash benchmarks/run_on_device.sh before    # carry .gpu-carry, .bench-old: fill bandwidth and
@@ -38,7 +44,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|fill|configs|kernels|host|before|host-before|launcher|checks|serving|serving-before|stack|forward ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|fill|configs|probe|ncu|upstream|kernels|host|before|host-before|launcher|checks|serving|serving-before|stack|forward ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -61,6 +67,20 @@ for mode in "$@"; do
     configs)
       carry .gpu-carry timeout 200 python3 benchmarks/fill_configs.py "$OUT" 2>&1 \
         | tee "$OUT/fill-configs.md" | tail -45 ;;
+    probe)
+      timeout 200 python3 benchmarks/fill_probe.py "$OUT" 2>&1 | tee "$OUT/fill-probe.md" | tail -14 ;;
+    ncu)
+      # the sections that say what bounds a kernel: throughput, occupancy, stall reasons
+      timeout 300 ncu --clock-control none --kernel-name regex:_fill_kernel \
+        --section SpeedOfLight --section LaunchStats --section Occupancy \
+        --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+        --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters \
+        python3 benchmarks/fill_probe.py --ncu > "$OUT/ncu-fill.txt" 2>&1
+      grep -E "^  _fill|Duration|Registers Per|Achieved Occupancy|Memory Throughput|DRAM Throughput|Compute \(SM\)" \
+        "$OUT/ncu-fill.txt" | head -60 ;;
+    upstream)
+      VLLM_TESTS_VERSION=${VLLM_TESTS_VERSION:-0.20.0} CARRY=${CARRY:-.gpu-carry} \
+        bash benchmarks/vllm_tests_gpu.sh ;;
     kernels)
       carry .gpu-carry timeout 200 python3 benchmarks/breakdown.py --workloads "$WORKLOADS" 2>&1 \
         | tee "$OUT/breakdown.md" | tail -16 ;;

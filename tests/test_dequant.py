@@ -11,6 +11,7 @@ from tq_chunked.dequant import (
     GAP_ROW,
     SPLIT_BLOCK,
     fill_window,
+    halves_ok,
     split_flags,
     split_rotation,
 )
@@ -82,7 +83,7 @@ def reference_rows(batch, cfg, w, unrotate, dtype):
     return torch.cat(ks), torch.cat(vs), torch.cat(krot)
 
 
-def fill(batch, w, cfg, dtype, unrotate, err=None):
+def fill(batch, w, cfg, dtype, unrotate, err=None, config=None):
     hk, d = batch.kv_cache.shape[2], cfg.head_dim
     k = torch.full(
         (w.rows + 5, hk, d), float("nan"), dtype=dtype, device=batch.query.device
@@ -102,6 +103,7 @@ def fill(batch, w, cfg, dtype, unrotate, err=None):
         v,
         err,
         unrotate=unrotate,
+        config=config,
     )
     assert k[w.rows :].isnan().all() and v[w.rows :].isnan().all(), (
         "written past the window"
@@ -109,14 +111,14 @@ def fill(batch, w, cfg, dtype, unrotate, err=None):
     return k[: w.rows], v[: w.rows]
 
 
-def check(batch, capacity, unrotate, dtype=torch.float16, tag=""):
+def check(batch, capacity, unrotate, dtype=torch.float16, tag="", config=None):
     cfg = TQConfig.from_preset(batch.kwargs["preset"], batch.query.shape[2])
     unrotate = unrotate and not cfg.key_fp8
     before = batch.kv_cache.clone()
     ws = windows_of(batch, capacity)
     assert len(ws) > 1, tag
     for w in ws:
-        k, v = fill(batch, w, cfg, dtype, unrotate)
+        k, v = fill(batch, w, cfg, dtype, unrotate, config=config)
         k_ref, v_ref, k_rot = reference_rows(batch, cfg, w, unrotate, dtype)
         assert torch.equal(v.double(), v_ref), tag
         if not unrotate:
@@ -153,6 +155,42 @@ def test_cached_rows_are_the_reference_decoder_bit_for_bit(preset, head_dim, lay
     check(batch, 48, unrotate=False, tag=f"seed {seed}")
     # requests side by side, gaps between
     check(batch, 600, unrotate=False, tag=f"seed {seed}, gaps")
+
+
+def at_odd_address(kv_cache):
+    """The same cache one byte into a buffer of its own: read byte by byte."""
+    buf = torch.empty(kv_cache.numel() + 1, dtype=torch.uint8, device=kv_cache.device)
+    odd = buf[1:].view(kv_cache.shape)
+    odd.copy_(kv_cache)
+    assert not halves_ok(odd, TQConfig.from_preset("turboquant_k8v4", 16))
+    return odd
+
+
+@pytest.mark.parametrize(
+    "preset,head_dim",
+    [("turboquant_3bit_nc", 64), ("turboquant_4bit_nc", 32), ("turboquant_k3v4_nc", 16)]
+    + [("turboquant_k8v4", d) for d in (24, 72, 128)],
+)
+@pytest.mark.parametrize("launch", ["split", "bytes", "split+bytes"])
+def test_every_launch_path_writes_the_same_rows(preset, head_dim, launch):
+    # programs of values and keys apart (split), and the byte loads taken where the
+    # cache is not 2-byte aligned, against the same reference as the default launch;
+    # head sizes of 8 mod 16 read a last group of 16 4-bit values half past the
+    # indices (their scale and zero)
+    seed = 5 * head_dim + len(preset)
+    batch = make_batch(
+        [(70, 1), (0, 3), (55, 2), (40, 1)],
+        preset,
+        head_dim=head_dim,
+        num_q_heads=2,
+        num_kv_heads=2,
+        seed=seed,
+    )
+    if "bytes" in launch:
+        batch.kv_cache = at_odd_address(batch.kv_cache)
+    config = (64, 64, 4, "split" in launch)
+    for unrotate in (False, True):
+        check(batch, 48, unrotate, tag=f"seed {seed}", config=config)
 
 
 @pytest.mark.parametrize(

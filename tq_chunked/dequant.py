@@ -8,9 +8,13 @@ belongs to segment ``s`` with ``seg_start[s] <= t < seg_start[s + 1]`` (found by
 binary search). One launch fills every segment of a window: a program takes a tile of
 ``BLOCK_T`` rows with all kv heads of the group (``BLOCK_T x HEADS`` cache slots, one
 tensor-core tile), so that it reads whole slots and writes contiguous rows; a gap
-between segments (plan.GAP) is written as zeros. Bit-packed indices are unpacked eight
-at a time: indices ``8g .. 8g + 7`` of a ``BITS``-wide stream are the ``BITS`` bytes
-from byte ``g * BITS``, one 32-bit word.
+between segments (plan.GAP) is written as zeros. The cache is read in 16-bit loads
+(every field of a slot starts on an even byte; a cache at an odd address or with odd
+strides is read byte by byte instead) and bit-packed indices are unpacked sixteen at a
+time: indices ``16g .. 16g + 15`` of a ``BITS``-wide stream are the ``BITS`` halfwords
+from halfword ``g * BITS``, one 64-bit word (byte by byte: eight at a time, the
+``BITS`` bytes from byte ``g * BITS``). The 16-bit loads took 0.82-0.93x the time of
+byte loads on the H200 machine (benchmarks/NOTES.md §20).
 
 MSE keys are cached in the rotated space ``k_rot = k @ rotation^T``. With ``unrotate``
 the same program turns each cached key back, ``k = fp16(k_rot) @ rotation``, on the
@@ -29,7 +33,9 @@ the window dtype (bf16 windows: a second rounding, as vLLM's ``.to(query.dtype)`
 Without unrotate the rows equal ``format.dequantize_reference(...).half()`` bit for bit
 (fused multiply-add off, correctly rounded square root and division).
 
-Never reads outside its tensors: a block id outside ``[0, num_blocks)`` is not read;
+Never reads outside its tensors (a last group of sixteen 4-bit values, at a head size
+of 8 mod 16, reads the slot's scale and zero after the indices, in the same slot): a
+block id outside ``[0, num_blocks)`` is not read;
 its token decodes to NaN (so the request's answer is visibly invalid, never finite and
 wrong), and with ``err`` its (request, column) is recorded for the caller (chunked.py).
 Head sizes that are not a power of two are padded with masks.
@@ -104,6 +110,29 @@ def _unpack(ptr, mask, D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexp
 
 
 @triton.jit
+def _unpack_halves(
+    ptr, mask, D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """``_unpack`` from 16-bit loads: ``ptr`` (M, 1) uint16 pointers to each row's
+    stream (2-byte aligned). Sixteen indices at a time: indices 16g .. 16g + 15 are
+    the BITS halfwords from halfword g * BITS, one 64-bit word (a third of the loads
+    of ``_unpack``, half its instructions). Columns past D are unspecified (their
+    group is read whole: for 4-bit values at a head size of 8 mod 16, the 4 bytes
+    after the indices, the slot's scale and zero)."""
+    M: tl.constexpr = ptr.shape[0]
+    G: tl.constexpr = BLOCK_D // 16
+    g = tl.arange(0, G)[None, :]
+    m = mask & (g * 16 < D)
+    w = tl.zeros([M, G], dtype=tl.int64)
+    for j in tl.static_range(BITS):
+        h = tl.load(ptr + g * BITS + j, mask=m, other=0).to(tl.int64)
+        w = w | (h << (16 * j))
+    shift = (tl.arange(0, 16) * BITS).to(tl.int64)[None, None, :]
+    idx = ((w[:, :, None] >> shift) & ((1 << BITS) - 1)).to(tl.int32)
+    return tl.reshape(idx, [M, BLOCK_D])
+
+
+@triton.jit
 def _to_window(x, OUT_BF16: tl.constexpr, ROUND_BF16: tl.constexpr):
     """A float32 cached element -> the window dtype: fp16, then bf16 for bf16
     windows."""
@@ -168,14 +197,23 @@ def _fill_kernel(
     # the interpreter: products and sums in float64 (numpy's float32 matmul sums a
     # row in an order that depends on its place in the tile)
     DOT_F64: tl.constexpr,
+    # the cache read in 16-bit loads (its address and byte strides even, as vLLM's)
+    HALVES: tl.constexpr,
+    # values and keys in programs of their own (grid axis 1: 0 values, 1 keys)
+    SPLIT: tl.constexpr,
+    # which rows are written (both but where a benchmark times one alone)
+    WRITE_V: tl.constexpr,
+    WRITE_K: tl.constexpr,
     HEADS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NFLAGS: tl.constexpr,
 ):
     """The fill (module docstring): BLOCK_T window rows x HEADS kv heads (n_heads of
-    them real) per program, values first, then keys, un-rotated with ROTATE."""
+    them real) per program, values, then keys un-rotated with ROTATE; with SPLIT,
+    program (i, 0) writes tile i's values and (i, 1) its keys."""
     M: tl.constexpr = BLOCK_T * HEADS
+    part = tl.program_id(1)  # 0 without SPLIT
     m = tl.arange(0, M)
     t = tl.program_id(0) * BLOCK_T + m // HEADS  # (M,) window row
     head = (m % HEADS).to(tl.int64)  # (M,) kv head within the group
@@ -198,18 +236,20 @@ def _fill_kernel(
     ).to(tl.int64)
     ok = in_cache & (block >= 0) & (block < num_blocks)  # anything else reads nothing
     bad = in_cache & ((block < 0) | (block >= num_blocks))
-    if CHECK:  # the smallest (request, column) with a bad id, for the caller's report
+    # the smallest (request, column) with a bad id, for the caller's report (once)
+    if CHECK and (part == 0):
         tl.atomic_min(
             err_ptr + tl.zeros_like(m), (req << 32) + col.to(tl.int64), mask=bad
         )
-    slot = (
+    # (M,) each slot's first byte (0 where nothing is read)
+    slot = tl.where(
+        ok,
         block * s_cache_block
         + (pos % BLOCK_SIZE).to(tl.int64) * s_cache_pos
-        + (head0 + head) * s_cache_head
+        + (head0 + head) * s_cache_head,
+        0,
     )
-    slot = cache_ptr + tl.where(ok, slot, 0)[:, None]  # (M, 1) each slot's first byte
     ok2 = ok[:, None]
-    bad2 = bad[:, None]
     row = t.to(tl.int64)[:, None]  # (M, 1) window row
     h2 = head[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]  # (1, BLOCK_D)
@@ -221,105 +261,180 @@ def _fill_kernel(
         cmask = chunk & (crow >= 0)[:, None]
         crow = crow[:, None]
 
-    # Values
-    vslot = slot + KEY_BYTES
-    vidx = _unpack(vslot, ok2, D, VALUE_BITS, BLOCK_D).to(tl.float32)
-    scale = _fp16_at(vslot + VALUE_INDEX_BYTES, ok2)
-    zero = _fp16_at(vslot + VALUE_INDEX_BYTES + 2, ok2)
-    vw = _to_window(tl.where(bad2, nan, vidx * scale + zero), OUT_BF16, ROUND_BF16)
-    if HAS_CHUNK:
-        vc = tl.load(
-            value_ptr + crow * s_val_tok + (head0 + h2) * s_val_head + d * s_val_d,
-            mask=cmask & (d < D),
-            other=0.0,
-        )
-        vw = tl.where(chunk, vc.to(vw.dtype), vw)
-    tl.store(
-        v_out_ptr + row * s_v_tok + h2 * s_v_head + d, vw, mask=live[:, None] & (d < D)
-    )
-
-    # Keys
-    if KEY_BITS == 8:
-        raw = tl.load(slot + d, mask=ok2 & (d < D), other=0)
-        if FP8_E4B15:
-            k = raw.to(tl.float8e4b15, bitcast=True).to(tl.float32)
+    # Values: index * scale + zero; a bad block id gives NaN through its scale
+    if WRITE_V and ((part == 0) | (not SPLIT)):
+        vslot = slot + KEY_BYTES
+        if HALVES:
+            vidx = _unpack_halves(
+                (cache_ptr + vslot[:, None]).to(tl.pointer_type(tl.uint16)),
+                ok2,
+                D,
+                VALUE_BITS,
+                BLOCK_D,
+            )
+            sz = (cache_ptr + vslot + VALUE_INDEX_BYTES).to(tl.pointer_type(tl.float16))
+            scale = tl.load(sz, mask=ok, other=0).to(tl.float32)
+            zero = tl.load(sz + 1, mask=ok, other=0).to(tl.float32)
         else:
-            k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        idx = _unpack(slot, ok2, D, KEY_BITS, BLOCK_D)
-        c = tl.load(centroids_ptr + idx * s_centroid, mask=ok2, other=0.0)
-        if NORM_CORRECTION:
-            c64 = c.to(tl.float64)
-            sumsq = tl.sum(c64 * c64, axis=1).to(tl.float32)
-            inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(sumsq + 1e-16))
-            c = c * inv[:, None]
-        k = _fp16_at(slot + KEY_INDEX_BYTES, ok2) * c
-    k = tl.where(bad2, nan, k)
-    if ROTATE:
-        # k = fp16(k_rot) @ rotation, in column blocks, with split_rotation's parts:
-        # a rotation of one magnitude s is s * signs, one dot of exact products;
-        # any other, two exact fp16 products per term; sums in float32
-        flags = tl.load(
-            flags_ptr + tl.arange(0, NFLAGS),
-            mask=tl.arange(0, NFLAGS) < nflags,
-            other=1,
+            vptr = cache_ptr + vslot[:, None]
+            vidx = _unpack(vptr, ok2, D, VALUE_BITS, BLOCK_D)
+            scale = _fp16_at(vptr + VALUE_INDEX_BYTES, ok2)
+            zero = _fp16_at(vptr + VALUE_INDEX_BYTES + 2, ok2)
+            scale, zero = tl.reshape(scale, [M]), tl.reshape(zero, [M])
+        scale = tl.where(bad, nan, scale)
+        vw = _to_window(
+            vidx.to(tl.float32) * scale[:, None] + zero[:, None], OUT_BF16, ROUND_BF16
         )
-        uniform = tl.min(flags, 0) == 1
-        mag = tl.load(flags_ptr + nflags).to(tl.float32, bitcast=True)
-        a = k.to(tl.float16)
-        if DOT_F64:
-            a = a.to(tl.float64)
-        dr = tl.arange(0, BLOCK_D)[:, None]
-        for n0 in tl.static_range(0, BLOCK_D, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)[None, :]
-            if uniform:
-                sg = tl.load(parts_ptr + 2 * BLOCK_D * BLOCK_D + dr * BLOCK_D + n)
-                if DOT_F64:
-                    acc = tl.dot(a, sg.to(tl.float64), out_dtype=tl.float64)
-                    acc = acc.to(tl.float32) * mag
-                else:
-                    acc = tl.dot(a, sg, out_dtype=tl.float32) * mag
+        if HAS_CHUNK:
+            vc = tl.load(
+                value_ptr + crow * s_val_tok + (head0 + h2) * s_val_head + d * s_val_d,
+                mask=cmask & (d < D),
+                other=0.0,
+            )
+            vw = tl.where(chunk, vc.to(vw.dtype), vw)
+        tl.store(
+            v_out_ptr + row * s_v_tok + h2 * s_v_head + d,
+            vw,
+            mask=live[:, None] & (d < D),
+        )
+
+    # Keys; a bad block id gives NaN through its norm (fp8 keys: set)
+    if WRITE_K and ((part == 1) | (not SPLIT)):
+        if KEY_BITS == 8:
+            if HALVES:
+                dh = tl.arange(0, BLOCK_D // 2)[None, :]
+                h = tl.load(
+                    (cache_ptr + slot[:, None]).to(tl.pointer_type(tl.uint16)) + dh,
+                    mask=ok2 & (2 * dh < D),
+                    other=0,
+                )
+                raw = tl.reshape(
+                    tl.join((h & 0xFF).to(tl.uint8), (h >> 8).to(tl.uint8)),
+                    [M, BLOCK_D],
+                )
             else:
-                hi = tl.load(parts_ptr + dr * BLOCK_D + n)
-                lo = tl.load(parts_ptr + BLOCK_D * BLOCK_D + dr * BLOCK_D + n)
-                if DOT_F64:
-                    acc = tl.dot(a, lo.to(tl.float64), out_dtype=tl.float64) / 4096.0
-                    acc = tl.dot(a, hi.to(tl.float64), acc, out_dtype=tl.float64)
-                    acc = acc.to(tl.float32)
+                raw = tl.load(
+                    cache_ptr + slot[:, None] + d, mask=ok2 & (d < D), other=0
+                )
+            if FP8_E4B15:
+                k = raw.to(tl.float8e4b15, bitcast=True).to(tl.float32)
+            else:
+                k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            k = tl.where(bad[:, None], nan, k)
+        else:
+            if HALVES:
+                idx = _unpack_halves(
+                    (cache_ptr + slot[:, None]).to(tl.pointer_type(tl.uint16)),
+                    ok2,
+                    D,
+                    KEY_BITS,
+                    BLOCK_D,
+                )
+                norm = tl.load(
+                    (cache_ptr + slot + KEY_INDEX_BYTES).to(
+                        tl.pointer_type(tl.float16)
+                    ),
+                    mask=ok,
+                    other=0,
+                ).to(tl.float32)
+            else:
+                idx = _unpack(cache_ptr + slot[:, None], ok2, D, KEY_BITS, BLOCK_D)
+                norm = tl.reshape(
+                    _fp16_at(cache_ptr + slot[:, None] + KEY_INDEX_BYTES, ok2), [M]
+                )
+            # indices are in range whatever the bytes: the table is read unmasked
+            c = tl.load(centroids_ptr + idx * s_centroid)
+            if NORM_CORRECTION:
+                c64 = c.to(tl.float64)
+                sumsq = tl.sum(c64 * c64, axis=1).to(tl.float32)
+                inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(sumsq + 1e-16))
+                c = c * inv[:, None]
+            k = tl.where(bad, nan, norm)[:, None] * c
+        if ROTATE:
+            # k = fp16(k_rot) @ rotation, in column blocks, with split_rotation's
+            # parts: a rotation of one magnitude s is s * signs, one dot of exact
+            # products; any other, two exact fp16 products per term; sums in float32
+            flags = tl.load(
+                flags_ptr + tl.arange(0, NFLAGS),
+                mask=tl.arange(0, NFLAGS) < nflags,
+                other=1,
+            )
+            uniform = tl.min(flags, 0) == 1
+            mag = tl.load(flags_ptr + nflags).to(tl.float32, bitcast=True)
+            a = k.to(tl.float16)
+            if DOT_F64:
+                a = a.to(tl.float64)
+            dr = tl.arange(0, BLOCK_D)[:, None]
+            for n0 in tl.static_range(0, BLOCK_D, BLOCK_N):
+                n = n0 + tl.arange(0, BLOCK_N)[None, :]
+                if uniform:
+                    sg = tl.load(parts_ptr + 2 * BLOCK_D * BLOCK_D + dr * BLOCK_D + n)
+                    if DOT_F64:
+                        acc = tl.dot(a, sg.to(tl.float64), out_dtype=tl.float64)
+                        acc = acc.to(tl.float32) * mag
+                    else:
+                        acc = tl.dot(a, sg, out_dtype=tl.float32) * mag
                 else:
-                    acc = tl.dot(a, lo, out_dtype=tl.float32) * (1.0 / 4096.0)
-                    acc = tl.dot(a, hi, acc, out_dtype=tl.float32)
-            kn = _to_window(acc, OUT_BF16, ROUND_BF16)
+                    hi = tl.load(parts_ptr + dr * BLOCK_D + n)
+                    lo = tl.load(parts_ptr + BLOCK_D * BLOCK_D + dr * BLOCK_D + n)
+                    if DOT_F64:
+                        acc = (
+                            tl.dot(a, lo.to(tl.float64), out_dtype=tl.float64) / 4096.0
+                        )
+                        acc = tl.dot(a, hi.to(tl.float64), acc, out_dtype=tl.float64)
+                        acc = acc.to(tl.float32)
+                    else:
+                        acc = tl.dot(a, lo, out_dtype=tl.float32) * (1.0 / 4096.0)
+                        acc = tl.dot(a, hi, acc, out_dtype=tl.float32)
+                kn = _to_window(acc, OUT_BF16, ROUND_BF16)
+                if HAS_CHUNK:
+                    kc = tl.load(
+                        key_ptr
+                        + crow * s_key_tok
+                        + (head0 + h2) * s_key_head
+                        + n * s_key_d,
+                        mask=cmask,
+                        other=0.0,
+                    )
+                    kn = tl.where(chunk, kc.to(kn.dtype), kn)
+                tl.store(
+                    k_out_ptr + row * s_k_tok + h2 * s_k_head + n,
+                    kn,
+                    mask=live[:, None],
+                )
+        else:
+            kw = _to_window(k, OUT_BF16, ROUND_BF16)
             if HAS_CHUNK:
                 kc = tl.load(
                     key_ptr
                     + crow * s_key_tok
                     + (head0 + h2) * s_key_head
-                    + n * s_key_d,
-                    mask=cmask,
+                    + d * s_key_d,
+                    mask=cmask & (d < D),
                     other=0.0,
                 )
-                kn = tl.where(chunk, kc.to(kn.dtype), kn)
+                kw = tl.where(chunk, kc.to(kw.dtype), kw)
             tl.store(
-                k_out_ptr + row * s_k_tok + h2 * s_k_head + n, kn, mask=live[:, None]
+                k_out_ptr + row * s_k_tok + h2 * s_k_head + d,
+                kw,
+                mask=live[:, None] & (d < D),
             )
-    else:
-        kw = _to_window(k, OUT_BF16, ROUND_BF16)
-        if HAS_CHUNK:
-            kc = tl.load(
-                key_ptr + crow * s_key_tok + (head0 + h2) * s_key_head + d * s_key_d,
-                mask=cmask & (d < D),
-                other=0.0,
-            )
-            kw = tl.where(chunk, kc.to(kw.dtype), kw)
-        tl.store(
-            k_out_ptr + row * s_k_tok + h2 * s_k_head + d,
-            kw,
-            mask=live[:, None] & (d < D),
-        )
 
 
 launch_fill = Launcher(_fill_kernel)
+
+
+def halves_ok(kv_cache: torch.Tensor, cfg: TQConfig) -> bool:
+    """Whether the fill may read the cache in 16-bit loads: its address and byte
+    strides even, so that every slot starts on an even byte, and so does each field
+    of the slot (as in every preset at every served head size)."""
+    return (
+        kv_cache.data_ptr() % 2 == 0
+        and all(s % 2 == 0 for s in kv_cache.stride()[:3])
+        and cfg.key_bytes % 2 == 0
+        and cfg.key_index_bytes % 2 == 0
+        and cfg.value_index_bytes % 2 == 0
+    )
 
 
 # split_rotation's blocks of rotation entries, each with its "one magnitude" flag
@@ -421,7 +536,9 @@ def split_rotation(
 # fastest of 4-7 configurations at D 64, 128 and 256 on the H200 machine, for one
 # request's window and for a window of 24 requests (but 4bit_nc at D 128 in the 24-hit
 # window: 0.312 against 0.309 ms at 128 slots), in benchmarks/fill_configs.py's sweep of
-# the first version (two dots, NOTES.md §16); 16 and 32 follow D 64.
+# the first version (two dots, NOTES.md §16); 16 and 32 follow D 64. A fourth element,
+# True, puts values and keys in programs of their own: 1.00-1.17x the time of one
+# program for both, at every preset and head size of the sweep (NOTES.md §20).
 FILL = {
     (16, True): (64, 16, 4),
     (32, True): (64, 32, 4),
@@ -452,6 +569,7 @@ def fill_window(
     unrotate: bool = True,
     config: tuple | None = None,
     parts: tuple | None = None,
+    write: str = "both",
 ) -> None:
     """Write the rows of ``window`` (a ``plan.Window``), kv heads [head0, head0 +
     k_out.shape[1]), into k_out and v_out.
@@ -465,10 +583,11 @@ def fill_window(
     stride over D. err: int64 (1,) on the device, or None: lowered to ``request << 32
     | column`` of a bad block id read. unrotate: False writes MSE keys in the rotated
     space. config: the launch configuration (slots per program, columns per dot,
-    warps); default: FILL. parts: ``split_rotation(rotation)``'s (parts, flags) (a
-    caller that fills several windows splits once); made here when None. Arguments
-    are trusted:
-    ``continuation_prefill_varlen`` validates them.
+    warps[, split: values and keys in programs of their own]); default: FILL. parts:
+    ``split_rotation(rotation)``'s (parts, flags) (a caller that fills several windows
+    splits once); made here when None. write: "both", or "values" / "keys" alone (a
+    benchmark's stage timing; the other rows are left as they were). Arguments are
+    trusted: ``continuation_prefill_varlen`` validates them.
     """
     if window.rows <= 0:
         return
@@ -496,7 +615,8 @@ def fill_window(
         parts = split_rotation(rotation)
     parts, flags = parts if rotate else (kv_cache, kv_cache)  # not read unrotated
     nflags = split_flags(cfg.head_dim) if rotate else 1
-    slots, block_n, warps = config if config is not None else FILL[(block_d, rotate)]
+    conf = tuple(config) if config is not None else FILL[(block_d, rotate)]
+    slots, block_n, warps, split = conf if len(conf) == 4 else (*conf, False)
     n_heads = k_out.shape[1]
     heads = triton.next_power_of_2(n_heads)
     # A program's slots are the same number whatever the kv-head group (rows x heads;
@@ -506,7 +626,7 @@ def fill_window(
     block_t = max(1, (32 if interpreting() else slots) // heads)
     centroids = centroids if centroids is not None else kv_cache  # fp8 keys: not read
     launch_fill(
-        (triton.cdiv(window.rows, block_t),),
+        (triton.cdiv(window.rows, block_t), 2 if split else 1),
         kv_cache,
         block_table,
         centroids,
@@ -558,6 +678,10 @@ def fill_window(
         k_out.dtype == torch.bfloat16,
         interpreter_rounds_bf16(k_out.dtype),
         not kv_cache.is_cuda,
+        halves_ok(kv_cache, cfg),
+        split,
+        write in ("both", "values"),
+        write in ("both", "keys"),
         heads,
         block_t,
         min(block_n, block_d),

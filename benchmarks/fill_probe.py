@@ -1,0 +1,153 @@
+"""Where the window fill's time goes (GPU): each case timed whole, without the
+un-rotation, and (where the fill can write them alone) its values and its keys alone,
+with the compiled kernel's registers, spills and shared memory (the last compiled
+specialization: the whole fill's); ``--ncu`` launches each case once for a profiler,
+nothing timed.
+
+    python benchmarks/fill_probe.py [OUT_DIR]
+    ncu --clock-control none --kernel-name regex:_fill_kernel \
+        python benchmarks/fill_probe.py --ncu
+
+Cases: Hk 8, block size 16, vLLM 0.20's layout; one request's window of 65536 cached
+tokens, and the first batch window of 24 hits of 1000-3000 cached + 384 new tokens
+(fill_configs.py's two windows). Bytes are counted as there (slots read, K/V rows
+written; new rows as written only). Writes fill-probe.json.
+"""
+
+import functools
+import inspect
+import json
+import os
+import sys
+
+import torch
+import triton.testing
+from fill_bandwidth import HK, TOKENS, copy_rate
+from fill_configs import serving_window
+
+from tq_chunked.dequant import fill_window, launch_fill, split_rotation
+from tq_chunked.format import TQConfig, hadamard, lloyd_max_centroids
+from tq_chunked.plan import cached_window
+
+CASES = [
+    ("turboquant_3bit_nc", 128),
+    ("turboquant_4bit_nc", 128),
+    ("turboquant_k8v4", 128),
+    ("turboquant_3bit_nc", 64),
+    ("turboquant_3bit_nc", 256),
+]
+
+
+def case_inputs(preset, d, dev, reqs, qsl):
+    cfg = TQConfig.from_preset(preset, d)
+    nb = TOKENS // 16 + 8
+    g = torch.Generator(device=dev).manual_seed(0)
+    cache = torch.randint(
+        0, 256, (nb, 16, HK, cfg.slot_bytes), dtype=torch.uint8, device=dev, generator=g
+    )
+    cent = lloyd_max_centroids(d, cfg.centroid_bits).to(dev)
+    rot = hadamard(d).to(dev)
+    parts = None if cfg.key_fp8 else split_rotation(rot)
+    k = torch.empty(TOKENS + 8192, HK, d, dtype=torch.float16, device=dev)
+    v = torch.empty_like(k)
+    bt_long = torch.randperm(nb - 8, device=dev, generator=g).int()[None]
+    need = [-(-(c + q) // 16) for c, q in reqs]
+    perm = torch.randperm(nb, device=dev, generator=g).int()
+    bt_serving = torch.zeros(len(reqs), max(need), dtype=torch.int32, device=dev)
+    used = 0
+    for r, n in enumerate(need):
+        bt_serving[r, :n] = perm[used : used + n]
+        used += n
+    new_k = torch.randn(qsl[-1], HK, d, dtype=torch.float16, device=dev, generator=g)
+    new_v = torch.randn(qsl[-1], HK, d, dtype=torch.float16, device=dev, generator=g)
+    return cfg, cache, cent, rot, parts, k, v, bt_long, bt_serving, new_k, new_v
+
+
+def main():
+    ncu = "--ncu" in sys.argv
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    out_dir = args[0] if args else "."
+    dev = torch.device("cuda")
+    rate = None if ncu else copy_rate()
+    reqs, qsl, serving = serving_window(dev)
+    long = cached_window(0, 0, TOKENS, dev)
+    rows = []
+    if not ncu:
+        print(f"copy rate {rate:.2f} TB/s")
+        print(
+            "| preset | D | window | ms | of copy | ms, no un-rotation | values alone "
+            "| keys alone | regs | spills | smem |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+            flush=True,
+        )
+    for preset, d in CASES:
+        cfg, cache, cent, rot, parts, k, v, bt_long, bt_serving, nk, nv = case_inputs(
+            preset, d, dev, reqs, qsl
+        )
+        cached = {"one request": TOKENS, "24 hits": sum(c for c, _ in reqs)}
+        new = {"one request": 0, "24 hits": qsl[-1]}
+        for label, w, bt, kk, vv in (
+            ("one request", long, bt_long, k[:1], v[:1]),
+            ("24 hits", serving, bt_serving, nk, nv),
+        ):
+            fn = functools.partial(
+                fill_window, cache, bt, cfg, cent, rot, kk, vv, w, 0, k, v, parts=parts
+            )
+            if ncu:
+                fn()
+                torch.cuda.synchronize()
+                continue
+            nbytes = (
+                cached[label] * (cfg.slot_bytes + 4 * d) + new[label] * 4 * d
+            ) * HK
+            ms = triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
+            kern = list(launch_fill.compiled.values())[-1]  # compiled for fn just now
+            meta = dict(
+                regs=kern.n_regs, spills=kern.n_spills, smem=kern.metadata.shared
+            )
+            # the values and the keys alone, where this version's fill can say so
+            alone = {}
+            if "write" in inspect.signature(fill_window).parameters:
+                for what in ("values", "keys"):
+                    alone[what] = triton.testing.do_bench(
+                        functools.partial(fn, write=what),
+                        warmup=5,
+                        rep=40,
+                        return_mode="median",
+                    )
+            ms_plain = None
+            if not cfg.key_fp8:
+                plain = functools.partial(fn, unrotate=False)
+                ms_plain = triton.testing.do_bench(
+                    plain, warmup=5, rep=40, return_mode="median"
+                )
+            rows.append(
+                dict(
+                    preset=preset,
+                    head_dim=d,
+                    window=label,
+                    ms=ms,
+                    of_copy=nbytes / ms / 1e9 / rate,
+                    ms_no_unrotation=ms_plain,
+                    ms_values_alone=alone.get("values"),
+                    ms_keys_alone=alone.get("keys"),
+                    **meta,
+                )
+            )
+            shown = [
+                "-" if x is None else f"{x:.3f}"
+                for x in (ms_plain, alone.get("values"), alone.get("keys"))
+            ]
+            print(
+                f"| {preset} | {d} | {label} | {ms:.3f} | {rows[-1]['of_copy']:.0%} | "
+                f"{' | '.join(shown)} | {meta['regs']} | {meta['spills']} | "
+                f"{meta['smem']} |",
+                flush=True,
+            )
+    if not ncu:
+        with open(os.path.join(out_dir, "fill-probe.json"), "w") as f:
+            json.dump({"copy_tb_s": rate, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

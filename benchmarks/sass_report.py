@@ -1,0 +1,178 @@
+"""The window fill compiled for the H200 (sm_90) on a machine without a GPU: registers,
+shared memory, and the SASS instructions per cache slot, by kind (no device time).
+
+    python benchmarks/sass_report.py [--preset P] [--head-dim D]
+        [--kv-heads H] [--chunk] [--config SLOTS,COLUMNS,WARPS] [--sass FILE]
+
+The fill's arguments are the ones ``fill_window`` passes for the case (recorded from a
+call on CPU tensors, the launch itself replaced), compiled by Triton for sm_90 with the
+specialization a CUDA launch would get (16-byte aligned tensors, ints by value class).
+Instructions per slot = the kernel's SASS instructions x warps / slots per program:
+the fill has no loops, so each warp issues every instruction once (the H200 machine's
+profiler counted 154 warp instructions per slot for 3bit_nc at D 128 with 0.4.0's
+fill, benchmarks/NOTES.md §20). Needs the Triton release of the H200 machine for
+comparable figures (3.6.0 there).
+"""
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import tq_chunked.dequant as dq
+from tq_chunked.format import TQConfig, hadamard, lloyd_max_centroids
+from tq_chunked.plan import cached_window, plan
+
+
+def record_fill(preset, d, hk, chunk, config, write="both"):
+    """(kernel, grid, args, options) of the fill launch for the case."""
+    seen = {}
+
+    class Recorder:
+        def __call__(self, grid, *args, **options):
+            seen.update(grid=grid, args=args, options=options)
+
+    cfg = TQConfig.from_preset(preset, d)
+    cache = torch.zeros(64, 16, hk, cfg.slot_bytes, dtype=torch.uint8)
+    bt = torch.arange(64, dtype=torch.int32)[None]
+    k = torch.zeros(512, hk, d, dtype=torch.float16)
+    v = torch.zeros_like(k)
+    if chunk:  # a batch window: two requests with new tokens
+        w = plan((0, 16, 32), (100, 116), 1024, torch.device("cpu")).steps[0]
+        bt = bt.repeat(2, 1)
+    else:
+        w = cached_window(0, 0, 512, torch.device("cpu"))
+    rot = hadamard(d)
+    parts = None if cfg.key_fp8 else dq.split_rotation(rot)  # on the CPU, here
+    saved = dq.launch_fill, dq.interpreting, dq.use_triton
+    dq.launch_fill, dq.interpreting = Recorder(), lambda: False
+    dq.use_triton = lambda t: True
+    try:
+        dq.fill_window(
+            cache,
+            bt,
+            cfg,
+            lloyd_max_centroids(d, cfg.centroid_bits),
+            rot,
+            k,
+            v,
+            w,
+            0,
+            k,
+            v,
+            err=torch.zeros(1, dtype=torch.int64),
+            config=config,
+            parts=parts,
+            write=write,
+        )
+    finally:
+        dq.launch_fill, dq.interpreting, dq.use_triton = saved
+    return dq._fill_kernel, seen["grid"], seen["args"], seen["options"]
+
+
+_TYPES = {
+    torch.uint8: "*u8",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.float32: "*fp32",
+}
+
+
+def compile_sm90(kernel, args, options):
+    """Triton's compile of ``kernel`` for sm_90 with these arguments' specialization."""
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (p, a) in enumerate(zip(kernel.params, args)):
+        name = p.name
+        if p.is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[name] = a
+        elif isinstance(a, torch.Tensor):
+            signature[name] = _TYPES[a.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(a, bool):
+            signature[name] = "i1"
+        elif isinstance(a, int):
+            signature[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
+            if not p.do_not_specialize:
+                if a == 1:
+                    signature[name] = "constexpr"
+                    constexprs[name] = 1
+                elif a % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32"
+    # on the device: no float64 dots, bf16 rounding by the hardware
+    for name in ("DOT_F64", "ROUND_BF16"):
+        if name in constexprs:
+            constexprs[name] = False
+    src = ASTSource(kernel, signature, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def sass_of(cubin: bytes) -> str:
+    tool = os.path.join(
+        os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"
+    )
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run(
+            [tool, "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
+        res = subprocess.run(
+            [tool, "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    return sass, res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="turboquant_3bit_nc")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--chunk", action="store_true")
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--sass", default=None, help="write the SASS here")
+    ap.add_argument("--write", default="both", choices=("both", "values", "keys"))
+    a = ap.parse_args()
+    config = tuple(int(x) for x in a.config.split(",")) if a.config else None
+    kernel, grid, args, options = record_fill(
+        a.preset, a.head_dim, a.kv_heads, a.chunk, config, a.write
+    )
+    ck = compile_sm90(kernel, args, options)
+    sass, res = sass_of(ck.asm["cubin"])
+    if a.sass:
+        with open(a.sass, "w") as f:
+            f.write(sass)
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            ops[m.group(1).split(".")[0]] += 1
+    total = sum(ops.values())
+    warps = options.get("num_warps", 4)
+    names = [p.name for p in kernel.params]
+    slots = args[names.index("BLOCK_T")] * args[names.index("HEADS")]
+    regs = re.search(r"REG:(\d+)", res)
+    print(
+        f"{a.preset} D {a.head_dim} Hk {a.kv_heads} chunk {a.chunk} config {config} "
+        f"{a.write}: "
+        f"{regs.group(1) if regs else '?'} registers, {ck.metadata.shared} B shared, "
+        f"{total} SASS instructions x {warps} warps / {slots} slots = "
+        f"{total * warps / slots:.0f} warp instructions per slot"
+    )
+    print("  " + ", ".join(f"{k} {v}" for k, v in ops.most_common(24)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
