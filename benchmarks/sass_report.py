@@ -1,17 +1,20 @@
 """The window fill compiled for the H200 (sm_90) on a machine without a GPU: registers,
 shared memory, and the SASS instructions per cache slot, by kind (no device time).
 
-    python benchmarks/sass_report.py [--preset P] [--head-dim D]
-        [--kv-heads H] [--chunk] [--config SLOTS,COLUMNS,WARPS] [--sass FILE]
+    python benchmarks/sass_report.py [--preset P] [--head-dim D] [--kv-heads H]
+        [--chunk] [--config SLOTS,COLUMNS,WARPS[,SPLIT]] [--write both|values|keys]
+        [--sass FILE]
 
 The fill's arguments are the ones ``fill_window`` passes for the case (recorded from a
 call on CPU tensors, the launch itself replaced), compiled by Triton for sm_90 with the
 specialization a CUDA launch would get (16-byte aligned tensors, ints by value class).
 Instructions per slot = the kernel's SASS instructions x warps / slots per program:
-the fill has no loops, so each warp issues every instruction once (the H200 machine's
-profiler counted 154 warp instructions per slot for 3bit_nc at D 128 with 0.4.0's
-fill, benchmarks/NOTES.md §20). Needs the Triton release of the H200 machine for
-comparable figures (3.6.0 there).
+besides the segment search's few iterations the fill is straight-line code, so this
+static count is near what a warp issues, with both branches of the rotation counted
+(the H200 machine's profiler counted 154 warp instructions per slot for 3bit_nc at D
+128 with 0.4.0's fill, where this count gives 192: benchmarks/NOTES.md §20). With a
+split config the two programs' branches are counted together: take ``--write``. Needs
+the Triton release of the H200 machine for comparable figures (3.6.0 there).
 """
 
 import argparse
@@ -50,7 +53,7 @@ def record_fill(preset, d, hk, chunk, config, write="both"):
         bt = bt.repeat(2, 1)
     else:
         w = cached_window(0, 0, 512, torch.device("cpu"))
-    rot = hadamard(d)
+    rot = None if cfg.key_fp8 else hadamard(d)  # fp8 keys: any multiple of 8
     parts = None if cfg.key_fp8 else dq.split_rotation(rot)  # on the CPU, here
     saved = dq.launch_fill, dq.interpreting, dq.use_triton
     dq.launch_fill, dq.interpreting = Recorder(), lambda: False

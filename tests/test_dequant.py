@@ -269,6 +269,64 @@ def test_bad_block_ids_read_nothing_decode_to_nan_and_are_recorded(bad):
     assert k_ref.isnan().all()  # the reference decoder says the same
 
 
+@pytest.mark.parametrize(
+    "preset,head_dim",
+    [("turboquant_k8v4", 24), ("turboquant_4bit_nc", 32), ("turboquant_3bit_nc", 64)],
+)
+@pytest.mark.parametrize("launch", ["default", "split", "bytes"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_bad_block_id_is_nan_and_recorded_on_every_launch_path(
+    preset, head_dim, launch, dtype
+):
+    # a bad id's rows come out NaN through their scale and norm (fp8 keys: set), on the
+    # 16-bit and byte paths, with values and keys in one program or two; recorded once
+    batch = make_batch(
+        [(48, 1), (40, 2)],
+        preset,
+        dtype,
+        head_dim=head_dim,
+        num_q_heads=2,
+        num_kv_heads=2,
+        seed=11,
+    )
+    if launch == "bytes":
+        batch.kv_cache = at_odd_address(batch.kv_cache)
+    batch.block_table[1, 0] = batch.kv_cache.shape[0] + 3
+    cfg = TQConfig.from_preset(preset, head_dim)
+    w = windows_of(batch, 400)[0]
+    assert w.requests == (0, 1)
+    err = torch.full((1,), 2**63 - 1, dtype=torch.int64, device=batch.query.device)
+    config = (64, 64, 4, launch == "split")
+    k, v = fill(batch, w, cfg, dtype, not cfg.key_fp8, err, config=config)
+    rows = w.segment(2)[0] + torch.arange(16)  # request 1, tokens 0-15: column 0
+    assert k[rows].isnan().all() and v[rows].isnan().all()
+    others = torch.ones(w.rows, dtype=torch.bool)
+    others[rows] = False
+    assert not k[others].isnan().any() and not v[others].isnan().any()
+    assert int(err[0]) == 1 << 32  # request 1, column 0
+
+
+@pytest.mark.parametrize("write", ["values", "keys"])
+def test_a_fill_of_values_or_keys_alone_leaves_the_other_as_it_was(write):
+    # the benchmarks' stage timing (fill_probe.py); anything else is refused
+    batch = make_batch(
+        [(70, 1), (30, 2)], "turboquant_3bit_nc", num_q_heads=2, num_kv_heads=2, seed=3
+    )
+    cfg = TQConfig.from_preset("turboquant_3bit_nc", 64)
+    w = windows_of(batch, 48)[0]
+    k_ref, v_ref = fill(batch, w, cfg, torch.float16, True)
+    k = torch.full_like(k_ref, float("nan"))
+    v = torch.full_like(v_ref, float("nan"))
+    args = (batch.kv_cache, batch.block_table, cfg, batch.kwargs["centroids"])
+    args += (batch.kwargs["rotation"], batch.key, batch.value, w, 0, k, v)
+    fill_window(*args, write=write)
+    done, left = (v, k) if write == "values" else (k, v)
+    assert torch.equal(done, v_ref if write == "values" else k_ref)
+    assert left.isnan().all()
+    with pytest.raises(ValueError, match='write must be "both", "values" or "keys"'):
+        fill_window(*args, write="value")
+
+
 def _rotation(kind, d):
     if kind == "random":
         return random_rotation(d, torch.Generator().manual_seed(d))

@@ -36,7 +36,7 @@ from .testing import build_case, rel_err
 from .workspace import default_window
 
 BLOCK_SIZE = 16  # tokens per cache block, vLLM's default
-# On a CPU the default window (K + V of 48 MiB: 49152 tokens at Hk 2, D 128) would hold
+# On a CPU the default window (K + V of 96 MiB: 98304 tokens at Hk 2, D 128) would hold
 # the whole demo context in one window; a quarter of the context shows the windowing.
 CPU_WINDOWS = 4
 # The bound the tests hold the windowed path to (tests/test_chunked.py, test_varlen.py):

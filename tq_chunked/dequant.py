@@ -13,8 +13,8 @@ between segments (plan.GAP) is written as zeros. The cache is read in 16-bit loa
 strides is read byte by byte instead) and bit-packed indices are unpacked sixteen at a
 time: indices ``16g .. 16g + 15`` of a ``BITS``-wide stream are the ``BITS`` halfwords
 from halfword ``g * BITS``, one 64-bit word (byte by byte: eight at a time, the
-``BITS`` bytes from byte ``g * BITS``). The 16-bit loads took 0.82-0.93x the time of
-byte loads on the H200 machine (benchmarks/NOTES.md §20).
+``BITS`` bytes from byte ``g * BITS``). This fill took 0.82-0.93x the time of 0.4.0's,
+which read bytes, on the H200 machine (benchmarks/NOTES.md §20).
 
 MSE keys are cached in the rotated space ``k_rot = k @ rotation^T``. With ``unrotate``
 the same program turns each cached key back, ``k = fp16(k_rot) @ rotation``, on the
@@ -115,8 +115,8 @@ def _unpack_halves(
 ):
     """``_unpack`` from 16-bit loads: ``ptr`` (M, 1) uint16 pointers to each row's
     stream (2-byte aligned). Sixteen indices at a time: indices 16g .. 16g + 15 are
-    the BITS halfwords from halfword g * BITS, one 64-bit word (a third of the loads
-    of ``_unpack``, half its instructions). Columns past D are unspecified (their
+    the BITS halfwords from halfword g * BITS, one 64-bit word (half the loads of
+    ``_unpack``). Columns past D are unspecified (their
     group is read whole: for 4-bit values at a head size of 8 mod 16, the 4 bytes
     after the indices, the slot's scale and zero)."""
     M: tl.constexpr = ptr.shape[0]
@@ -589,6 +589,8 @@ def fill_window(
     benchmark's stage timing; the other rows are left as they were). Arguments are
     trusted: ``continuation_prefill_varlen`` validates them.
     """
+    if write not in ("both", "values", "keys"):
+        raise ValueError(f'write must be "both", "values" or "keys", got {write!r}')
     if window.rows <= 0:
         return
     rotate = unrotate and not cfg.key_fp8
@@ -604,8 +606,8 @@ def fill_window(
             value,
             window,
             head0,
-            k_out,
-            v_out,
+            k_out if write != "values" else None,
+            v_out if write != "keys" else None,
             fp8_e4b15,
         )
         return
@@ -705,9 +707,11 @@ def _fill_torch(
     v_out,
     fp8_e4b15,
 ):
-    """The same rows through the reference decoder, one segment at a time (CPU)."""
-    hk = k_out.shape[1]
+    """The same rows through the reference decoder, one segment at a time (CPU); k_out
+    or v_out None: not written."""
+    hk = (k_out if k_out is not None else v_out).shape[1]
     heads = slice(head0, head0 + hk)
+    outs = [(o, src) for o, src in ((k_out, key), (v_out, value)) if o is not None]
     for s in range(window.nseg):
         start, req, pos0, cached, qrow = window.segment(s)
         if cached:
@@ -723,13 +727,14 @@ def _fill_torch(
             k = k.transpose(0, 1).half()
             if rotation is not None:
                 k = (k.float() @ rotation.float()).half()
-            k_out[start : start + cached] = k
-            v_out[start : start + cached] = v.transpose(0, 1).half()
+            if k_out is not None:
+                k_out[start : start + cached] = k
+            if v_out is not None:
+                v_out[start : start + cached] = v.transpose(0, 1).half()
         end = window.segment_end(s)
-        if end > start + cached and qrow == GAP_ROW:
-            k_out[start + cached : end] = 0
-            v_out[start + cached : end] = 0
-        elif end > start + cached:
-            n = end - start - cached
-            k_out[start + cached : end] = key[qrow : qrow + n, heads]
-            v_out[start + cached : end] = value[qrow : qrow + n, heads]
+        for o, src in outs:
+            if end > start + cached and qrow == GAP_ROW:
+                o[start + cached : end] = 0
+            elif end > start + cached:
+                n = end - start - cached
+                o[start + cached : end] = src[qrow : qrow + n, heads]

@@ -42,11 +42,12 @@ from ._utils import as_int
 from .dequant import split_flags
 
 ALIGN = 256
-# K + V of a window's rows: the 128 MiB budget, less room for the rotation's parts
-# (<= 0.4 MiB at D 256). 127 MiB (32512 rows at Hk 8, D 128) took 0.84-0.96x the GPU
-# time of 96 MiB on four serving batches (fewer windows, fewer partly idle waves) and
-# 96 MiB 0.75-0.93x of 48 MiB: benchmarks/NOTES.md §12, §20
-DEFAULT_WINDOW_BYTES = 127 << 20
+# K + V of a window's rows; chosen by measurement (benchmarks/NOTES.md §12: 48 MiB took
+# 1.08-1.34x as long). 127 MiB, the whole budget, took 0.84-0.96x the GPU time of this
+# on four batches of requests that fit a window, but would leave a long request's state
+# under 1 MiB of the budget, so long requests would split their kv heads (NOTES.md
+# §20): not the default until long requests take a window of their own
+DEFAULT_WINDOW_BYTES = 96 << 20
 DEFAULT_WORKSPACE_BYTES = 128 << 20  # the budget that groups a long request's kv heads
 FIT_ROWS = 256  # a window fitted to the budget is a multiple of this (fit_window)
 
