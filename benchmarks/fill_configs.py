@@ -24,7 +24,7 @@ import triton.testing
 from fill_bandwidth import HK, TOKENS, copy_rate
 
 from tq_chunked.dequant import FILL, fill_window, split_rotation
-from tq_chunked.format import TQConfig, lloyd_max_centroids
+from tq_chunked.format import TQConfig, hadamard, lloyd_max_centroids
 from tq_chunked.plan import cached_window, plan
 
 CASES = [
@@ -81,6 +81,61 @@ def serving_window(device):
     return reqs, qsl, w
 
 
+def case_inputs(preset, d, dev, rotation):
+    """One (preset, head size)'s fill inputs, seeded: (cfg, centroids, rotation, its
+    split parts, k_out, v_out, windows), the windows as (label, window, block table,
+    new keys, new values, bytes counted) for one request's 65536 cached tokens and for
+    the 24 hits of serving_window; rotation "random" (two dots) or "hadamard" (vLLM's,
+    one dot)."""
+    cfg = TQConfig.from_preset(preset, d)
+    nb = TOKENS // 16 + 8
+    g = torch.Generator(device=dev).manual_seed(0)
+    cache = torch.randint(
+        0, 256, (nb, 16, HK, cfg.slot_bytes), dtype=torch.uint8, device=dev, generator=g
+    )
+    cent = lloyd_max_centroids(d, cfg.centroid_bits).to(dev)
+    if rotation == "hadamard":
+        rot = hadamard(d).to(dev)
+    else:
+        q = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))[0]
+        rot = q.float().to(dev)
+    parts = None if cfg.key_fp8 else split_rotation(rot)
+    k = torch.empty(TOKENS + 8192, HK, d, dtype=torch.float16, device=dev)
+    v = torch.empty_like(k)
+    bt_long = torch.randperm(nb - 8, device=dev, generator=g).int()[None]
+    # serving: each request's own blocks, shuffled over the same cache
+    reqs, qsl, serving = serving_window(dev)
+    need = [-(-(c + q) // 16) for c, q in reqs]
+    perm = torch.randperm(nb, device=dev, generator=g).int()
+    bt_serving = torch.zeros(len(reqs), max(need), dtype=torch.int32, device=dev)
+    used = 0
+    for r, n in enumerate(need):
+        bt_serving[r, :n] = perm[used : used + n]
+        used += n
+    new_k = torch.randn(qsl[-1], HK, d, dtype=torch.float16, device=dev, generator=g)
+    new_v = torch.randn(qsl[-1], HK, d, dtype=torch.float16, device=dev, generator=g)
+    cached = sum(c for c, _ in reqs)
+    windows = [
+        (
+            "one request",
+            cached_window(0, 0, TOKENS, dev),
+            bt_long,
+            k[:1],
+            v[:1],
+            TOKENS * HK * (cfg.slot_bytes + 4 * d),
+        ),
+        (
+            "24 hits",
+            serving,
+            bt_serving,
+            new_k,
+            new_v,
+            (cached * (cfg.slot_bytes + 4 * d) + qsl[-1] * 4 * d) * HK,
+        ),
+    ]
+    return cfg, cache, cent, rot, parts, k, v, windows
+
+
 def main():
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
     dev = torch.device("cuda")
@@ -92,39 +147,11 @@ def main():
         flush=True,
     )
     rows = []
-    reqs, qsl, serving = serving_window(dev)
     for preset, d in CASES:
-        cfg = TQConfig.from_preset(preset, d)
-        nb = TOKENS // 16 + 8
-        cache = torch.randint(
-            0, 256, (nb, 16, HK, cfg.slot_bytes), dtype=torch.uint8, device=dev
+        cfg, cache, cent, rot, parts, k, v, windows = case_inputs(
+            preset, d, dev, "random"
         )
-        cent = lloyd_max_centroids(d, cfg.centroid_bits).cuda()
-        rot = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))[0].float().cuda()
-        parts = None if cfg.key_fp8 else split_rotation(rot)
-        k = torch.empty(TOKENS + 8192, HK, d, dtype=torch.float16, device=dev)
-        v = torch.empty_like(k)
-        long = cached_window(0, 0, TOKENS, dev)
-        bt_long = torch.randperm(nb, device=dev, dtype=torch.int64).int()[None]
-        # serving: each request's own blocks, shuffled over the same cache
-        need = [-(-(c + q) // 16) for c, q in reqs]
-        perm = torch.randperm(nb, device=dev).int()
-        bt_serving = torch.zeros(len(reqs), max(need), dtype=torch.int32, device=dev)
-        used = 0
-        for r, n in enumerate(need):
-            bt_serving[r, :n] = perm[used : used + n]
-            used += n
-        new_k = torch.randn(qsl[-1], HK, d, dtype=torch.float16, device=dev)
-        new_v = torch.randn_like(new_k)
-        cached_rows = {"one request": TOKENS, "24 hits": sum(c for c, _ in reqs)}
-        new_rows = {"one request": 0, "24 hits": qsl[-1]}
-        for label, w, bt, kk, vv in (
-            ("one request", long, bt_long, k[:1], v[:1]),
-            ("24 hits", serving, bt_serving, new_k, new_v),
-        ):
-            nbytes = cached_rows[label] * HK * (cfg.slot_bytes + 4 * d) + new_rows[
-                label
-            ] * HK * (4 * d)
+        for label, w, bt, kk, vv, nbytes in windows:
             for c in CONFIGS[(d, not cfg.key_fp8)]:
                 fn = functools.partial(
                     fill_window,

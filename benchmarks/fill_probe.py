@@ -22,12 +22,10 @@ import sys
 
 import torch
 import triton.testing
-from fill_bandwidth import HK, TOKENS, copy_rate
-from fill_configs import serving_window
+from fill_bandwidth import copy_rate
+from fill_configs import case_inputs
 
-from tq_chunked.dequant import fill_window, launch_fill, split_rotation
-from tq_chunked.format import TQConfig, hadamard, lloyd_max_centroids
-from tq_chunked.plan import cached_window
+from tq_chunked.dequant import fill_window, launch_fill
 
 CASES = [
     ("turboquant_3bit_nc", 128),
@@ -38,39 +36,12 @@ CASES = [
 ]
 
 
-def case_inputs(preset, d, dev, reqs, qsl):
-    cfg = TQConfig.from_preset(preset, d)
-    nb = TOKENS // 16 + 8
-    g = torch.Generator(device=dev).manual_seed(0)
-    cache = torch.randint(
-        0, 256, (nb, 16, HK, cfg.slot_bytes), dtype=torch.uint8, device=dev, generator=g
-    )
-    cent = lloyd_max_centroids(d, cfg.centroid_bits).to(dev)
-    rot = hadamard(d).to(dev)
-    parts = None if cfg.key_fp8 else split_rotation(rot)
-    k = torch.empty(TOKENS + 8192, HK, d, dtype=torch.float16, device=dev)
-    v = torch.empty_like(k)
-    bt_long = torch.randperm(nb - 8, device=dev, generator=g).int()[None]
-    need = [-(-(c + q) // 16) for c, q in reqs]
-    perm = torch.randperm(nb, device=dev, generator=g).int()
-    bt_serving = torch.zeros(len(reqs), max(need), dtype=torch.int32, device=dev)
-    used = 0
-    for r, n in enumerate(need):
-        bt_serving[r, :n] = perm[used : used + n]
-        used += n
-    new_k = torch.randn(qsl[-1], HK, d, dtype=torch.float16, device=dev, generator=g)
-    new_v = torch.randn(qsl[-1], HK, d, dtype=torch.float16, device=dev, generator=g)
-    return cfg, cache, cent, rot, parts, k, v, bt_long, bt_serving, new_k, new_v
-
-
 def main():
     ncu = "--ncu" in sys.argv
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     out_dir = args[0] if args else "."
     dev = torch.device("cuda")
     rate = None if ncu else copy_rate()
-    reqs, qsl, serving = serving_window(dev)
-    long = cached_window(0, 0, TOKENS, dev)
     rows = []
     if not ncu:
         print(f"copy rate {rate:.2f} TB/s")
@@ -81,15 +52,10 @@ def main():
             flush=True,
         )
     for preset, d in CASES:
-        cfg, cache, cent, rot, parts, k, v, bt_long, bt_serving, nk, nv = case_inputs(
-            preset, d, dev, reqs, qsl
+        cfg, cache, cent, rot, parts, k, v, windows = case_inputs(
+            preset, d, dev, "hadamard"
         )
-        cached = {"one request": TOKENS, "24 hits": sum(c for c, _ in reqs)}
-        new = {"one request": 0, "24 hits": qsl[-1]}
-        for label, w, bt, kk, vv in (
-            ("one request", long, bt_long, k[:1], v[:1]),
-            ("24 hits", serving, bt_serving, nk, nv),
-        ):
+        for label, w, bt, kk, vv, nbytes in windows:
             fn = functools.partial(
                 fill_window, cache, bt, cfg, cent, rot, kk, vv, w, 0, k, v, parts=parts
             )
@@ -97,9 +63,6 @@ def main():
                 fn()
                 torch.cuda.synchronize()
                 continue
-            nbytes = (
-                cached[label] * (cfg.slot_bytes + 4 * d) + new[label] * 4 * d
-            ) * HK
             ms = triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
             kern = list(launch_fill.compiled.values())[-1]  # compiled for fn just now
             meta = dict(
