@@ -16,6 +16,8 @@
 #   bash benchmarks/run_on_device.sh host      # carry .gpu-carry: host profile
 #   bash benchmarks/run_on_device.sh before    # carry .gpu-carry, .bench-old: fill bandwidth and
 #                                              #   breakdown of an earlier version, side by side
+#   bash benchmarks/run_on_device.sh kernels-before # carry .gpu-carry, .bench-old: stage breakdown
+#                                              #   of an earlier version
 #   bash benchmarks/run_on_device.sh host-before # carry .gpu-carry, .bench-old: host profile of
 #                                              #   an earlier version
 #   bash benchmarks/run_on_device.sh launcher  # carry .gpu-carry, .bench-old: this launcher against
@@ -26,7 +28,7 @@
 #                                              #   grid of an earlier version (floor beside it)
 #   bash benchmarks/run_on_device.sh stack     # carry .gpu-carry: single requests with the floor
 #   bash benchmarks/run_on_device.sh forward   # carry .gpu-carry, .gpu-carry-0.21.0 (0.26.0 likewise)
-# serving and stack compare with vLLM 0.33.0's methods run in the carry's vLLM 0.20.0
+# serving and stack take BENCH_ARGS (e.g. --oracle) and compare with vLLM 0.33.0's methods run in the carry's vLLM 0.20.0
 # (tq-chunked bench --baseline-source): BASELINE_SOURCE, by default the 0.33.0
 # turboquant_attn.py that make-vllm-carry.sh puts in the carry. "before" imports the
 # package from .bench-old/<name>/tq_chunked (BEFORE, default v03), an earlier commit's
@@ -44,7 +46,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|fill|configs|probe|ncu|upstream|kernels|host|before|host-before|launcher|checks|serving|serving-before|stack|forward ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|fill|configs|probe|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|forward ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -93,6 +95,10 @@ for mode in "$@"; do
         | tee "$OUT/before/fill-bandwidth.md" | tail -14
       before .gpu-carry timeout 200 python3 benchmarks/breakdown.py --workloads "$WORKLOADS" 2>&1 \
         | tee "$OUT/before/breakdown.md" | tail -16 ;;
+    kernels-before)
+      mkdir -p "$OUT/before"
+      before .gpu-carry timeout 200 python3 benchmarks/breakdown.py --workloads "$WORKLOADS" 2>&1 \
+        | tee "$OUT/before/breakdown.md" | tail -16 ;;
     host-before)
       mkdir -p "$OUT/before"
       before .gpu-carry timeout 80 python3 benchmarks/host_profile.py 2>&1 \
@@ -111,7 +117,7 @@ for mode in "$@"; do
       carry .gpu-carry timeout "${BENCH_TIMEOUT:-420}" python3 -m tq_chunked.bench --"$mode" \
         --repeats "${REPEATS:-3}" --baseline-source "$BASELINE_SOURCE" \
         --methods baseline,floor,tq_chunked ${BENCH_WORKLOADS:+--workloads "$BENCH_WORKLOADS"} \
-        --out "$OUT" 2>&1 | grep -E "^\||geomean|error|Error|wrote" | tail -40 ;;
+        ${BENCH_ARGS:-} --out "$OUT" 2>&1 | grep -E "^\||geomean|error|Error|wrote" | tail -40 ;;
     serving-before)
       # the earlier version's tq_chunked beside the floor, in $OUT/before
       mkdir -p "$OUT/before"

@@ -422,3 +422,49 @@ def test_no_vllm_means_no_baseline(source):
     else:
         with pytest.raises(SystemExit, match="--no-vllm leaves vLLM's methods out"):
             bench.load_baseline(args, "p")
+
+
+def test_bench_oracle_errors_hold_each_method_but_the_floor_to_float64():
+    """With --oracle, the bench holds layer 0's answer of each method to the float64
+    oracle, per request of 4 query tokens or more; the floor (random K/V) is not."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tq_chunked import continuation_prefill_varlen
+
+    requests = [(90, 20), (40, 2), (0, 12)]
+    b = testing.build_batch(
+        "turboquant_3bit_nc", requests, 4, 2, 64, 16, torch.float16, "cpu", seed=5
+    )
+    layers = SimpleNamespace(
+        qkv=[(b["query"], b["key"], b["value"])],
+        caches=[b["kv_cache"]],
+        block_table=b["block_table"],
+        qsl=b["query_start_loc"],
+        seq_lens=b["seq_lens"],
+        kwargs=b["kwargs"],
+        hq=4,
+        d=64,
+    )
+    out = continuation_prefill_varlen(
+        b["query"],
+        b["key"],
+        b["value"],
+        b["kv_cache"],
+        b["block_table"],
+        torch.tensor(b["query_start_loc"], dtype=torch.int32),
+        torch.tensor(b["seq_lens"], dtype=torch.int32),
+        **b["kwargs"],
+        backend="torch",
+    )
+    wrong = out.clone()
+    wrong[-12:] = 0  # the last request's answer lost
+    errors = bench_engine._oracle_errors(
+        layers,
+        {"tq_chunked": out.float(), "wrong": wrong.reshape(len(out), -1), "floor": out},
+    )
+    assert set(errors) == {"tq_chunked", "wrong"}
+    assert len(errors["tq_chunked"]) == 2  # the 2-token request is left out
+    assert max(errors["tq_chunked"]) < 2e-3
+    assert errors["wrong"][0] == errors["tq_chunked"][0] and errors["wrong"][1] == 1.0

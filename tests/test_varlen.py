@@ -25,10 +25,10 @@ from tq_chunked.testing import make_batch, rel_err, strided
 from tq_chunked.workspace import (
     DEFAULT_WORKSPACE_BYTES,
     FIT_ROWS,
-    capacity,
     default_window,
     fit_window,
     layout_bytes,
+    long_window,
 )
 
 BACKEND = "triton" if TRITON_OK else "torch"
@@ -361,18 +361,22 @@ def test_workspace_bytes_suffice_whatever_the_cached_lengths_and_batch_size(requ
 
 
 def test_a_window_too_long_for_the_budget_is_shortened_to_fit():
-    # one kv head: grouping cannot help, so the window gives way
+    # one kv head: grouping cannot help, so the windows give way
+    f16 = torch.float16
     n, hq, hk, d, window, budget = 60, 4, 1, 64, 2048, 400_000
     assert workspace_bytes(n, hq, hk, d, window) > budget  # the window as asked
-    fitted = fit_window(window, n, hq, hk, d, torch.float16, budget)
-    assert fitted == 1024  # the most rows on the 256-row grid whose layout fits
+    fitted = fit_window(window, n, hq, hk, d, f16, budget)
+    assert fitted == 1280  # the most rows on the 256-row grid whose K/V fit
+    batch_bytes = layout_bytes("batch", 0, hq, hk, d, fitted, f16)
+    assert batch_bytes <= budget
+    assert layout_bytes("batch", 0, hq, hk, d, fitted + FIT_ROWS, f16) > budget
+    # a long request of all 60 rows: its state takes part of the budget, and its
+    # window the most rows of what is left
+    assert long_window(n, hq, hk, d, fitted, f16, budget) == (1, 1024)
+    long_bytes = layout_bytes("long", n, hq, 1, d, 1024, f16)
+    assert layout_bytes("long", n, hq, 1, d, 1024 + FIT_ROWS, f16) > budget
     nbytes = workspace_bytes(n, hq, hk, d, window, max_bytes=budget)
-    assert nbytes == layout_bytes(
-        "long", n, hq, 1, d, capacity(fitted, n), torch.float16
-    )
-    assert nbytes <= budget
-    more = capacity(fitted + FIT_ROWS, n)
-    assert layout_bytes("long", n, hq, 1, d, more, torch.float16) > budget
+    assert nbytes == max(batch_bytes, long_bytes) <= budget
     batch = make_batch(
         [(3000, 40), (100, 20)], num_q_heads=hq, num_kv_heads=hk, seed=19
     )
@@ -383,13 +387,77 @@ def test_a_window_too_long_for_the_budget_is_shortened_to_fit():
         hq,
         hk,
         d,
-        torch.float16,
+        f16,
         budget,
         torch.device(DEVICE),
     )
-    assert cap == fitted and need <= budget
-    assert isinstance(steps[0], LongRequest) and len(steps[0].windows) == 3
+    assert cap == fitted and need == nbytes
+    (long, short) = steps
+    # 40 rows of state leave it less than 1280 rows: the grid's 1024
+    assert isinstance(long, LongRequest) and long.capacity == 1024
+    assert len(long.windows) == 3 and short.requests == (1,)
     # into a workspace of exactly that size, poisoned: every request exact
+    check_batch(batch, window=window, max_workspace_bytes=budget)
+
+
+@pytest.mark.parametrize("hq,hk,d", [(32, 8, 128), (64, 8, 128), (16, 16, 64)])
+@pytest.mark.parametrize("rows", [1, 512, 2048, 4096, 8192, 16384])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_long_request_takes_the_kv_heads_whose_window_holds_the_most(
+    hq, hk, d, rows, dtype
+):
+    """long_window against its definition: of the kv-head groups whose window of the
+    most rows that fit (<= the window, on the grid) holds more than the query rows,
+    the one with the most rows x heads, the most heads among equals."""
+    window = default_window(hk, d, 16)
+    target = workspace_bytes(8192, hq, hk, d, window, dtype)
+    g = hq // hk
+    options = []
+    for hk_g in (h for h in range(hk, 0, -1) if hk % h == 0):
+
+        def fits(cap, hk_g=hk_g):
+            return layout_bytes("long", rows, g * hk_g, hk_g, d, cap, dtype) <= target
+
+        caps = [window] if fits(window) else []
+        caps += [c for c in range(FIT_ROWS, window, FIT_ROWS) if c > rows and fits(c)]
+        caps += [rows + 1] if fits(rows + 1) else []
+        if caps:
+            options.append((max(caps) * hk_g, hk_g, max(caps)))
+    if not options:  # the state alone is larger than the target
+        assert long_window(rows, hq, hk, d, window, dtype, target) == (1, rows + 1)
+        return
+    best = max(options, key=lambda o: (o[0], o[1]))
+    assert long_window(rows, hq, hk, d, window, dtype, target) == best[1:]
+
+
+def test_a_long_request_keeps_its_kv_heads_together_in_a_window_of_its_own():
+    # a batch window of the whole budget; the long request's 40 rows of state leave
+    # it fewer rows, all kv heads at once (two groups would hold fewer rows x heads)
+    f16 = torch.float16
+    hq, hk, d, window = 8, 2, 64, 1024
+    budget = layout_bytes("batch", 0, hq, hk, d, window, f16)
+    hk_g, cap = long_window(40, hq, hk, d, window, f16, budget)
+    assert hk_g == hk and 40 < cap < window
+    batch = make_batch(
+        [(2500, 40), (300, 30), (0, 20)],
+        "turboquant_4bit_nc",
+        num_q_heads=hq,
+        num_kv_heads=hk,
+        seed=31,
+    )
+    steps, groups, _, need = schedule(
+        tuple(batch.query_start_loc),
+        tuple(batch.seq_lens),
+        window,
+        hq,
+        hk,
+        d,
+        f16,
+        budget,
+        torch.device(DEVICE),
+    )
+    assert need <= budget and groups[0] == hk
+    assert steps[0].capacity == long_window(40, hq, hk, d, window, f16, need)[1]
     check_batch(batch, window=window, max_workspace_bytes=budget)
 
 
@@ -424,10 +492,23 @@ def test_the_default_workspace_stays_within_128_mib_where_any_window_can(
 
 def test_the_fitted_windows_docs_design_md_gives():
     bf16 = torch.bfloat16
-    assert fit_window(196608, 8192, 8, 1, 128, bf16) == 163072
-    assert fit_window(196608, 16384, 8, 1, 128, bf16) == 64256
-    assert workspace_bytes(16384, 16, 1, 128, 196608) >> 20 == 225
-    assert workspace_bytes(16384, 8, 1, 256, 98304, bf16) >> 20 == 288
+    # Hq 8/Hk 1, D 128, bf16: a long request's window from what its state leaves
+    for rows, cap in ((8192, 163072), (16384, 64256)):
+        target = workspace_bytes(rows, 8, 1, 128, 260096, bf16)
+        assert long_window(rows, 8, 1, 128, 260096, bf16, target) == (1, cap)
+    # Hq 32/Hk 8, D 128: 2048 rows keep all kv heads; 4096 run them in two groups
+    for rows, dtype, found in (
+        (2048, torch.float16, (8, 24320)),
+        (2048, bf16, (8, 20224)),
+        (4096, torch.float16, (4, 32512)),
+    ):
+        target = workspace_bytes(rows, 32, 8, 128, 32512, dtype)
+        assert long_window(rows, 32, 8, 128, 32512, dtype, target) == found
+    # the state alone is larger than 128 MiB: one kv head, a window of rows + 1
+    assert workspace_bytes(16384, 16, 1, 128, 260096) >> 20 == 137
+    assert workspace_bytes(16384, 16, 1, 128, 260096, bf16) >> 20 == 201
+    assert workspace_bytes(16384, 8, 1, 256, 130048) >> 20 == 144
+    assert workspace_bytes(16384, 8, 1, 256, 130048, bf16) >> 20 == 208
 
 
 def test_a_smaller_workspace_runs_fewer_kv_heads_then_shorter_windows():

@@ -658,6 +658,12 @@ def make_parser(prog="tq-chunked bench"):
         help="interleaved repeats, the median reported (default 5)",
     )
     engine.add_argument(
+        "--oracle",
+        action="store_true",
+        help="also hold layer 0's answer of every method but the floor to the float64 "
+        "oracle, request by request (slow at 128K: one float64 attention per request)",
+    )
+    engine.add_argument(
         "--workloads",
         type=lambda s: [x for x in s.split(",") if x],
         default=[],
@@ -753,7 +759,9 @@ def run_engine(args, prog="tq-chunked bench"):
         f"{', '.join(methods)}, {args.layers} layers, {args.repeats} repeats; "
         f"baseline: {baseline.describe()}; results into {args.out}"
     )
-    rows = be.run_workloads(workloads, methods, args.layers, args.repeats)
+    rows = be.run_workloads(
+        workloads, methods, args.layers, args.repeats, oracle=args.oracle
+    )
     result = {
         "mode": args.engine_mode,
         "device": torch.cuda.get_device_name(),

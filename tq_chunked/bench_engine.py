@@ -434,10 +434,15 @@ def measure(calls, cycles_per_ms, head_start_ms, step=None):
     )
 
 
-def run_workloads(workloads, methods, layers=LAYERS, repeats=5, progress=True):
+def run_workloads(
+    workloads, methods, layers=LAYERS, repeats=5, progress=True, oracle=False
+):
     """Rows of the results: per workload and method, the times (median of the
     interleaved repeats), the ratios to the baseline and the floor, and the relative
-    difference of layer 0's answer to the baseline's."""
+    difference of layer 0's answer to the baseline's; with ``oracle``, also each
+    request's relative error of layer 0's answer against the float64 oracle
+    (``oracle_errors``: requests of 4 query tokens or more, in order; not for the
+    floor, whose K/V are random)."""
     from .baseline import ensure_workspace
     from .vllm_harness import build_vllm_tq
 
@@ -457,6 +462,7 @@ def run_workloads(workloads, methods, layers=LAYERS, repeats=5, progress=True):
             for f in fs:
                 f()
         torch.cuda.synchronize()
+        errors = _oracle_errors(inputs, outs) if oracle else {}
         ref = outs.get(BASELINE)
         kernel = {name: kernel_ms_per_call(fs) for name, fs in calls.items()}
         head_start = {name: 2.0 for name in calls}
@@ -489,6 +495,7 @@ def run_workloads(workloads, methods, layers=LAYERS, repeats=5, progress=True):
                     step_ms=med[4],
                     host_ahead=all(s[3] for s in ss),
                     diff_to_baseline=diff,
+                    **({"oracle_errors": errors[name]} if name in errors else {}),
                 )
             )
         mine = rows[-len(samples) :]
@@ -503,6 +510,35 @@ def run_workloads(workloads, methods, layers=LAYERS, repeats=5, progress=True):
         del inputs, calls, outs, tq, step
         torch.cuda.empty_cache()
     return rows
+
+
+def _oracle_errors(inputs: Layers, outs):
+    """{method: [relative error of layer 0's answer against the float64 oracle, per
+    request of 4 query tokens or more]} for every method but the floor."""
+    from .reference import oracle_continuation_prefill
+    from .testing import rel_err
+
+    names = [name for name in outs if name != "floor"]
+    errors = {name: [] for name in names}
+    q, k, v = inputs.qkv[0]
+    for r, total in enumerate(inputs.seq_lens):
+        q0, q1 = inputs.qsl[r], inputs.qsl[r + 1]
+        if q1 - q0 < 4:
+            continue
+        ref = oracle_continuation_prefill(
+            q[q0:q1],
+            k[q0:q1],
+            v[q0:q1],
+            inputs.caches[0],
+            inputs.block_table[r],
+            total - (q1 - q0),
+            **inputs.kwargs,
+        )
+        for name in names:
+            out = outs[name].reshape(-1, inputs.hq, inputs.d)[q0:q1]
+            errors[name].append(rel_err(out, ref))
+        del ref
+    return errors
 
 
 def methods_available(baseline):
@@ -570,6 +606,22 @@ def markdown(result) -> str:
             "" if diff is None else f"{diff:.1e}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    checked = [r for r in result["rows"] if r.get("oracle_errors")]
+    if checked:
+        lines += [
+            "",
+            "Layer 0's answer against the float64 oracle (relative error, per request "
+            "of 4 query tokens or more, in order):",
+            "",
+            "| workload | shape | method | max | per request |",
+            "|---|---|---|---|---|",
+        ]
+        for r in checked:
+            errs = r["oracle_errors"]
+            lines.append(
+                f"| {r['workload']} | {r['shape']} | {r['method']} | "
+                f"{max(errs):.2e} | {' '.join(f'{e:.1e}' for e in errs)} |"
+            )
     return "\n".join(lines) + "\n"
 
 

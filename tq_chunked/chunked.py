@@ -44,8 +44,9 @@ from .workspace import (
     carve,
     default_window,
     fit_window,
-    kv_head_group,
+    largest_layout,
     layout_bytes,
+    long_window,
 )
 
 QUERY_DTYPES = (torch.float16, torch.bfloat16)
@@ -382,8 +383,10 @@ def continuation_prefill_varlen(
             copies given, the call never synchronizes with the GPU; without one, it
             reads that device tensor once.
         window: key rows per window (at least N + 1 are used); default
-            ``default_window(Hk, D, block_size)``. Fewer where the workspace would not
-            fit the budget even one kv head at a time (``workspace.fit_window``).
+            ``default_window(Hk, D, block_size)``: 127 MiB of K+V. Fewer where the
+            K/V would not fit the budget (``workspace.fit_window``); a long request's
+            windows hold what its state leaves of the workspace
+            (``workspace.long_window``).
         workspace: optional contiguous uint8 buffer of at least ``workspace_bytes(N,
             Hq, Hk, D, window, query.dtype, max_bytes=max_workspace_bytes)`` bytes on
             the query's device; allocated per call when None.
@@ -399,8 +402,8 @@ def continuation_prefill_varlen(
             (or at ``check_block_tables()``), without synchronizing (on a CPU: before
             anything runs). Checked or not, such an id is never read: its request's
             rows come out NaN.
-        max_workspace_bytes: the budget that sets how many kv heads a long request
-            runs at once (``workspace.kv_head_group``); default 128 MiB.
+        max_workspace_bytes: the budget of the workspace (window, and a long
+            request's state with its window and kv-head group); default 128 MiB.
 
     Returns:
         (N, Hq, D) in the query's dtype; with return_lse, (out, lse).
@@ -673,23 +676,42 @@ def _run(
 
 @functools.lru_cache(maxsize=32)
 def schedule(qsl, lens, window, hq, hk, d, dtype, budget, device, stream=None):
-    """(plan steps, kv heads at once per step, window capacity, workspace bytes needed).
-    Memoized per stream, like the plans: one per step, and a plan's device tensors are
-    only ever read on the stream that wrote them."""
+    """(plan steps, kv heads at once per step, batch window capacity, workspace bytes
+    needed). Memoized per stream, like the plans: one per step, and a plan's device
+    tensors are only ever read on the stream that wrote them."""
     n = qsl[-1]
     window = fit_window(window, n, hq, hk, d, dtype, budget)
     reads = [s for r, s in enumerate(lens) if qsl[r + 1] > qsl[r]]
     rows = sum(reads) + GAP * max(len(reads) - 1, 0)  # the most rows the call fills
+    # batch windows; with a long request (> cap rows) this is capacity(window, n)
     cap = capacity(min(window, max(rows, 1)), n)
-    p = plan(qsl, lens, cap, device, stream)
+    # what a long request's state and window share: the most any call of n query
+    # tokens needs (workspace_bytes), so that every long request fits it
+    target = largest_layout(n, hq, hk, d, window, dtype, budget)
+    longs = {}
+    for r, s in enumerate(lens):
+        q = qsl[r + 1] - qsl[r]
+        if q and s > cap:
+            longs[r] = long_window(q, hq, hk, d, cap, dtype, target)
+    p = plan(
+        qsl,
+        lens,
+        cap,
+        device,
+        stream,
+        tuple(longs[r][1] if r in longs else 0 for r in range(len(lens)))
+        if longs
+        else None,
+    )
     g = hq // hk
     groups, need = [], 0
     for step in p.steps:
         if isinstance(step, LongRequest):
             q_rows = step.q1 - step.q0
-            hk_g = kv_head_group(q_rows, hq, hk, d, cap, dtype, budget)
+            hk_g = longs[step.request][0]
             need = max(
-                need, layout_bytes("long", q_rows, g * hk_g, hk_g, d, cap, dtype)
+                need,
+                layout_bytes("long", q_rows, g * hk_g, hk_g, d, step.capacity, dtype),
             )
         else:
             hk_g = hk
@@ -788,7 +810,7 @@ class _Call:
             g * hk_g,
             hk_g,
             d,
-            self.cap,
+            step.capacity,
             self.query.dtype,
             self.reuse,
         )

@@ -36,8 +36,9 @@ from .testing import build_case, rel_err
 from .workspace import default_window
 
 BLOCK_SIZE = 16  # tokens per cache block, vLLM's default
-# On a CPU the default window (K + V of 96 MiB: 98304 tokens at Hk 2, D 128) would hold
-# the whole demo context in one window; a quarter of the context shows the windowing.
+# On a CPU the default window (K + V of 127 MiB: 130048 tokens at Hk 2, D 128) would
+# hold the whole demo context in one window; a quarter of the context shows the
+# windowing.
 CPU_WINDOWS = 4
 # The bound the tests hold the windowed path to (tests/test_chunked.py, test_varlen.py):
 # its error against the float64 oracle at most FACTOR x the full-buffer path's + SLACK.

@@ -15,16 +15,18 @@ dequantized, new tokens copied after them.
 * A **long request** (``L_r > capacity``) runs alone: its first cached tokens in
   **part windows** (one attention call each, not causal, every query sees every key),
   then a **last window** with the rest of its cached tokens and all its new ones
-  (causal); the partial results are merged exactly (merge.py). ``capacity > N`` (the
-  batch's query tokens) so that the new tokens and at least one cached token always
-  fit the last window.
+  (causal); the partial results are merged exactly (merge.py). Its windows hold
+  ``long_capacity[r]`` rows (its own, sized from what its state leaves of the
+  workspace: workspace.long_window), more than its ``q_r`` so that the new tokens and
+  at least one cached token always fit the last window; ``capacity > N`` (the batch's
+  query tokens), so a first chunk always fits a batch window.
 
     requests   A: 900 + 40 | B: 300 + 20 | C: 30000 cached + 600 new | D: 0 + 64
     windows    [ batch: A, B ][ part: C ][ part: C ][ last: C ...+ new ][ batch: D ]
 
-A plan depends only on host integers (the lengths and the capacity), so one plan serves
-every layer of a forward step; ``plan`` memoizes the last few. Its device integers are
-uploaded in one asynchronous copy and never written again.
+A plan depends only on host integers (the lengths and the capacities), so one plan
+serves every layer of a forward step; ``plan`` memoizes the last few. Its device
+integers are uploaded in one asynchronous copy and never written again.
 """
 
 from __future__ import annotations
@@ -82,13 +84,14 @@ class LongRequest:
     request: int
     q0: int
     q1: int
+    capacity: int  # key rows per window
     windows: tuple[Window, ...]  # parts, then the last
 
 
 @dataclass(frozen=True)
 class Plan:
     num_tokens: int  # N, query rows
-    capacity: int  # key rows per window
+    capacity: int  # key rows per batch window
     steps: tuple  # Window (batch) or LongRequest, in order of their query rows
     max_window_rows: int  # the most rows any window fills
 
@@ -99,17 +102,22 @@ def plan(
     capacity: int,
     device: torch.device,
     stream=None,
+    long_capacity: tuple[int, ...] | None = None,
 ) -> Plan:
-    """The windows for these lengths (host ints, already validated), ``capacity`` key
-    rows each (> the batch's query tokens). Memoized per CUDA stream: a forward step's
+    """The windows for these lengths (host ints, already validated): batch windows of
+    ``capacity`` key rows (> the batch's query tokens), and for each request longer
+    than that, windows of ``long_capacity[r]`` rows (> its query tokens, at most
+    ``capacity``; default ``capacity``). Memoized per CUDA stream: a forward step's
     layers share one plan and its device tensors (read-only), uploaded on that stream
     and read only there, so no other stream can still be reading them when the cache
     lets a plan go."""
-    return _plan(tuple(query_start), tuple(seq_lens), capacity, device, stream)
+    return _plan(
+        tuple(query_start), tuple(seq_lens), capacity, long_capacity, device, stream
+    )
 
 
 @functools.lru_cache(maxsize=32)
-def _plan(qsl, seq_lens, capacity, device, stream):
+def _plan(qsl, seq_lens, capacity, long_capacity, device, stream):
     b = len(seq_lens)
     n_tok = qsl[-1]
     if capacity <= n_tok:
@@ -146,11 +154,14 @@ def _plan(qsl, seq_lens, capacity, device, stream):
             batch_rows += c + q + GAP
             continue
         flush()
-        # tail: cached tokens in the last window (>= 1: capacity > N >= q);
-        # head: cached tokens before it (> 0: c + q > capacity)
-        tail = capacity - q
+        cap = capacity if long_capacity is None else long_capacity[r]
+        if not q < cap <= capacity:
+            raise AssertionError("a long request's windows hold more than its q_r rows")
+        # tail: cached tokens in the last window (>= 1: cap > q);
+        # head: cached tokens before it (> 0: c + q > capacity >= cap)
+        tail = cap - q
         head = c - tail
-        parts = -(-head // capacity)
+        parts = -(-head // cap)
         bounds = [head * i // parts for i in range(parts + 1)]  # balanced
         ids = [
             window(
@@ -159,7 +170,7 @@ def _plan(qsl, seq_lens, capacity, device, stream):
             for i in range(parts)
         ]
         ids.append(window("last", [(r, head, tail, qsl[r], q, q)], True))
-        steps.append((r, qsl[r], qsl[r + 1], ids))
+        steps.append((r, qsl[r], qsl[r + 1], cap, ids))
     flush()
 
     spans = []
@@ -222,8 +233,8 @@ def _plan(qsl, seq_lens, capacity, device, stream):
         if isinstance(s, int):
             out.append(made[s])
         else:
-            r, q0, q1, ids = s
-            out.append(LongRequest(r, q0, q1, tuple(made[i] for i in ids)))
+            r, q0, q1, cap, ids = s
+            out.append(LongRequest(r, q0, q1, cap, tuple(made[i] for i in ids)))
     return Plan(
         num_tokens=n_tok,
         capacity=capacity,

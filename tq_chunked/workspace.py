@@ -22,12 +22,15 @@ once per call and read by every window's fill:
 A long request's partial results are fp16 whatever the query dtype, so that each is
 rounded once to fp16, not to bf16, before the float32 merge (bf16 partials cost
 1.08-1.25x the full path's error: benchmarks/NOTES.md); its last window's partial waits
-in ``out``'s own bytes for the final merge. Within a budget (``max_bytes``, default 128
-MiB) a long request runs its kv heads in groups (``kv_head_group``), each group
-dequantizing only its own heads, and where one kv head at a time does not fit either,
-the window is shortened until it does (``fit_window``). Nothing here depends on the
-cached lengths or the number of requests: ``workspace_bytes`` is the largest layout a
-call of N query tokens can pick.
+in ``out``'s own bytes for the final merge.
+
+Within a budget (``max_bytes``, default 128 MiB) the batch window is shortened where its
+K/V would not fit (``fit_window``), and a long request takes a window of its own from
+the bytes its state leaves (``long_window``): the kv-head group (all heads, or a divisor
+of them, each group dequantizing only its own heads) whose window holds the most K/V.
+Nothing here depends on the cached lengths or the number of requests:
+``workspace_bytes`` is the largest layout a call of N query tokens can pick, and every
+long request of the call fits it.
 """
 
 from __future__ import annotations
@@ -42,13 +45,13 @@ from ._utils import as_int
 from .dequant import split_flags
 
 ALIGN = 256
-# K + V of a window's rows; chosen by measurement (benchmarks/NOTES.md §12: 48 MiB took
-# 1.08-1.34x as long). 127 MiB, the whole budget, took 0.84-0.96x the GPU time of this
-# on four batches of requests that fit a window, but would leave a long request's state
-# under 1 MiB of the budget, so long requests would split their kv heads (NOTES.md
-# §20): not the default until long requests take a window of their own
-DEFAULT_WINDOW_BYTES = 96 << 20
-DEFAULT_WORKSPACE_BYTES = 128 << 20  # the budget that groups a long request's kv heads
+# K + V of a batch window's rows: the whole budget less the rotation's parts (384 KiB
+# at D 256). Measured against 96 MiB: 0.84-0.96x the GPU time on four batches of
+# requests that fit a window (fewer windows, fewer partly idle waves at the end of the
+# attention calls; benchmarks/NOTES.md §20-21); 48 MiB took 1.08-1.34x of 96 (§12). A
+# long request's window is sized from what its state leaves (long_window).
+DEFAULT_WINDOW_BYTES = 127 << 20
+DEFAULT_WORKSPACE_BYTES = 128 << 20  # the budget: windows and a long request's state
 FIT_ROWS = 256  # a window fitted to the budget is a multiple of this (fit_window)
 
 
@@ -102,28 +105,56 @@ def layout_bytes(kind, rows, group_q_heads, group_kv_heads, head_dim, cap, dtype
     return layout(kind, rows, group_q_heads, group_kv_heads, head_dim, cap, dtype)[1]
 
 
-def kv_head_group(
+def _most_rows(need, least: int, most: int, budget: int) -> int:
+    """The most rows in [least, most] whose ``need(rows)`` bytes fit ``budget`` (need
+    grows with rows, and need(least) fits): ``most`` itself where it fits, else the
+    most on the FIT_ROWS grid, or ``least`` where the grid has none above it."""
+    if need(most) <= budget:
+        return most
+    lo, hi = least, most  # need(lo) fits, need(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if need(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return max(least, lo // FIT_ROWS * FIT_ROWS)
+
+
+@functools.lru_cache(maxsize=256)
+def long_window(
     rows: int,
     num_q_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    cap: int,
-    dtype: torch.dtype = torch.float16,
-    max_bytes: int | None = None,
-) -> int:
-    """The kv heads a long request of ``rows`` query rows runs at once: the largest
-    divisor of num_kv_heads whose layout fits max_bytes (default
-    DEFAULT_WORKSPACE_BYTES), or 1."""
-    max_bytes = DEFAULT_WORKSPACE_BYTES if max_bytes is None else max_bytes
+    window: int,
+    dtype: torch.dtype,
+    target: int,
+) -> tuple[int, int]:
+    """(kv heads at once, key rows per window) of a long request of ``rows`` query rows
+    whose layout must fit ``target`` bytes (its float32 state and its window share
+    them). Each kv-head group (a divisor of num_kv_heads) takes the most rows that fit,
+    at most ``window`` (the batch windows' capacity; on the FIT_ROWS grid where that
+    keeps more than ``rows``); of the groups whose window holds more than ``rows``
+    rows, the one whose window holds the most K/V (rows x kv heads: the fewest windows
+    for the request's cached tokens) runs, the most kv heads among equals. Where none
+    fits: one kv head, rows + 1 rows (the layout is then larger than target)."""
     g = num_q_heads // num_kv_heads
+    lo = rows + 1  # the last window holds the new tokens and a cached one
+    best = (0, 1, lo)
     for hk_g in range(num_kv_heads, 0, -1):
-        if (
-            num_kv_heads % hk_g == 0
-            and layout_bytes("long", rows, g * hk_g, hk_g, head_dim, cap, dtype)
-            <= max_bytes
-        ):
-            return hk_g
-    return 1
+        if num_kv_heads % hk_g:
+            continue
+
+        def need(cap, hk_g=hk_g):
+            return layout_bytes("long", rows, g * hk_g, hk_g, head_dim, cap, dtype)
+
+        if need(lo) > target:
+            continue
+        cap = _most_rows(need, lo, max(window, lo), target)
+        if hk_g * cap > best[0]:
+            best = (hk_g * cap, hk_g, cap)
+    return best[1], best[2]
 
 
 def workspace_bytes(
@@ -139,14 +170,15 @@ def workspace_bytes(
     """Exact bytes of workspace that suffice for a continuation prefill of q_tokens
     query tokens (all requests of a batch together) in ``dtype`` (the query's) with
     this window, however those tokens are split into requests and whatever the cached
-    lengths: the larger of the batch layout and the layout of one long request of all
-    q_tokens rows (its kv heads grouped within ``max_bytes``), at the window
-    ``fit_window`` gives (shorter where one kv head at a time does not fit). A uint8
-    buffer of at least this many bytes on the query's device may be passed as
-    ``workspace=``; pass the same budget to the call (``max_workspace_bytes``). A
-    call of fewer query tokens fits itself into a workspace of this size too (it
-    takes the smaller of its budget and the workspace as its budget, then groups kv
-    heads and shortens the window as that requires).
+    lengths: the larger of the batch layout (its window shortened by ``fit_window``
+    where it would not fit ``max_bytes``, default 128 MiB) and the layout of one long
+    request of all q_tokens rows (``long_window`` within ``max_bytes``). Every long
+    request of a call fits this many bytes too: a request of fewer rows has a smaller
+    state. A uint8 buffer of at least this many bytes on the query's device may be
+    passed as ``workspace=``; pass the same budget to the call
+    (``max_workspace_bytes``). A call of fewer query tokens fits itself into a
+    workspace of this size too (it takes the smaller of its budget and the workspace
+    as its budget).
     """
     q_tokens = as_int("q_tokens", q_tokens, 0)
     num_q_heads = as_int("num_q_heads", num_q_heads, 1)
@@ -164,40 +196,30 @@ def workspace_bytes(
         )
     if max_bytes is not None:
         max_bytes = as_int("max_bytes", max_bytes, 1)
-    return _workspace_bytes(
-        q_tokens, num_q_heads, num_kv_heads, head_dim, window, dtype, max_bytes
+    budget = DEFAULT_WORKSPACE_BYTES if max_bytes is None else max_bytes
+    return largest_layout(
+        q_tokens, num_q_heads, num_kv_heads, head_dim, window, dtype, budget
     )
 
 
 @functools.lru_cache(maxsize=64)  # an engine asks once per layer with the same numbers
-def _workspace_bytes(
-    q_tokens, num_q_heads, num_kv_heads, head_dim, window, dtype, max_bytes
+def largest_layout(
+    q_tokens, num_q_heads, num_kv_heads, head_dim, window, dtype, budget
 ):
+    """Bytes of the larger of the batch layout at the fitted window and a long request
+    of q_tokens rows (``long_window`` within ``budget``): the most any call of q_tokens
+    query tokens needs, and the bytes its long requests share."""
     window = fit_window(
-        window, q_tokens, num_q_heads, num_kv_heads, head_dim, dtype, max_bytes
+        window, q_tokens, num_q_heads, num_kv_heads, head_dim, dtype, budget
     )
-    return _largest_layout(
-        q_tokens,
-        num_q_heads,
-        num_kv_heads,
-        head_dim,
-        capacity(window, q_tokens),
-        dtype,
-        max_bytes,
-    )
-
-
-def _largest_layout(q_tokens, num_q_heads, num_kv_heads, head_dim, cap, dtype, budget):
-    """Bytes of the larger of the batch layout and a long request of q_tokens rows (its
-    kv heads grouped within ``budget``) at ``cap`` rows per window."""
     g = num_q_heads // num_kv_heads
+    cap = capacity(window, q_tokens)
     batch = layout_bytes("batch", 0, num_q_heads, num_kv_heads, head_dim, cap, dtype)
-    hk_g = kv_head_group(
+    hk_g, long_cap = long_window(
         q_tokens, num_q_heads, num_kv_heads, head_dim, cap, dtype, budget
     )
-    return max(
-        batch, layout_bytes("long", q_tokens, g * hk_g, hk_g, head_dim, cap, dtype)
-    )
+    long = layout_bytes("long", q_tokens, g * hk_g, hk_g, head_dim, long_cap, dtype)
+    return max(batch, long)
 
 
 @functools.lru_cache(maxsize=64)
@@ -210,35 +232,22 @@ def fit_window(
     dtype: torch.dtype,
     max_bytes: int | None = None,
 ) -> int:
-    """The window a call of q_tokens query tokens uses: ``window``, or fewer rows where
-    the largest layout would not fit ``max_bytes`` (default DEFAULT_WORKSPACE_BYTES)
-    even one kv head at a time: then the most rows with which it fits. That happens
-    where a shard has one or two kv heads, whose default window is long (196608 rows
-    at Hk 1, D 128) while a long request's state grows with q_tokens; e.g. Hq 8, Hk 1,
-    D 128, 8192 bf16 query tokens: 144.3 MiB at the default window, 128 MiB here
-    (163072 rows: rounded down to a multiple of FIT_ROWS).
-    Where no window fits (the state alone is larger), ``window`` is kept and the
-    layout is larger than max_bytes, as workspace_bytes says."""
+    """The batch window a call of q_tokens query tokens uses: ``window``, or where its
+    K/V would not fit ``max_bytes`` (default DEFAULT_WORKSPACE_BYTES), the most rows
+    that do (on the FIT_ROWS grid), and never fewer than q_tokens + 1 (``capacity``;
+    the layout is then larger than max_bytes). A long request's window is its own
+    (``long_window``)."""
     budget = DEFAULT_WORKSPACE_BYTES if max_bytes is None else max_bytes
 
     def need(w):
-        cap = capacity(w, q_tokens)
-        return _largest_layout(
-            q_tokens, num_q_heads, num_kv_heads, head_dim, cap, dtype, budget
-        )
+        return layout_bytes("batch", 0, num_q_heads, num_kv_heads, head_dim, w, dtype)
 
-    lo = q_tokens + 1  # a window never holds fewer rows (capacity)
-    if window <= lo or need(window) <= budget or need(lo) > budget:
+    least = q_tokens + 1
+    if window <= least:
         return window
-    hi = window  # need(lo) fits, need(hi) does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if need(mid) <= budget:
-            lo = mid
-        else:
-            hi = mid
-    # whole tiles of 256 rows where that keeps more than q_tokens
-    return max(q_tokens + 1, lo // FIT_ROWS * FIT_ROWS)
+    if need(least) > budget:
+        return least
+    return _most_rows(need, least, window, budget)
 
 
 @dataclass
