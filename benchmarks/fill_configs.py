@@ -1,23 +1,25 @@
 """Launch configurations of the window fill, against the copy rate (GPU).
 
-    python benchmarks/fill_configs.py [OUT_DIR]
+    python benchmarks/fill_configs.py [OUT_DIR] [--rotation hadamard|random]
+                                      [--sweep joint|split]
 
 A configuration is (cache slots per program, output columns per dot, warps[, split]): a
 program fills slots / Hk window rows of all Hk kv heads (with split, two programs do:
 one the values, one the keys). Two windows per case, Hk 8, block size 16: one
 request's 65536 cached tokens (one segment), and a batch window of 24 requests of
 1000-3000 cached tokens with 384 new ones each (48 segments with the gaps between them,
-the shape of a serving step). The rotation is random (not of one magnitude): the
-two-dot un-rotation. Bytes counted as in fill_bandwidth.py (the
-new rows counted as written only). Prints a row as each configuration ends and writes
-fill-configs.json.
+the shape of a serving step). The rotation is vLLM's Hadamard (one magnitude: the
+one-dot un-rotation), or random (the two-dot one). ``--sweep joint`` (the default)
+tries tiles and warps for one program per tile, ``split`` the programs of their own
+(NOTES.md §20). Bytes counted as in fill_bandwidth.py (the new rows counted as written
+only). Prints a row as each configuration ends and writes fill-configs.json.
 """
 
+import argparse
 import functools
 import json
 import os
 import random
-import sys
 
 import torch
 import triton.testing
@@ -34,8 +36,20 @@ CASES = [
     ("turboquant_3bit_nc", 64),
     ("turboquant_k3v4_nc", 256),
 ]
+# (slots, columns, warps): one program per tile, for values and keys. Registers and
+# shared memory per program on sm_90 (benchmarks/sass_report.py) set the resident warps
+# per SM: D 128 (64, 64, 4) 132 / 48 KB -> 12, (128, 64, 8) 114 / 64 KB -> 16,
+# (128, 32, 8) 102 / 48 KB -> 16, (64, 32, 4) 104 / 32 KB -> 16; D 64 (128, 64, 8) 79 /
+# 32 KB -> 24; D 256 (64, 64, 4) 218 / 96 KB -> 8, (64, 32, 4) 160 / 64 KB -> 12; k8v4
+# (128, 128, 8) 78 / 8 KB -> 24
+JOINT = {
+    (64, True): [(64, 64, 4), (128, 64, 8), (128, 32, 8), (64, 32, 4)],
+    (128, True): [(64, 64, 4), (128, 64, 8), (128, 32, 8), (64, 32, 4), (64, 64, 8)],
+    (128, False): [(64, 128, 4), (128, 128, 8), (128, 128, 4), (32, 128, 4)],
+    (256, True): [(64, 64, 4), (64, 32, 4), (128, 64, 8), (32, 64, 4)],
+}
 # (slots, columns, warps[, split: values and keys in programs of their own])
-CONFIGS = {
+SPLIT = {
     (64, True): [
         (64, 64, 4),
         (64, 64, 4, True),
@@ -137,10 +151,31 @@ def case_inputs(preset, d, dev, rotation):
 
 
 def main():
-    out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "out_dir", nargs="?", default=".", help="where fill-configs.json goes"
+    )
+    p.add_argument(
+        "--rotation",
+        choices=["hadamard", "random"],
+        default="hadamard",
+        help="vLLM's Hadamard (one dot; default) or a random rotation (two dots)",
+    )
+    p.add_argument(
+        "--sweep",
+        choices=["joint", "split"],
+        default="joint",
+        help="one program per tile (default), or values and keys apart",
+    )
+    a = p.parse_args()
+    out_dir = a.out_dir
+    configs = JOINT if a.sweep == "joint" else SPLIT
     dev = torch.device("cuda")
     rate = copy_rate()
-    print(f"copy rate {rate:.2f} TB/s (read + written)")
+    print(
+        f"copy rate {rate:.2f} TB/s (read + written); rotation {a.rotation}, "
+        f"{a.sweep} configurations"
+    )
     print(
         "| preset | D | window | slots, columns, warps | ms | TB/s | of copy |\n"
         "|---|---|---|---|---|---|---|",
@@ -149,10 +184,10 @@ def main():
     rows = []
     for preset, d in CASES:
         cfg, cache, cent, rot, parts, k, v, windows = case_inputs(
-            preset, d, dev, "random"
+            preset, d, dev, a.rotation
         )
         for label, w, bt, kk, vv, nbytes in windows:
-            for c in CONFIGS[(d, not cfg.key_fp8)]:
+            for c in configs[(d, not cfg.key_fp8)]:
                 fn = functools.partial(
                     fill_window,
                     cache,
@@ -199,7 +234,11 @@ def main():
                     flush=True,
                 )
     with open(os.path.join(out_dir, "fill-configs.json"), "w") as f:
-        json.dump({"copy_tb_s": rate, "rows": rows}, f, indent=1)
+        json.dump(
+            {"copy_tb_s": rate, "rotation": a.rotation, "sweep": a.sweep, "rows": rows},
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

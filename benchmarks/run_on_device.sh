@@ -67,7 +67,7 @@ for mode in "$@"; do
       carry .gpu-carry timeout 120 python3 benchmarks/fill_bandwidth.py "$OUT" --quick 2>&1 \
         | tee "$OUT/fill-bandwidth.md" | tail -14 ;;
     configs)
-      carry .gpu-carry timeout 200 python3 benchmarks/fill_configs.py "$OUT" 2>&1 \
+      carry .gpu-carry timeout 300 python3 benchmarks/fill_configs.py "$OUT" ${CONFIGS_ARGS:-} 2>&1 \
         | tee "$OUT/fill-configs.md" | tail -45 ;;
     probe)
       timeout 200 python3 benchmarks/fill_probe.py "$OUT" 2>&1 | tee "$OUT/fill-probe.md" | tail -14 ;;
