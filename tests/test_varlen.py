@@ -373,10 +373,12 @@ def test_a_window_too_long_for_the_budget_is_shortened_to_fit():
     # a long request of all 60 rows: its state takes part of the budget, and its
     # window the most rows of what is left
     assert long_window(n, hq, hk, d, fitted, f16, budget) == (1, 1024)
-    long_bytes = layout_bytes("long", n, hq, 1, d, 1024, f16)
+    assert layout_bytes("long", n, hq, 1, d, 1024, f16) <= budget
     assert layout_bytes("long", n, hq, 1, d, 1024 + FIT_ROWS, f16) > budget
+    # a long request's window sized by the budget: a request of fewer rows fills it to
+    # within one step of the grid, so the workspace is the budget
     nbytes = workspace_bytes(n, hq, hk, d, window, max_bytes=budget)
-    assert nbytes == max(batch_bytes, long_bytes) <= budget
+    assert nbytes == budget
     batch = make_batch(
         [(3000, 40), (100, 20)], num_q_heads=hq, num_kv_heads=hk, seed=19
     )
@@ -391,10 +393,10 @@ def test_a_window_too_long_for_the_budget_is_shortened_to_fit():
         budget,
         torch.device(DEVICE),
     )
-    assert cap == fitted and need == nbytes
+    assert cap == fitted and need <= nbytes
     (long, short) = steps
-    # 40 rows of state leave it less than 1280 rows: the grid's 1024
-    assert isinstance(long, LongRequest) and long.capacity == 1024
+    # 40 rows of state leave it the batch windows' 1280 rows (60 would not)
+    assert isinstance(long, LongRequest) and long.capacity == 1280
     assert len(long.windows) == 3 and short.requests == (1,)
     # into a workspace of exactly that size, poisoned: every request exact
     check_batch(batch, window=window, max_workspace_bytes=budget)
@@ -410,7 +412,7 @@ def test_a_long_request_takes_the_kv_heads_whose_window_holds_the_most(
     most rows that fit (<= the window, on the grid) holds more than the query rows,
     the one with the most rows x heads, the most heads among equals."""
     window = default_window(hk, d, 16)
-    target = workspace_bytes(8192, hq, hk, d, window, dtype)
+    target = DEFAULT_WORKSPACE_BYTES
     g = hq // hk
     options = []
     for hk_g in (h for h in range(hk, 0, -1) if hk % h == 0):
@@ -457,8 +459,24 @@ def test_a_long_request_keeps_its_kv_heads_together_in_a_window_of_its_own():
         torch.device(DEVICE),
     )
     assert need <= budget and groups[0] == hk
-    assert steps[0].capacity == long_window(40, hq, hk, d, window, f16, need)[1]
+    assert steps[0].capacity == cap
     check_batch(batch, window=window, max_workspace_bytes=budget)
+
+
+def test_a_long_requests_windows_do_not_depend_on_the_rest_of_the_batch():
+    # Hq 32/Hk 8, D 128 at the default window: the 1000-row request alone, beside
+    # another request, and in the workspace an engine reserves for 8192 tokens
+    f16, cpu = torch.float16, torch.device("cpu")
+    window = default_window(8, 128, 16)
+
+    def long_capacity(qsl, lens, budget=DEFAULT_WORKSPACE_BYTES):
+        steps = schedule(qsl, lens, window, 32, 8, 128, f16, budget, cpu)[0]
+        return steps[0].capacity
+
+    alone = long_capacity((0, 1000), (100_000,))
+    assert alone == long_capacity((0, 1000, 4000), (100_000, 3000))
+    reserved = workspace_bytes(8192, 32, 8, 128, window)
+    assert alone == long_capacity((0, 1000), (100_000,), reserved)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

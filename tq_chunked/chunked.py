@@ -44,7 +44,6 @@ from .workspace import (
     carve,
     default_window,
     fit_window,
-    largest_layout,
     layout_bytes,
     long_window,
 )
@@ -685,14 +684,13 @@ def schedule(qsl, lens, window, hq, hk, d, dtype, budget, device, stream=None):
     rows = sum(reads) + GAP * max(len(reads) - 1, 0)  # the most rows the call fills
     # batch windows; with a long request (> cap rows) this is capacity(window, n)
     cap = capacity(min(window, max(rows, 1)), n)
-    # what a long request's state and window share: the most any call of n query
-    # tokens needs (workspace_bytes), so that every long request fits it
-    target = largest_layout(n, hq, hk, d, window, dtype, budget)
+    # a long request's state and window share the budget: its window depends on its
+    # own query rows, not on the rest of the batch
     longs = {}
     for r, s in enumerate(lens):
         q = qsl[r + 1] - qsl[r]
         if q and s > cap:
-            longs[r] = long_window(q, hq, hk, d, cap, dtype, target)
+            longs[r] = long_window(q, hq, hk, d, cap, dtype, budget)
     p = plan(
         qsl,
         lens,

@@ -536,9 +536,11 @@ def split_rotation(
 # fastest of 4-7 configurations at D 64, 128 and 256 on the H200 machine, for one
 # request's window and for a window of 24 requests (but 4bit_nc at D 128 in the 24-hit
 # window: 0.312 against 0.309 ms at 128 slots), in benchmarks/fill_configs.py's sweep of
-# the first version (two dots, NOTES.md §16); 16 and 32 follow D 64. A fourth element,
-# True, puts values and keys in programs of their own: 1.00-1.17x the time of one
-# program for both, at every preset and head size of the sweep (NOTES.md §20).
+# the first version (two dots, NOTES.md §16); 16 and 32 follow D 64. Swept again with
+# vLLM's Hadamard (one dot, §22): still the fastest or within 4 % for every MSE preset;
+# for fp8 keys 32 slots took 0.92-0.95x (not adopted until its GPU tests pass). A fourth
+# element, True, puts values and keys in programs of their own: 1.00-1.17x the time of
+# one program for both, at every preset and head size of the sweep (NOTES.md §20).
 FILL = {
     (16, True): (64, 16, 4),
     (32, True): (64, 32, 4),

@@ -29,8 +29,8 @@ K/V would not fit (``fit_window``), and a long request takes a window of its own
 the bytes its state leaves (``long_window``): the kv-head group (all heads, or a divisor
 of them, each group dequantizing only its own heads) whose window holds the most K/V.
 Nothing here depends on the cached lengths or the number of requests:
-``workspace_bytes`` is the largest layout a call of N query tokens can pick, and every
-long request of the call fits it.
+``workspace_bytes`` is the largest layout a call of N query tokens can pick (the budget,
+where a long request's window is sized by it).
 """
 
 from __future__ import annotations
@@ -171,10 +171,12 @@ def workspace_bytes(
     query tokens (all requests of a batch together) in ``dtype`` (the query's) with
     this window, however those tokens are split into requests and whatever the cached
     lengths: the larger of the batch layout (its window shortened by ``fit_window``
-    where it would not fit ``max_bytes``, default 128 MiB) and the layout of one long
-    request of all q_tokens rows (``long_window`` within ``max_bytes``). Every long
-    request of a call fits this many bytes too: a request of fewer rows has a smaller
-    state. A uint8 buffer of at least this many bytes on the query's device may be
+    where it would not fit ``max_bytes``, default 128 MiB) and what a long request takes
+    (``long_window`` within ``max_bytes``): the layout of one request of all q_tokens
+    rows where that keeps the batch windows' rows and all kv heads, or where its state
+    alone exceeds ``max_bytes``; else ``max_bytes`` itself (``largest_layout``). A long
+    request's window depends on its own query rows and the budget, not on the rest of
+    the batch. A uint8 buffer of at least this many bytes on the query's device may be
     passed as ``workspace=``; pass the same budget to the call
     (``max_workspace_bytes``). A call of fewer query tokens fits itself into a
     workspace of this size too (it takes the smaller of its budget and the workspace
@@ -206,9 +208,14 @@ def workspace_bytes(
 def largest_layout(
     q_tokens, num_q_heads, num_kv_heads, head_dim, window, dtype, budget
 ):
-    """Bytes of the larger of the batch layout at the fitted window and a long request
-    of q_tokens rows (``long_window`` within ``budget``): the most any call of q_tokens
-    query tokens needs, and the bytes its long requests share."""
+    """The most bytes any call of q_tokens query tokens needs within ``budget``: the
+    larger of the batch layout at the fitted window and what a long request of at most
+    q_tokens rows takes (``long_window`` within ``budget``). That is the layout of one
+    request of all q_tokens rows where its window is the batch windows' with all kv
+    heads (every shorter request takes the same, with a smaller state), or where its
+    state alone is larger than the budget (one kv head, q_tokens + 1 rows); else the
+    budget itself, which a request's window sized by it fills to within one FIT_ROWS
+    step."""
     window = fit_window(
         window, q_tokens, num_q_heads, num_kv_heads, head_dim, dtype, budget
     )
@@ -219,6 +226,8 @@ def largest_layout(
         q_tokens, num_q_heads, num_kv_heads, head_dim, cap, dtype, budget
     )
     long = layout_bytes("long", q_tokens, g * hk_g, hk_g, head_dim, long_cap, dtype)
+    if long <= budget and (hk_g, long_cap) != (num_kv_heads, cap):
+        long = budget  # sized by the budget: some request of fewer rows fills it
     return max(batch, long)
 
 
