@@ -373,15 +373,15 @@ def test_a_window_too_long_for_the_budget_is_shortened_to_fit():
     # a long request of all 60 rows: its state takes part of the budget, and its
     # window the most rows of what is left
     assert long_window(n, hq, hk, d, fitted, f16, budget) == (1, 1024)
-    assert layout_bytes("long", n, hq, 1, d, 1024, f16) <= budget
+    long_bytes = layout_bytes("long", n, hq, 1, d, 1024, f16)
     assert layout_bytes("long", n, hq, 1, d, 1024 + FIT_ROWS, f16) > budget
-    # a long request's window sized by the budget: a request of fewer rows fills it to
-    # within one step of the grid, so the workspace is the budget
     nbytes = workspace_bytes(n, hq, hk, d, window, max_bytes=budget)
-    assert nbytes == budget
+    assert nbytes == max(batch_bytes, long_bytes) <= budget
     batch = make_batch(
         [(3000, 40), (100, 20)], num_q_heads=hq, num_kv_heads=hk, seed=19
     )
+    # given a workspace of exactly that size, the call's budget is its bytes: the
+    # 40-row request's window is sized within them
     steps, _, cap, need = schedule(
         tuple(batch.query_start_loc),
         tuple(batch.seq_lens),
@@ -390,13 +390,12 @@ def test_a_window_too_long_for_the_budget_is_shortened_to_fit():
         hk,
         d,
         f16,
-        budget,
+        nbytes,
         torch.device(DEVICE),
     )
     assert cap == fitted and need <= nbytes
     (long, short) = steps
-    # 40 rows of state leave it the batch windows' 1280 rows (60 would not)
-    assert isinstance(long, LongRequest) and long.capacity == 1280
+    assert isinstance(long, LongRequest) and long.capacity == 1024
     assert len(long.windows) == 3 and short.requests == (1,)
     # into a workspace of exactly that size, poisoned: every request exact
     check_batch(batch, window=window, max_workspace_bytes=budget)
@@ -469,14 +468,16 @@ def test_a_long_requests_windows_do_not_depend_on_the_rest_of_the_batch():
     f16, cpu = torch.float16, torch.device("cpu")
     window = default_window(8, 128, 16)
 
-    def long_capacity(qsl, lens, budget=DEFAULT_WORKSPACE_BYTES):
+    def long_capacity(qsl, lens, budget):
         steps = schedule(qsl, lens, window, 32, 8, 128, f16, budget, cpu)[0]
-        return steps[0].capacity
+        (long,) = [s for s in steps if isinstance(s, LongRequest)]
+        return long.capacity
 
-    alone = long_capacity((0, 1000), (100_000,))
-    assert alone == long_capacity((0, 1000, 4000), (100_000, 3000))
     reserved = workspace_bytes(8192, 32, 8, 128, window)
-    assert alone == long_capacity((0, 1000), (100_000,), reserved)
+    for budget in (DEFAULT_WORKSPACE_BYTES, reserved):
+        alone = long_capacity((0, 1000), (100_000,), budget)
+        assert alone == long_capacity((0, 1000, 4000), (100_000, 3000), budget)
+        assert alone == long_capacity((0, 3000, 4000), (3000, 100_000), budget)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

@@ -684,8 +684,9 @@ def schedule(qsl, lens, window, hq, hk, d, dtype, budget, device, stream=None):
     rows = sum(reads) + GAP * max(len(reads) - 1, 0)  # the most rows the call fills
     # batch windows; with a long request (> cap rows) this is capacity(window, n)
     cap = capacity(min(window, max(rows, 1)), n)
-    # a long request's state and window share the budget: its window depends on its
-    # own query rows, not on the rest of the batch
+    # a long request's state and window share the budget (with a workspace of
+    # workspace_bytes(N) bytes, those bytes): its window depends on its own query rows
+    # and the budget, not on the rest of the batch
     longs = {}
     for r, s in enumerate(lens):
         q = qsl[r + 1] - qsl[r]

@@ -29,8 +29,8 @@ K/V would not fit (``fit_window``), and a long request takes a window of its own
 the bytes its state leaves (``long_window``): the kv-head group (all heads, or a divisor
 of them, each group dequantizing only its own heads) whose window holds the most K/V.
 Nothing here depends on the cached lengths or the number of requests:
-``workspace_bytes`` is the largest layout a call of N query tokens can pick (the budget,
-where a long request's window is sized by it).
+``workspace_bytes`` is the largest layout a call of N query tokens can pick, given that
+many bytes as its workspace.
 """
 
 from __future__ import annotations
@@ -173,14 +173,13 @@ def workspace_bytes(
     lengths: the larger of the batch layout (its window shortened by ``fit_window``
     where it would not fit ``max_bytes``, default 128 MiB) and what a long request takes
     (``long_window`` within ``max_bytes``): the layout of one request of all q_tokens
-    rows where that keeps the batch windows' rows and all kv heads, or where its state
-    alone exceeds ``max_bytes``; else ``max_bytes`` itself (``largest_layout``). A long
-    request's window depends on its own query rows and the budget, not on the rest of
-    the batch. A uint8 buffer of at least this many bytes on the query's device may be
-    passed as ``workspace=``; pass the same budget to the call
-    (``max_workspace_bytes``). A call of fewer query tokens fits itself into a
-    workspace of this size too (it takes the smaller of its budget and the workspace
-    as its budget).
+    rows (``largest_layout``). A uint8 buffer of at least this many bytes on the
+    query's device may be passed as ``workspace=``; pass the same budget to the call
+    (``max_workspace_bytes``). A call takes the smaller of its budget and the
+    workspace given as its budget, and sizes each long request's window within it
+    (from its own query rows, not from the rest of the batch): a call of at most
+    q_tokens query tokens fits this many bytes. A call without a workspace allocates
+    what its own steps take, at most its budget.
     """
     q_tokens = as_int("q_tokens", q_tokens, 0)
     num_q_heads = as_int("num_q_heads", num_q_heads, 1)
@@ -208,14 +207,10 @@ def workspace_bytes(
 def largest_layout(
     q_tokens, num_q_heads, num_kv_heads, head_dim, window, dtype, budget
 ):
-    """The most bytes any call of q_tokens query tokens needs within ``budget``: the
-    larger of the batch layout at the fitted window and what a long request of at most
-    q_tokens rows takes (``long_window`` within ``budget``). That is the layout of one
-    request of all q_tokens rows where its window is the batch windows' with all kv
-    heads (every shorter request takes the same, with a smaller state), or where its
-    state alone is larger than the budget (one kv head, q_tokens + 1 rows); else the
-    budget itself, which a request's window sized by it fills to within one FIT_ROWS
-    step."""
+    """The larger of the batch layout at the fitted window and the layout of one long
+    request of all q_tokens rows (``long_window`` within ``budget``). A call of at most
+    q_tokens query tokens given that many bytes takes them as its budget, and each of
+    its long requests fits them (one of fewer rows has a smaller state)."""
     window = fit_window(
         window, q_tokens, num_q_heads, num_kv_heads, head_dim, dtype, budget
     )
@@ -226,8 +221,6 @@ def largest_layout(
         q_tokens, num_q_heads, num_kv_heads, head_dim, cap, dtype, budget
     )
     long = layout_bytes("long", q_tokens, g * hk_g, hk_g, head_dim, long_cap, dtype)
-    if long <= budget and (hk_g, long_cap) != (num_kv_heads, cap):
-        long = budget  # sized by the budget: some request of fewer rows fills it
     return max(batch, long)
 
 
