@@ -157,6 +157,19 @@ def test_cached_rows_are_the_reference_decoder_bit_for_bit(preset, head_dim, lay
     check(batch, 600, unrotate=False, tag=f"seed {seed}, gaps")
 
 
+def four_requests(preset, head_dim, seed, **kw):
+    """Four short requests over one cache, one a first chunk; 2 query and 2 kv heads."""
+    return make_batch(
+        [(70, 1), (0, 3), (55, 2), (40, 1)],
+        preset,
+        head_dim=head_dim,
+        num_q_heads=2,
+        num_kv_heads=2,
+        seed=seed,
+        **kw,
+    )
+
+
 def at_odd_address(kv_cache):
     """The same cache one byte into a buffer of its own: read byte by byte."""
     buf = torch.empty(kv_cache.numel() + 1, dtype=torch.uint8, device=kv_cache.device)
@@ -178,14 +191,7 @@ def test_every_launch_path_writes_the_same_rows(preset, head_dim, launch):
     # head sizes of 8 mod 16 read a last group of 16 4-bit values half past the
     # indices (their scale and zero)
     seed = 5 * head_dim + len(preset)
-    batch = make_batch(
-        [(70, 1), (0, 3), (55, 2), (40, 1)],
-        preset,
-        head_dim=head_dim,
-        num_q_heads=2,
-        num_kv_heads=2,
-        seed=seed,
-    )
+    batch = four_requests(preset, head_dim, seed)
     if "bytes" in launch:
         batch.kv_cache = at_odd_address(batch.kv_cache)
     config = (64, 64, 4, "split" in launch)
@@ -201,15 +207,7 @@ def test_unrotated_keys_are_within_half_an_fp16_ulp_of_float64(
     preset, head_dim, rotation
 ):
     seed = 3 * head_dim + len(preset)
-    batch = make_batch(
-        [(70, 1), (0, 3), (55, 2), (40, 1)],
-        preset,
-        head_dim=head_dim,
-        num_q_heads=2,
-        num_kv_heads=2,
-        rotation=rotation,
-        seed=seed,
-    )
+    batch = four_requests(preset, head_dim, seed, rotation=rotation)
     check(batch, 48, unrotate=True, tag=f"seed {seed}")
 
 

@@ -77,6 +77,22 @@ def run_batch(batch, window, backend=BACKEND, **kw):
     return res
 
 
+def schedule_of(batch, window, budget, dtype=torch.float16):
+    """chunked.schedule for the batch's lengths and head shape (Hq, Hk, D)."""
+    n, hq, d = batch.query.shape
+    return schedule(
+        tuple(batch.query_start_loc),
+        tuple(batch.seq_lens),
+        window,
+        hq,
+        batch.key.shape[1],
+        d,
+        dtype,
+        budget,
+        torch.device(DEVICE),
+    )
+
+
 # Both paths round each cached key to fp16 once (the full path after un-rotating it,
 # this one before), so their errors are two independent draws of the same size. Over
 # the few hundred outputs of a request with 1-3 query tokens the ratio of two such draws
@@ -154,17 +170,7 @@ def test_long_requests_run_in_windows_and_kv_head_groups_under_a_budget():
     )
     # room for a window with all kv heads, not with a long request's state too
     budget = 180_000
-    steps, groups, cap, need = schedule(
-        tuple(batch.query_start_loc),
-        tuple(batch.seq_lens),
-        64,
-        8,
-        4,
-        64,
-        torch.float16,
-        budget,
-        torch.device(DEVICE),
-    )
+    steps, groups, cap, need = schedule_of(batch, 64, budget)
     assert cap == 131  # the window holds more than the batch's 130 query tokens
     kinds = [
         ("long", s.request, len(s.windows))
@@ -382,17 +388,7 @@ def test_a_window_too_long_for_the_budget_is_shortened_to_fit():
     )
     # given a workspace of exactly that size, the call's budget is its bytes: the
     # 40-row request's window is sized within them
-    steps, _, cap, need = schedule(
-        tuple(batch.query_start_loc),
-        tuple(batch.seq_lens),
-        window,
-        hq,
-        hk,
-        d,
-        f16,
-        nbytes,
-        torch.device(DEVICE),
-    )
+    steps, _, cap, need = schedule_of(batch, window, nbytes)
     assert cap == fitted and need <= nbytes
     (long, short) = steps
     assert isinstance(long, LongRequest) and long.capacity == 1024
@@ -446,17 +442,7 @@ def test_a_long_request_keeps_its_kv_heads_together_in_a_window_of_its_own():
         num_kv_heads=hk,
         seed=31,
     )
-    steps, groups, _, need = schedule(
-        tuple(batch.query_start_loc),
-        tuple(batch.seq_lens),
-        window,
-        hq,
-        hk,
-        d,
-        f16,
-        budget,
-        torch.device(DEVICE),
-    )
+    steps, groups, _, need = schedule_of(batch, window, budget)
     assert need <= budget and groups[0] == hk
     assert steps[0].capacity == cap
     check_batch(batch, window=window, max_workspace_bytes=budget)
