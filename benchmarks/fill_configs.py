@@ -1,7 +1,7 @@
 """Launch configurations of the window fill, against the copy rate (GPU).
 
     python benchmarks/fill_configs.py [OUT_DIR] [--rotation hadamard|random]
-                                      [--sweep joint|split]
+                                      [--sweep joint|split] [--presets P,...]
 
 A configuration is (cache slots per program, output columns per dot, warps[, split]): a
 program fills slots / Hk window rows of all Hk kv heads (with split, two programs do:
@@ -167,6 +167,11 @@ def main():
         default="joint",
         help="one program per tile (default), or values and keys apart",
     )
+    p.add_argument(
+        "--presets",
+        default=None,
+        help="comma-separated presets to sweep (default: every case's)",
+    )
     a = p.parse_args()
     out_dir = a.out_dir
     configs = JOINT if a.sweep == "joint" else SPLIT
@@ -183,6 +188,8 @@ def main():
     )
     rows = []
     for preset, d in CASES:
+        if a.presets and preset not in a.presets.split(","):
+            continue
         cfg, cache, cent, rot, parts, k, v, windows = case_inputs(
             preset, d, dev, a.rotation
         )

@@ -6,8 +6,10 @@
 #                                              #   the exactness tests with FlashAttention
 #   bash benchmarks/run_on_device.sh fill      # carry .gpu-carry: fill bandwidth per preset and head size
 #   bash benchmarks/run_on_device.sh configs   # carry .gpu-carry: the fill's launch configurations
+#   bash benchmarks/run_on_device.sh dequant   # carry .gpu-carry: the fill's GPU tests alone
 #   bash benchmarks/run_on_device.sh probe     # no carry: the fill per case, with and without the
 #                                              #   un-rotation, registers, spills, shared memory
+#   bash benchmarks/run_on_device.sh probe-before # carry .bench-old: the same, of an earlier version
 #   bash benchmarks/run_on_device.sh ncu       # no carry: Nsight Compute on the fill's cases
 #   bash benchmarks/run_on_device.sh upstream  # carry CARRY (default .gpu-carry) and
 #                                              #   .vllm-envs/vllm-$VLLM_TESTS_VERSION/src: vLLM's own
@@ -46,7 +48,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|fill|configs|probe|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|forward ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|forward ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -55,11 +57,13 @@ for mode in "$@"; do
       carry .gpu-carry timeout "${SUITE_TIMEOUT:-420}" python3 -m pytest -q -m gpu tests -p no:cacheprovider \
         --ignore=tests/test_docs.py -k "not one_million and not 131072" -rfEs 2>&1 \
         | tee "$OUT/gpu-tests.log" | grep -E "MiB|1M|passed|failed|Error|assert|cuda" | tail -25 ;;
-    check)
-      # the fill against the reference decoder on the GPU (every served head size), then
-      # the exactness tests with FlashAttention that exercise it
-      carry .gpu-carry timeout 180 python3 -m pytest -q -x tests/test_dequant.py -p no:cacheprovider \
+    check|dequant)
+      # the fill against the reference decoder on the GPU (every served head size; about
+      # 4 minutes, most of it compiling), then (check) the exactness tests with
+      # FlashAttention that exercise it
+      carry .gpu-carry timeout 300 python3 -m pytest -q -x tests/test_dequant.py -p no:cacheprovider \
         2>&1 | tee "$OUT/dequant-gpu.log" | tail -3
+      [ "$mode" = check ] || continue
       carry .gpu-carry timeout 150 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
         -k "unrotation or batch_matches or long_requests or launcher or synchronization" -rfEs \
         2>&1 | tee "$OUT/check-gpu.log" | grep -E "passed|failed|Error|assert" | tail -12 ;;
@@ -71,6 +75,10 @@ for mode in "$@"; do
         | tee "$OUT/fill-configs.md" | tail -45 ;;
     probe)
       timeout 200 python3 benchmarks/fill_probe.py "$OUT" 2>&1 | tee "$OUT/fill-probe.md" | tail -14 ;;
+    probe-before)
+      mkdir -p "$OUT/before"
+      (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && timeout 200 python3 \
+        benchmarks/fill_probe.py "$OUT/before" 2>&1 | tee "$OUT/before/fill-probe.md" | tail -14) ;;
     ncu)
       # the sections that say what bounds a kernel: throughput, occupancy, stall reasons
       timeout 300 ncu --clock-control none --kernel-name regex:_fill_kernel \

@@ -8,7 +8,8 @@ belongs to segment ``s`` with ``seg_start[s] <= t < seg_start[s + 1]`` (found by
 binary search). One launch fills every segment of a window: a program takes a tile of
 ``BLOCK_T`` rows with all kv heads of the group (``BLOCK_T x HEADS`` cache slots, one
 tensor-core tile), so that it reads whole slots and writes contiguous rows; a gap
-between segments (plan.GAP) is written as zeros. The cache is read in 16-bit loads
+between segments (plan.GAP) is written as zeros, and a tile without new or gap rows
+skips the copy's instructions (benchmarks/NOTES.md §23). The cache is read in 16-bit loads
 (every field of a slot starts on an even byte; a cache at an odd address or with odd
 strides is read byte by byte instead) and bit-packed indices are unpacked sixteen at a
 time: indices ``16g .. 16g + 15`` of a ``BITS``-wide stream are the ``BITS`` halfwords
@@ -260,6 +261,9 @@ def _fill_kernel(
         chunk = (live & (off >= cached))[:, None]
         cmask = chunk & (crow >= 0)[:, None]
         crow = crow[:, None]
+        # whether any row of the tile is a new token or a gap: most tiles of a batch
+        # window hold cached rows alone and skip the copy's instructions
+        new_rows = tl.max(chunk.to(tl.int32)) > 0
 
     # Values: index * scale + zero; a bad block id gives NaN through its scale
     if WRITE_V and ((part == 0) | (not SPLIT)):
@@ -285,7 +289,7 @@ def _fill_kernel(
         vw = _to_window(
             vidx.to(tl.float32) * scale[:, None] + zero[:, None], OUT_BF16, ROUND_BF16
         )
-        if HAS_CHUNK:
+        if HAS_CHUNK and new_rows:
             vc = tl.load(
                 value_ptr + crow * s_val_tok + (head0 + h2) * s_val_head + d * s_val_d,
                 mask=cmask & (d < D),
@@ -387,7 +391,7 @@ def _fill_kernel(
                         acc = tl.dot(a, lo, out_dtype=tl.float32) * (1.0 / 4096.0)
                         acc = tl.dot(a, hi, acc, out_dtype=tl.float32)
                 kn = _to_window(acc, OUT_BF16, ROUND_BF16)
-                if HAS_CHUNK:
+                if HAS_CHUNK and new_rows:
                     kc = tl.load(
                         key_ptr
                         + crow * s_key_tok
@@ -404,7 +408,7 @@ def _fill_kernel(
                 )
         else:
             kw = _to_window(k, OUT_BF16, ROUND_BF16)
-            if HAS_CHUNK:
+            if HAS_CHUNK and new_rows:
                 kc = tl.load(
                     key_ptr
                     + crow * s_key_tok
@@ -537,8 +541,9 @@ def split_rotation(
 # request's window and for a window of 24 requests (but 4bit_nc at D 128 in the 24-hit
 # window: 0.312 against 0.309 ms at 128 slots), in benchmarks/fill_configs.py's sweep of
 # the first version (two dots, NOTES.md §16); 16 and 32 follow D 64. Swept again with
-# vLLM's Hadamard (one dot, §22): still the fastest or within 4 % for every MSE preset;
-# for fp8 keys 32 slots took 0.92-0.95x (not adopted until its GPU tests pass). A fourth
+# vLLM's Hadamard (one dot, §22): still the fastest or within 4 % for every MSE preset.
+# For fp8 keys (no un-rotation) 32 slots took 0.95x / 0.90x of 64 (one request's window
+# / the 24-hit window, NOTES.md §23; its GPU tests passed with it). A fourth
 # element, True, puts values and keys in programs of their own: 1.00-1.17x the time of
 # one program for both, at every preset and head size of the sweep (NOTES.md §20).
 FILL = {
@@ -550,7 +555,7 @@ FILL = {
     (16, False): (64, 16, 4),
     (32, False): (64, 32, 4),
     (64, False): (64, 64, 4),
-    (128, False): (64, 128, 4),
+    (128, False): (32, 128, 4),
     (256, False): (64, 256, 4),
 }
 
