@@ -9,13 +9,13 @@ binary search). One launch fills every segment of a window: a program takes a ti
 ``BLOCK_T`` rows with all kv heads of the group (``BLOCK_T x HEADS`` cache slots, one
 tensor-core tile), so that it reads whole slots and writes contiguous rows; a gap
 between segments (plan.GAP) is written as zeros, and a tile without new or gap rows
-skips the copy's instructions (benchmarks/NOTES.md §23). The cache is read in 16-bit loads
-(every field of a slot starts on an even byte; a cache at an odd address or with odd
-strides is read byte by byte instead) and bit-packed indices are unpacked sixteen at a
-time: indices ``16g .. 16g + 15`` of a ``BITS``-wide stream are the ``BITS`` halfwords
-from halfword ``g * BITS``, one 64-bit word (byte by byte: eight at a time, the
-``BITS`` bytes from byte ``g * BITS``). This fill took 0.82-0.93x the time of 0.4.0's,
-which read bytes, on the H200 machine (benchmarks/NOTES.md §20).
+skips the copy's instructions (benchmarks/NOTES.md §23). The cache is read in 16-bit
+loads (every field of a slot starts on an even byte; a cache at an odd address or with
+odd strides is read byte by byte instead) and bit-packed indices are unpacked sixteen
+at a time: indices ``16g .. 16g + 15`` of a ``BITS``-wide stream are the ``BITS``
+halfwords from halfword ``g * BITS``, one 64-bit word (byte by byte: eight at a time,
+the ``BITS`` bytes from byte ``g * BITS``). This fill took 0.82-0.93x the time of
+0.4.0's, which read bytes, on the H200 machine (benchmarks/NOTES.md §20).
 
 MSE keys are cached in the rotated space ``k_rot = k @ rotation^T``. With ``unrotate``
 the same program turns each cached key back, ``k = fp16(k_rot) @ rotation``, on the
