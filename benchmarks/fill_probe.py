@@ -25,7 +25,7 @@ import triton.testing
 from fill_bandwidth import copy_rate
 from fill_configs import case_inputs
 
-from tq_chunked.dequant import fill_window, launch_fill
+from tq_chunked.dequant import FILL, fill_window, launch_fill
 
 CASES = [
     ("turboquant_3bit_nc", 128),
@@ -80,7 +80,10 @@ def main():
                     )
             ms_plain = None
             if not cfg.key_fp8:
-                plain = functools.partial(fn, unrotate=False)
+                # the same tile as the fill's, so that the difference is the
+                # un-rotation's (FILL's entry without it is the fp8 keys' tile)
+                tile = FILL[(triton.next_power_of_2(d), True)]
+                plain = functools.partial(fn, unrotate=False, config=tile)
                 ms_plain = triton.testing.do_bench(
                     plain, warmup=5, rep=40, return_mode="median"
                 )

@@ -10,6 +10,7 @@
 #   bash benchmarks/run_on_device.sh probe     # no carry: the fill per case, with and without the
 #                                              #   un-rotation, registers, spills, shared memory
 #   bash benchmarks/run_on_device.sh probe-before # carry .bench-old: the same, of an earlier version
+#                                              #   (one with split_rotation: 0.4.0 on, BEFORE=v04)
 #   bash benchmarks/run_on_device.sh ncu       # no carry: Nsight Compute on the fill's cases
 #   bash benchmarks/run_on_device.sh upstream  # carry CARRY (default .gpu-carry) and
 #                                              #   .vllm-envs/vllm-$VLLM_TESTS_VERSION/src: vLLM's own

@@ -159,7 +159,9 @@ def main():
             f.write(sass)
     ops = collections.Counter()
     for line in sass.splitlines():
-        m = re.match(r"\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        # every instruction's address: four hex digits or more
+        addr = r"\s*/\*[0-9a-f]{4,}\*/\s+"
+        m = re.match(addr + r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
         if m:
             ops[m.group(1).split(".")[0]] += 1
     total = sum(ops.values())

@@ -262,7 +262,9 @@ def _fill_kernel(
         cmask = chunk & (crow >= 0)[:, None]
         crow = crow[:, None]
         # whether any row of the tile is a new token or a gap: most tiles of a batch
-        # window hold cached rows alone and skip the copy's instructions
+        # window hold cached rows alone and skip the copy's instructions (tested
+        # under "if HAS_CHUNK:", not with "and": Triton before 3.4 evaluates both
+        # sides of an "and", and new_rows exists only here)
         new_rows = tl.max(chunk.to(tl.int32)) > 0
 
     # Values: index * scale + zero; a bad block id gives NaN through its scale
@@ -289,13 +291,17 @@ def _fill_kernel(
         vw = _to_window(
             vidx.to(tl.float32) * scale[:, None] + zero[:, None], OUT_BF16, ROUND_BF16
         )
-        if HAS_CHUNK and new_rows:
-            vc = tl.load(
-                value_ptr + crow * s_val_tok + (head0 + h2) * s_val_head + d * s_val_d,
-                mask=cmask & (d < D),
-                other=0.0,
-            )
-            vw = tl.where(chunk, vc.to(vw.dtype), vw)
+        if HAS_CHUNK:  # noqa: SIM102 (new_rows exists only then)
+            if new_rows:
+                vc = tl.load(
+                    value_ptr
+                    + crow * s_val_tok
+                    + (head0 + h2) * s_val_head
+                    + d * s_val_d,
+                    mask=cmask & (d < D),
+                    other=0.0,
+                )
+                vw = tl.where(chunk, vc.to(vw.dtype), vw)
         tl.store(
             v_out_ptr + row * s_v_tok + h2 * s_v_head + d,
             vw,
@@ -391,16 +397,17 @@ def _fill_kernel(
                         acc = tl.dot(a, lo, out_dtype=tl.float32) * (1.0 / 4096.0)
                         acc = tl.dot(a, hi, acc, out_dtype=tl.float32)
                 kn = _to_window(acc, OUT_BF16, ROUND_BF16)
-                if HAS_CHUNK and new_rows:
-                    kc = tl.load(
-                        key_ptr
-                        + crow * s_key_tok
-                        + (head0 + h2) * s_key_head
-                        + n * s_key_d,
-                        mask=cmask,
-                        other=0.0,
-                    )
-                    kn = tl.where(chunk, kc.to(kn.dtype), kn)
+                if HAS_CHUNK:  # noqa: SIM102 (new_rows exists only then)
+                    if new_rows:
+                        kc = tl.load(
+                            key_ptr
+                            + crow * s_key_tok
+                            + (head0 + h2) * s_key_head
+                            + n * s_key_d,
+                            mask=cmask,
+                            other=0.0,
+                        )
+                        kn = tl.where(chunk, kc.to(kn.dtype), kn)
                 tl.store(
                     k_out_ptr + row * s_k_tok + h2 * s_k_head + n,
                     kn,
@@ -408,16 +415,17 @@ def _fill_kernel(
                 )
         else:
             kw = _to_window(k, OUT_BF16, ROUND_BF16)
-            if HAS_CHUNK and new_rows:
-                kc = tl.load(
-                    key_ptr
-                    + crow * s_key_tok
-                    + (head0 + h2) * s_key_head
-                    + d * s_key_d,
-                    mask=cmask & (d < D),
-                    other=0.0,
-                )
-                kw = tl.where(chunk, kc.to(kw.dtype), kw)
+            if HAS_CHUNK:  # noqa: SIM102 (new_rows exists only then)
+                if new_rows:
+                    kc = tl.load(
+                        key_ptr
+                        + crow * s_key_tok
+                        + (head0 + h2) * s_key_head
+                        + d * s_key_d,
+                        mask=cmask & (d < D),
+                        other=0.0,
+                    )
+                    kw = tl.where(chunk, kc.to(kw.dtype), kw)
             tl.store(
                 k_out_ptr + row * s_k_tok + h2 * s_k_head + d,
                 kw,
@@ -546,6 +554,8 @@ def split_rotation(
 # / the 24-hit window, NOTES.md §23; its GPU tests passed with it). A fourth
 # element, True, puts values and keys in programs of their own: 1.00-1.17x the time of
 # one program for both, at every preset and head size of the sweep (NOTES.md §20).
+# Keys not un-rotated (fp8 keys; MSE keys left rotated, as reference.py's full-buffer
+# path reads them) take the (D, False) entries.
 FILL = {
     (16, True): (64, 16, 4),
     (32, True): (64, 32, 4),
