@@ -143,6 +143,13 @@ def _to_window(x, OUT_BF16: tl.constexpr, ROUND_BF16: tl.constexpr):
     return x
 
 
+@triton.jit
+def _with_new_rows(x, ptr, mask, chunk):
+    """``x`` with the rows of new tokens (``chunk``) read at ``ptr`` (the chunk's key
+    or value; ``mask`` off reads nothing and gives 0: a gap's zeros)."""
+    return tl.where(chunk, tl.load(ptr, mask=mask, other=0.0).to(x.dtype), x)
+
+
 @triton.jit(do_not_specialize=["n_rows", "nseg", "steps", "head0", "n_heads", "nflags"])
 def _fill_kernel(
     cache_ptr,
@@ -293,15 +300,8 @@ def _fill_kernel(
         )
         if HAS_CHUNK:  # noqa: SIM102 (new_rows exists only then)
             if new_rows:
-                vc = tl.load(
-                    value_ptr
-                    + crow * s_val_tok
-                    + (head0 + h2) * s_val_head
-                    + d * s_val_d,
-                    mask=cmask & (d < D),
-                    other=0.0,
-                )
-                vw = tl.where(chunk, vc.to(vw.dtype), vw)
+                vc = value_ptr + crow * s_val_tok + (head0 + h2) * s_val_head
+                vw = _with_new_rows(vw, vc + d * s_val_d, cmask & (d < D), chunk)
         tl.store(
             v_out_ptr + row * s_v_tok + h2 * s_v_head + d,
             vw,
@@ -399,15 +399,8 @@ def _fill_kernel(
                 kn = _to_window(acc, OUT_BF16, ROUND_BF16)
                 if HAS_CHUNK:  # noqa: SIM102 (new_rows exists only then)
                     if new_rows:
-                        kc = tl.load(
-                            key_ptr
-                            + crow * s_key_tok
-                            + (head0 + h2) * s_key_head
-                            + n * s_key_d,
-                            mask=cmask,
-                            other=0.0,
-                        )
-                        kn = tl.where(chunk, kc.to(kn.dtype), kn)
+                        kc = key_ptr + crow * s_key_tok + (head0 + h2) * s_key_head
+                        kn = _with_new_rows(kn, kc + n * s_key_d, cmask, chunk)
                 tl.store(
                     k_out_ptr + row * s_k_tok + h2 * s_k_head + n,
                     kn,
@@ -417,15 +410,8 @@ def _fill_kernel(
             kw = _to_window(k, OUT_BF16, ROUND_BF16)
             if HAS_CHUNK:  # noqa: SIM102 (new_rows exists only then)
                 if new_rows:
-                    kc = tl.load(
-                        key_ptr
-                        + crow * s_key_tok
-                        + (head0 + h2) * s_key_head
-                        + d * s_key_d,
-                        mask=cmask & (d < D),
-                        other=0.0,
-                    )
-                    kw = tl.where(chunk, kc.to(kw.dtype), kw)
+                    kc = key_ptr + crow * s_key_tok + (head0 + h2) * s_key_head
+                    kw = _with_new_rows(kw, kc + d * s_key_d, cmask & (d < D), chunk)
             tl.store(
                 k_out_ptr + row * s_k_tok + h2 * s_k_head + d,
                 kw,
