@@ -3,9 +3,10 @@
     python benchmarks/fill_configs.py [OUT_DIR] [--rotation hadamard|random]
                                       [--sweep joint|split] [--presets P,...]
 
-A configuration is (cache slots per program, output columns per dot, warps[, split]): a
-program fills slots / Hk window rows of all Hk kv heads (with split, two programs do:
-one the values, one the keys). Two windows per case, Hk 8, block size 16: one
+A configuration is (cache slots per program, output columns per dot, warps[, split[,
+sylvester]]): a program fills slots / Hk window rows of all Hk kv heads (with split,
+two programs do: one the values, one the keys; with sylvester, vLLM's Hadamard is
+un-rotated in groups of 16 columns). Two windows per case, Hk 8, block size 16: one
 request's 65536 cached tokens (one segment), and a batch window of 24 requests of
 1000-3000 cached tokens with 384 new ones each (48 segments with the gaps between them,
 the shape of a serving step). The rotation is vLLM's Hadamard (one magnitude: the
@@ -36,17 +37,23 @@ CASES = [
     ("turboquant_3bit_nc", 64),
     ("turboquant_k3v4_nc", 256),
 ]
-# (slots, columns, warps): one program per tile, for values and keys. Registers and
-# shared memory per program on sm_90 (benchmarks/sass_report.py) set the resident warps
-# per SM: D 128 (64, 64, 4) 132 / 48 KB -> 12, (128, 64, 8) 114 / 64 KB -> 16,
-# (128, 32, 8) 102 / 48 KB -> 16, (64, 32, 4) 104 / 32 KB -> 16; D 64 (128, 64, 8) 79 /
-# 32 KB -> 24; D 256 (64, 64, 4) 218 / 96 KB -> 8, (64, 32, 4) 160 / 64 KB -> 12; k8v4
-# (128, 128, 8) 78 / 8 KB -> 24
+# (slots, columns, warps[, split, sylvester]): one program per tile, for values and
+# keys. Registers and shared memory per program on sm_90 (benchmarks/sass_report.py)
+# set the resident warps per SM: D 128 (64, 64, 4) 132 / 48 KB -> 12, (128, 64, 8) 114
+# / 64 KB -> 16, (128, 32, 8) 102 / 48 KB -> 16, (64, 32, 4) 104 / 32 KB -> 16; D 64
+# (128, 64, 8) 79 / 32 KB -> 24; D 256 (64, 64, 4) 218 / 96 KB -> 8 (255 with the
+# Sylvester path), (64, 32, 4) 160 / 64 KB -> 12; k8v4 (128, 128, 8) 78 / 8 KB -> 24
 JOINT = {
     (64, True): [(64, 64, 4), (128, 64, 8), (128, 32, 8), (64, 32, 4)],
     (128, True): [(64, 64, 4), (128, 64, 8), (128, 32, 8), (64, 32, 4), (64, 64, 8)],
     (128, False): [(64, 128, 4), (128, 128, 8), (128, 128, 4), (32, 128, 4)],
-    (256, True): [(64, 64, 4), (64, 32, 4), (128, 64, 8), (32, 64, 4)],
+    (256, True): [
+        FILL[(256, True)],
+        (64, 64, 4),
+        (64, 32, 4),
+        (128, 64, 8),
+        (32, 64, 4),
+    ],
 }
 # (slots, columns, warps[, split: values and keys in programs of their own])
 SPLIT = {

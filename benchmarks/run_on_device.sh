@@ -30,6 +30,8 @@
 #   bash benchmarks/run_on_device.sh serving-before # carry .gpu-carry, .bench-old: the serving
 #                                              #   grid of an earlier version (floor beside it)
 #   bash benchmarks/run_on_device.sh stack     # carry .gpu-carry: single requests with the floor
+#   bash benchmarks/run_on_device.sh stack-before # carry .gpu-carry, .bench-old: the same of an
+#                                              #   earlier version
 #   bash benchmarks/run_on_device.sh forward   # carry .gpu-carry, .gpu-carry-0.21.0 (0.26.0 likewise)
 # serving and stack take BENCH_ARGS (e.g. --oracle) and compare with vLLM 0.33.0's methods run in the carry's vLLM 0.20.0
 # (tq-chunked bench --baseline-source): BASELINE_SOURCE, by default the 0.33.0
@@ -49,7 +51,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|forward ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|forward ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -127,10 +129,10 @@ for mode in "$@"; do
         --repeats "${REPEATS:-3}" --baseline-source "$BASELINE_SOURCE" \
         --methods baseline,floor,tq_chunked ${BENCH_WORKLOADS:+--workloads "$BENCH_WORKLOADS"} \
         ${BENCH_ARGS:-} --out "$OUT" 2>&1 | grep -E "^\||geomean|error|Error|wrote" | tail -40 ;;
-    serving-before)
+    serving-before|stack-before)
       # the earlier version's tq_chunked beside the floor, in $OUT/before
       mkdir -p "$OUT/before"
-      before .gpu-carry timeout "${BENCH_TIMEOUT:-420}" python3 -m tq_chunked.bench --serving \
+      before .gpu-carry timeout "${BENCH_TIMEOUT:-420}" python3 -m tq_chunked.bench --"${mode%-before}" \
         --repeats "${REPEATS:-3}" --methods floor,tq_chunked \
         ${BENCH_WORKLOADS:+--workloads "$BENCH_WORKLOADS"} --out "$OUT/before" 2>&1 \
         | grep -E "^\||geomean|error|Error|wrote" | tail -40 ;;

@@ -202,13 +202,19 @@ def test_every_launch_path_writes_the_same_rows(preset, head_dim, launch):
 @pytest.mark.parametrize(
     "preset,head_dim", [(p, d) for p, d in SERVED if PRESETS[p][0] != 8]
 )
-@pytest.mark.parametrize("rotation", ["random", "hadamard"])
+@pytest.mark.parametrize(
+    "rotation,sylvester",
+    [("random", False), ("hadamard", False), ("hadamard", True)],
+    ids=["random", "hadamard in column blocks", "hadamard in groups of 16"],
+)
 def test_unrotated_keys_are_within_half_an_fp16_ulp_of_float64(
-    preset, head_dim, rotation
+    preset, head_dim, rotation, sylvester
 ):
+    # vLLM's Hadamard through either un-rotation, whatever FILL compiles at this size
     seed = 3 * head_dim + len(preset)
     batch = four_requests(preset, head_dim, seed, rotation=rotation)
-    check(batch, 48, unrotate=True, tag=f"seed {seed}")
+    config = (64, 64, 4, False, sylvester)
+    check(batch, 48, unrotate=True, tag=f"seed {seed}", config=config)
 
 
 @pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
@@ -331,6 +337,8 @@ def _rotation(kind, d):
     h = hadamard(d)
     if kind == "hadamard, one entry off":
         h[d - 1, d // 2] = h[d - 1, d // 2] * (1 + 2**-20)
+    elif kind == "minus hadamard":
+        h = -h
     elif kind == "zeros":
         h = torch.zeros(d, d)
     elif kind == "a NaN":
@@ -352,6 +360,7 @@ def _rotation(kind, d):
         ("hadamard", torch.bfloat16, True),
         ("random", torch.float32, False),
         ("hadamard, one entry off", torch.float32, False),
+        ("minus hadamard", torch.float32, True),  # one magnitude, other signs
         ("zeros", torch.float32, False),
         ("a NaN", torch.float32, False),
         ("first entry -0", torch.float32, False),
@@ -385,19 +394,27 @@ def test_split_rotation_finds_one_magnitude_and_splits_exactly(
     bits(parts[2].cpu(), torch.where(r32 < 0, -1.0, 1.0).half())
     n = split_flags(d)
     assert n == -(-d * d // SPLIT_BLOCK)
-    assert bool((flags[:n] == 1).all()) == one_magnitude
-    assert set(flags[:n].tolist()) <= {0, 1}
+    assert bool((flags[:n] & 1 == 1).all()) == one_magnitude
+    # 3: one magnitude and the Sylvester Hadamard's signs (the fill's groups of 16)
+    assert bool((flags[:n] == 3).all()) == (one_magnitude and kind == "hadamard")
+    assert set(flags[:n].tolist()) <= {0, 1, 3}
     mag = flags[n:].view(torch.float32).cpu()
     bits(mag, r32[0, 0].abs().reshape(1))
     if one_magnitude:  # the identity the fill relies on, exactly
         assert torch.equal(mag * parts[2].float().cpu(), r32)
 
 
-@pytest.mark.parametrize("flag", [0, 1], ids=["two parts", "one magnitude"])
-def test_the_flags_choose_the_dot(flag):
-    """The fill reads the signs (times the magnitude) where every flag is 1 and the two
-    parts otherwise: given parts whose two forms disagree on purpose, the un-rotated
-    keys follow the form the flags choose, exactly as the same dot in float64."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["", "sylvester compiled"])
+@pytest.mark.parametrize(
+    "flag", [0, 1, 3], ids=["two parts", "one magnitude", "sylvester"]
+)
+def test_the_flags_choose_the_dot(flag, compiled):
+    """The fill reads the signs (times the magnitude) where every flag is 1, the signs'
+    (16, 16) corner within groups and the Sylvester signs across them where every flag
+    is 3 and the launch compiled that path (the signs whole where it did not), and the
+    two parts otherwise: given parts whose forms disagree on purpose, the un-rotated
+    keys follow the form the flags choose, to one rounding of the same dot in
+    float64."""
     batch = make_batch(
         [(70, 1), (40, 1)],
         num_q_heads=2,
@@ -429,9 +446,13 @@ def test_the_flags_choose_the_dot(flag):
         k,
         v,
         parts=(parts, flags),
+        config=(64, 64, 4, False, compiled),
     )
     _, _, k_rot = reference_rows(batch, cfg, w, False, torch.float16)
-    if flag:
+    if flag == 3 and compiled:
+        across = torch.where(hadamard(d // 16) < 0, -1.0, 1.0).double()
+        chosen = torch.kron(across, signs[:16, :16].double()) * mag.double()
+    elif flag:
         chosen = signs.double() * mag.double()
     else:
         p = parts.cpu().double()

@@ -21,10 +21,11 @@ MSE keys are cached in the rotated space ``k_rot = k @ rotation^T``. With ``unro
 the same program turns each cached key back, ``k = fp16(k_rot) @ rotation``, on the
 tensor cores, from the rotation's parts (``split_rotation``, once per call): a rotation
 whose entries have one magnitude ``s`` (vLLM's normalized Hadamard) is ``s`` times its
-signs, one dot of exact products; any other is an fp16 part plus an fp16 remainder
-scaled by 2^12, two dots of exact products (22 significant bits of the rotation); the
-sums are float32, ahead of the one fp16 rounding, as vLLM's own path computes it
-(``k_rot.float() @ Pi``, then ``.half()``).
+signs, one dot of exact products (at D 256 vLLM's, a Sylvester Hadamard, in groups of
+16 columns: FILL); any other is an fp16 part plus an fp16 remainder scaled by 2^12, two
+dots of exact products (22 significant bits of the rotation); the sums are float32,
+ahead of the one fp16 rounding, as vLLM's own path computes it (``k_rot.float() @
+Pi``, then ``.half()``).
 The query and the chunk's keys then stay as they are: one attention call over [cached
 | new] keys is exactly the full-buffer computation. Values, and keys of fp8 presets,
 are not rotated.
@@ -150,6 +151,37 @@ def _with_new_rows(x, ptr, mask, chunk):
     return tl.where(chunk, tl.load(ptr, mask=mask, other=0.0).to(x.dtype), x)
 
 
+@triton.jit
+def _sylvester_unrotate(a, s16, BLOCK_D: tl.constexpr, DOT_F64: tl.constexpr):
+    """(M, BLOCK_D) fp16 keys times ``H kron S``: S the (16, 16) signs ``s16`` (fp16),
+    H the Sylvester signs of BLOCK_D / 16 (vLLM's normalized Hadamard of BLOCK_D is
+    its magnitude times ``H kron H16``). Each group of 16 columns is multiplied by S on
+    the tensor cores (exact products, float32 sums), then the groups are combined by a
+    Walsh-Hadamard transform (log2(BLOCK_D / 16) stages of sums and differences in
+    float32): 1/8 of the tensor-core work of the (BLOCK_D, BLOCK_D) dot at D 128, and a
+    (16, 16) operand instead of (BLOCK_D, BLOCK_D). Returns (M, BLOCK_D) float32."""
+    M: tl.constexpr = a.shape[0]
+    NB: tl.constexpr = BLOCK_D // 16
+    L: tl.constexpr = M * 16
+    # rows of the dot: group-major, so that group g's products are rows g*M .. g*M+M-1
+    x = tl.reshape(tl.permute(tl.reshape(a, [M, NB, 16]), [1, 0, 2]), [NB * M, 16])
+    if DOT_F64:
+        p = tl.dot(x.to(tl.float64), s16.to(tl.float64), out_dtype=tl.float64)
+        p = p.to(tl.float32)
+    else:
+        p = tl.dot(x, s16, out_dtype=tl.float32)
+    p = tl.reshape(p, [NB, L])
+    for stage in tl.static_range(8):  # log2(NB) stages (BLOCK_D up to 4096)
+        if (2 << stage) <= NB:
+            # groups g and g + 2^stage -> their sum and their difference
+            p = tl.reshape(p, [NB // (2 << stage), 2, (1 << stage) * L])
+            p = tl.permute(p, [0, 2, 1])
+            u, v = tl.split(p)
+            p = tl.permute(tl.join(u + v, u - v), [0, 2, 1])
+            p = tl.reshape(p, [NB, L])
+    return tl.reshape(tl.permute(tl.reshape(p, [NB, M, 16]), [1, 0, 2]), [M, BLOCK_D])
+
+
 @triton.jit(do_not_specialize=["n_rows", "nseg", "steps", "head0", "n_heads", "nflags"])
 def _fill_kernel(
     cache_ptr,
@@ -209,6 +241,8 @@ def _fill_kernel(
     HALVES: tl.constexpr,
     # values and keys in programs of their own (grid axis 1: 0 values, 1 keys)
     SPLIT: tl.constexpr,
+    # the Sylvester un-rotation compiled (taken where the rotation's flags are 3)
+    SYLVESTER: tl.constexpr,
     # which rows are written (both but where a benchmark times one alone)
     WRITE_V: tl.constexpr,
     WRITE_K: tl.constexpr,
@@ -361,52 +395,75 @@ def _fill_kernel(
                 c = c * inv[:, None]
             k = tl.where(bad, nan, norm)[:, None] * c
         if ROTATE:
-            # k = fp16(k_rot) @ rotation, in column blocks, with split_rotation's
-            # parts: a rotation of one magnitude s is s * signs, one dot of exact
-            # products; any other, two exact fp16 products per term; sums in float32
+            # k = fp16(k_rot) @ rotation, with split_rotation's parts: vLLM's
+            # normalized Sylvester Hadamard (flags 3) in groups of 16 columns and a
+            # Walsh-Hadamard transform over the groups, then stored whole below; any
+            # other rotation in column blocks: one of one magnitude s (flags 1) is s *
+            # signs, one dot of exact products, any other two exact fp16 products per
+            # term; sums in float32
             flags = tl.load(
                 flags_ptr + tl.arange(0, NFLAGS),
                 mask=tl.arange(0, NFLAGS) < nflags,
-                other=1,
+                other=3,
             )
-            uniform = tl.min(flags, 0) == 1
+            uniform = tl.min(flags & 1, 0) == 1
             mag = tl.load(flags_ptr + nflags).to(tl.float32, bitcast=True)
             a = k.to(tl.float16)
-            if DOT_F64:
-                a = a.to(tl.float64)
-            dr = tl.arange(0, BLOCK_D)[:, None]
-            for n0 in tl.static_range(0, BLOCK_D, BLOCK_N):
-                n = n0 + tl.arange(0, BLOCK_N)[None, :]
-                if uniform:
-                    sg = tl.load(parts_ptr + 2 * BLOCK_D * BLOCK_D + dr * BLOCK_D + n)
-                    if DOT_F64:
-                        acc = tl.dot(a, sg.to(tl.float64), out_dtype=tl.float64)
-                        acc = acc.to(tl.float32) * mag
-                    else:
-                        acc = tl.dot(a, sg, out_dtype=tl.float32) * mag
-                else:
-                    hi = tl.load(parts_ptr + dr * BLOCK_D + n)
-                    lo = tl.load(parts_ptr + BLOCK_D * BLOCK_D + dr * BLOCK_D + n)
-                    if DOT_F64:
-                        acc = (
-                            tl.dot(a, lo.to(tl.float64), out_dtype=tl.float64) / 4096.0
+            # (compiled with SYLVESTER, taken where the flags say)
+            sylvester = False
+            if SYLVESTER:
+                sylvester = tl.min(flags, 0) == 3
+                if sylvester:
+                    c16 = tl.arange(0, 16)
+                    signs = parts_ptr + 2 * BLOCK_D * BLOCK_D
+                    s16 = tl.load(signs + c16[:, None] * BLOCK_D + c16[None, :])
+                    k = _sylvester_unrotate(a, s16, BLOCK_D, DOT_F64) * mag
+        if ROTATE:  # noqa: SIM102 (sylvester exists only then)
+            if not sylvester:
+                if DOT_F64:
+                    a = a.to(tl.float64)
+                dr = tl.arange(0, BLOCK_D)[:, None]
+                for n0 in tl.static_range(0, BLOCK_D, BLOCK_N):
+                    n = n0 + tl.arange(0, BLOCK_N)[None, :]
+                    if uniform:
+                        sg = tl.load(
+                            parts_ptr + 2 * BLOCK_D * BLOCK_D + dr * BLOCK_D + n
                         )
-                        acc = tl.dot(a, hi.to(tl.float64), acc, out_dtype=tl.float64)
-                        acc = acc.to(tl.float32)
+                        if DOT_F64:
+                            acc = tl.dot(a, sg.to(tl.float64), out_dtype=tl.float64)
+                            acc = acc.to(tl.float32) * mag
+                        else:
+                            acc = tl.dot(a, sg, out_dtype=tl.float32) * mag
                     else:
-                        acc = tl.dot(a, lo, out_dtype=tl.float32) * (1.0 / 4096.0)
-                        acc = tl.dot(a, hi, acc, out_dtype=tl.float32)
-                kn = _to_window(acc, OUT_BF16, ROUND_BF16)
-                if HAS_CHUNK:  # noqa: SIM102 (new_rows exists only then)
-                    if new_rows:
-                        kc = key_ptr + crow * s_key_tok + (head0 + h2) * s_key_head
-                        kn = _with_new_rows(kn, kc + n * s_key_d, cmask, chunk)
-                tl.store(
-                    k_out_ptr + row * s_k_tok + h2 * s_k_head + n,
-                    kn,
-                    mask=live[:, None],
-                )
-        else:
+                        hi = tl.load(parts_ptr + dr * BLOCK_D + n)
+                        lo = tl.load(parts_ptr + BLOCK_D * BLOCK_D + dr * BLOCK_D + n)
+                        if DOT_F64:
+                            acc = (
+                                tl.dot(a, lo.to(tl.float64), out_dtype=tl.float64)
+                                / 4096.0
+                            )
+                            acc = tl.dot(
+                                a, hi.to(tl.float64), acc, out_dtype=tl.float64
+                            )
+                            acc = acc.to(tl.float32)
+                        else:
+                            acc = tl.dot(a, lo, out_dtype=tl.float32) * (1.0 / 4096.0)
+                            acc = tl.dot(a, hi, acc, out_dtype=tl.float32)
+                    kn = _to_window(acc, OUT_BF16, ROUND_BF16)
+                    if HAS_CHUNK:  # noqa: SIM102 (new_rows exists only then)
+                        if new_rows:
+                            kc = key_ptr + crow * s_key_tok + (head0 + h2) * s_key_head
+                            kn = _with_new_rows(kn, kc + n * s_key_d, cmask, chunk)
+                    tl.store(
+                        k_out_ptr + row * s_k_tok + h2 * s_k_head + n,
+                        kn,
+                        mask=live[:, None],
+                    )
+        # the keys stored whole: not rotated, or un-rotated as a Sylvester Hadamard
+        whole = True
+        if ROTATE:
+            whole = sylvester
+        if whole:
             kw = _to_window(k, OUT_BF16, ROUND_BF16)
             if HAS_CHUNK:  # noqa: SIM102 (new_rows exists only then)
                 if new_rows:
@@ -450,8 +507,10 @@ def _split_kernel(
 ):
     """split_rotation on the device: parts[0] = fp16(r), parts[1] = fp16((r -
     parts[0]) * 2^12), parts[2] = -1 where r < 0, else +1 (+-0 and NaN: +1), and per
-    block whether every entry has the magnitude of r[0, 0], that magnitude positive and
-    finite (flags[block]); program 0 writes the magnitude (flags[-1], float32 bits)."""
+    block (flags[block]) 1 where every entry has the magnitude of r[0, 0], that
+    magnitude positive and finite, 3 where moreover every entry has the sign of the
+    Sylvester Hadamard's (-1 where the bits of row and column share an odd count),
+    else 0; program 0 writes the magnitude (flags[-1], float32 bits)."""
     pid = tl.program_id(0)
     i = pid * BLOCK + tl.arange(0, BLOCK)
     mask = i < D * D
@@ -467,7 +526,11 @@ def _split_kernel(
     # mag is finite and positive (0 == 0 and inf == inf must not pass)
     usable = ((mag > 0) & (mag < float("inf"))).to(tl.int32)
     same = tl.where(mask, (tl.abs(r) == mag).to(tl.int32), 1) * usable
-    tl.store(flags_ptr + pid, tl.min(same, 0))
+    odd = (i // D) & (i % D)  # the parity of its bits: the Sylvester sign
+    for sh in tl.static_range(5):
+        odd = odd ^ (odd >> (1 << (4 - sh)))
+    sylvester = tl.where(mask, (r < 0) == ((odd & 1) == 1), True).to(tl.int32)
+    tl.store(flags_ptr + pid, tl.min(same * (1 + 2 * sylvester), 0))
     if pid == 0:
         tl.store(flags_ptr + tl.num_programs(0), mag.to(tl.int32, bitcast=True))
 
@@ -486,16 +549,20 @@ def split_rotation(
     * ``parts[0]``, ``parts[1]``: its fp16 rounding and the remainder scaled by 2^12
       (``rotation ~= parts[0] + parts[1] / 4096`` to 22 significant bits);
     * ``parts[2]``: its signs (-1 where an entry is negative, else +1), and in ``flags``
-      whether every entry has one magnitude ``s``, positive and finite (vLLM's
-      normalized Sylvester Hadamard: ``+-1/sqrt(D)``), with ``s``: then ``rotation = s *
-      parts[2]`` exactly and the fill makes one fp16 dot with the signs (exact
-      products, float32 sums, one scaling) instead of two.
+      whether every entry has one magnitude ``s``, positive and finite, with ``s``:
+      then ``rotation = s * parts[2]`` exactly and the fill makes one fp16 dot with the
+      signs (exact products, float32 sums, one scaling) instead of two; and whether
+      the signs are moreover the Sylvester Hadamard's (vLLM's normalized Hadamard,
+      ``+-1/sqrt(D)``): then the fill multiplies groups of 16 columns by the signs'
+      (16, 16) corner and combines the groups by a Walsh-Hadamard transform.
 
     rotation: (D, D), float32, fp16 or bf16, any strides. parts: fp16 (3, D, D),
     contiguous; flags: int32 (split_flags(D) + 1,): per block of SPLIT_BLOCK entries
     1 where every entry has the magnitude of rotation[0, 0] and that magnitude is
-    positive and finite, else 0; then the magnitude's float32 bits (workspace regions);
-    allocated when None. Returns (parts, flags).
+    positive and finite, 3 where moreover each entry's sign is the Sylvester
+    Hadamard's (negative where the bits of its row and column indices share an odd
+    count), else 0; then the magnitude's float32 bits (workspace regions); allocated
+    when None. Returns (parts, flags).
     """
     d = rotation.shape[0]
     nflags = split_flags(d)
@@ -510,10 +577,18 @@ def split_rotation(
         parts[1] = ((r - parts[0].float()) * 4096.0).half()
         parts[2] = torch.where(r < 0, -1.0, 1.0)
         same = (r.abs() == mag) & (mag > 0) & torch.isfinite(mag)
-        blocks = torch.nn.functional.pad(
-            same.flatten(), (0, nflags * SPLIT_BLOCK - d * d), value=True
-        )
-        flags[:nflags] = blocks.view(nflags, SPLIT_BLOCK).all(1).int()
+        idx = torch.arange(d, device=r.device)
+        odd = torch.tensor([bin(x).count("1") % 2 for x in range(d)], device=r.device)[
+            idx[:, None] & idx[None, :]
+        ]
+        sylvester = same & ((r < 0) == (odd == 1))
+
+        def blocks(x):
+            pad = (0, nflags * SPLIT_BLOCK - d * d)
+            x = torch.nn.functional.pad(x.flatten(), pad, value=True)
+            return x.view(nflags, SPLIT_BLOCK).all(1).int()
+
+        flags[:nflags] = blocks(same) + 2 * blocks(sylvester)
         flags[nflags] = mag.view(torch.int32)
         return parts, flags
     launch_split(
@@ -539,15 +614,20 @@ def split_rotation(
 # For fp8 keys (no un-rotation) 32 slots took 0.95x / 0.90x of 64 (one request's window
 # / the 24-hit window, NOTES.md §23; its GPU tests passed with it). A fourth
 # element, True, puts values and keys in programs of their own: 1.00-1.17x the time of
-# one program for both, at every preset and head size of the sweep (NOTES.md §20).
-# Keys not un-rotated (fp8 keys; MSE keys left rotated, as reference.py's full-buffer
-# path reads them) take the (D, False) entries.
+# one program for both, at every preset and head size of the sweep (NOTES.md §20). A
+# fifth, True, compiles the un-rotation of vLLM's Sylvester Hadamard in groups of 16
+# columns beside the column blocks (taken where split_rotation's flags say so): at D
+# 256 it took 0.92x / 0.88x the fill's time, at D 128 1.08x / 1.08x (registers capped
+# at 168) and at D 64 1.21x / 1.25x, where the second path's registers cost more than
+# its dot saves (benchmarks/fill_probe.py, NOTES.md §24). Keys not un-rotated (fp8
+# keys; MSE keys left rotated, as reference.py's full-buffer path reads them) take the
+# (D, False) entries.
 FILL = {
     (16, True): (64, 16, 4),
     (32, True): (64, 32, 4),
     (64, True): (64, 64, 4),
     (128, True): (64, 64, 4),
-    (256, True): (64, 64, 4),
+    (256, True): (64, 64, 4, False, True),
     (16, False): (64, 16, 4),
     (32, False): (64, 32, 4),
     (64, False): (64, 64, 4),
@@ -586,7 +666,8 @@ def fill_window(
     stride over D. err: int64 (1,) on the device, or None: lowered to ``request << 32
     | column`` of a bad block id read. unrotate: False writes MSE keys in the rotated
     space. config: the launch configuration (slots per program, columns per dot,
-    warps[, split: values and keys in programs of their own]); default: FILL. parts:
+    warps[, split: values and keys in programs of their own[, sylvester: compile the
+    un-rotation of vLLM's Hadamard in groups of 16 columns]]); default: FILL. parts:
     ``split_rotation(rotation)``'s (parts, flags) (a caller that fills several windows
     splits once); made here when None. write: "both", or "values" / "keys" alone (a
     benchmark's stage timing; the other rows are left as they were). Arguments are
@@ -597,6 +678,9 @@ def fill_window(
     if window.rows <= 0:
         return
     rotate = unrotate and not cfg.key_fp8
+    block_d = triton.next_power_of_2(cfg.head_dim)
+    conf = tuple(config) if config is not None else FILL[(block_d, rotate)]
+    slots, block_n, warps, split, sylvester = conf + (False, False)[len(conf) - 3 :]
     fp8_e4b15 = cfg.key_fp8 and fp8_e4b15_for(kv_cache.device)
     if not use_triton(kv_cache):
         _fill_torch(
@@ -615,13 +699,10 @@ def fill_window(
         )
         return
     assert k_out.dtype == v_out.dtype, "k_out and v_out: one window dtype"
-    block_d = triton.next_power_of_2(cfg.head_dim)
     if rotate and parts is None:
         parts = split_rotation(rotation)
     parts, flags = parts if rotate else (kv_cache, kv_cache)  # not read unrotated
     nflags = split_flags(cfg.head_dim) if rotate else 1
-    conf = tuple(config) if config is not None else FILL[(block_d, rotate)]
-    slots, block_n, warps, split = conf if len(conf) == 4 else (*conf, False)
     n_heads = k_out.shape[1]
     heads = triton.next_power_of_2(n_heads)
     # A program's slots are the same number whatever the kv-head group (rows x heads;
@@ -685,6 +766,7 @@ def fill_window(
         not kv_cache.is_cuda,
         halves_ok(kv_cache, cfg),
         split,
+        sylvester and rotate,
         write in ("both", "values"),
         write in ("both", "keys"),
         heads,

@@ -8,7 +8,8 @@ layout starts with the rotation's parts and flags (``dequant.split_rotation``), 
 once per call and read by every window's fill:
 
         rot_parts     (3, D, D)       fp16         the rotation: two parts, its signs
-        rot_flags     (ceil(D*D/1024) + 1,) int32  whether it has one magnitude, which
+        rot_flags     (ceil(D*D/1024) + 1,) int32  whether it has one magnitude and the
+                                           Sylvester signs: the fill's un-rotation
 
     batch windows (requests that fit a window; the answer is written to ``out``):
         k_buf, v_buf  (C, Hk, D)      query dtype  the window's keys and values
