@@ -12,6 +12,8 @@
 #   bash benchmarks/run_on_device.sh probe-before # carry .bench-old: the same, of an earlier version
 #                                              #   (one with split_rotation: 0.4.0 on, BEFORE=v04)
 #   bash benchmarks/run_on_device.sh ncu       # no carry: Nsight Compute on the fill's cases
+#   bash benchmarks/run_on_device.sh fused     # carry .gpu-carry: the fused prototype's tests,
+#                                              #   then it beside the window path and the floor
 #   bash benchmarks/run_on_device.sh upstream  # carry CARRY (default .gpu-carry) and
 #                                              #   .vllm-envs/vllm-$VLLM_TESTS_VERSION/src: vLLM's own
 #                                              #   TurboQuant tests on the vendored tree
@@ -51,7 +53,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|forward ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|fused|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|forward ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -82,6 +84,14 @@ for mode in "$@"; do
       mkdir -p "$OUT/before"
       (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && timeout 200 python3 \
         benchmarks/fill_probe.py "$OUT/before" 2>&1 | tee "$OUT/before/fill-probe.md" | tail -14) ;;
+    fused)
+      # the fused prototype against the window path and the floor (NOTES.md §25), after
+      # its GPU tests
+      carry .gpu-carry timeout 150 python3 -m pytest -q tests/test_fused.py -p no:cacheprovider \
+        2>&1 | tee "$OUT/fused-gpu.log" | tail -3
+      carry .gpu-carry timeout "${FUSED_TIMEOUT:-300}" python3 benchmarks/fused_probe.py "$OUT" \
+        ${FUSED_WORKLOADS:+--workloads "$FUSED_WORKLOADS"} 2>&1 | tee "$OUT/fused-probe.md" \
+        | grep -E "^\||Error|error" | tail -20 ;;
     ncu)
       # the sections that say what bounds a kernel: throughput, occupancy, stall reasons
       timeout 300 ncu --clock-control none --kernel-name regex:_fill_kernel \

@@ -1,0 +1,204 @@
+"""The fused prototype (tq_chunked/fused.py) beside the window path and the floor, on
+the serving grid's decode-like batches (GPU).
+
+    python benchmarks/fused_probe.py [OUT_DIR] [--workloads "64 hits,8 hits q64"]
+
+Per workload (name prefixes of ``tq-chunked bench --serving``'s and --crossover's
+workloads; 3bit_nc unless the workload says otherwise, this project's encoder): the
+GPU kernel time per call (torch.profiler, summed) of the floor (one FlashAttention-3
+call over K/V of the query's dtype), of ``continuation_prefill_varlen`` as the plugin
+calls it, and of ``fused_continuation_prefill_varlen`` at each (BLOCK_M, BLOCK_N,
+splits) tried, with the fused path's cached part alone; then each path's largest
+per-request error against the float64 oracle (requests of 4 query tokens or more) and
+their ratio, the exactness target's "within 1.1x". Prints a row per workload and
+writes fused-probe.json; NOTES.md §25 has the prediction.
+"""
+
+import argparse
+import functools
+import itertools
+import json
+import os
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from tqdm import tqdm
+
+from tq_chunked import continuation_prefill_varlen, default_window, workspace_bytes
+from tq_chunked.fused import cached_attention, fused_continuation_prefill_varlen
+from tq_chunked.reference import oracle_continuation_prefill
+from tq_chunked.testing import (
+    SHAPES,
+    build_batch,
+    crossover_workloads,
+    rel_err,
+    serving_workloads,
+)
+
+WORKLOADS = (
+    "64 hits q16,8 hits q64-128,32 hits q128,32 hits q200,16 hits q256 1K-8K,"
+    "1 hit q8 ,1 hit q32 ,1 hit q128 ,24 hits"
+)
+# (BLOCK_M, BLOCK_N, splits; None: the default, two programs per SM)
+CONFIGS = [(64, 64, None), (128, 64, None), (16, 64, None), (64, 32, None)]
+SPLITS = [1, 4, 16, 64]
+
+
+def kernel_ms(call, calls=10):
+    """GPU kernel time per call: every kernel's time, summed (host gaps excluded)."""
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    total = defaultdict(float)
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.self_device_time_total > 0:
+            total["all"] += e.self_device_time_total / 1e3 / calls
+    return total["all"]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir", nargs="?", default=".")
+    p.add_argument("--workloads", default=WORKLOADS)
+    a = p.parse_args()
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    prefixes = [x for x in a.workloads.split(",") if x]
+    chosen = [
+        w
+        for w in serving_workloads() + crossover_workloads()
+        if any(w.name.startswith(x) for x in prefixes)
+    ]
+    rows = []
+    print(
+        "| workload | shape | q x G | floor ms | window path | fused (best) | best "
+        "config | cached part | window / floor | fused / floor | error fused / "
+        "window |\n|---|---|---|---|---|---|---|---|---|---|---|",
+        flush=True,
+    )
+    for wl in tqdm(chosen, desc="workloads", unit="workload"):
+        hq, hk, d = SHAPES[wl.shape]
+        dtype = getattr(torch, wl.dtype)
+        b = build_batch(wl.preset, wl.requests, hq, hk, d, 16, dtype, "cuda")
+        qsl, lens = b["query_start_loc"], b["seq_lens"]
+        qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
+        lens_cpu = torch.tensor(lens, dtype=torch.int32)
+        k_full = torch.randn(sum(lens), hk, d, device="cuda", dtype=dtype)
+        v_full = torch.randn_like(k_full)
+        cu_k = torch.tensor(
+            [0] + list(itertools.accumulate(lens)), dtype=torch.int32, device="cuda"
+        )
+        max_q = max(q for _, q in wl.requests)
+        floor = functools.partial(
+            flash_attn_varlen_func,
+            b["query"],
+            k_full,
+            v_full,
+            max_q,
+            qsl_cpu.cuda(),
+            max(lens),
+            cu_k,
+            softmax_scale=d**-0.5,
+            causal=True,
+            fa_version=3,
+        )
+        n = b["query"].shape[0]
+        w = default_window(hk, d, 16)
+        ws = torch.empty(
+            workspace_bytes(n, hq, hk, d, w, dtype), dtype=torch.uint8, device="cuda"
+        )
+        args = (b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"])
+        window_path = functools.partial(
+            continuation_prefill_varlen,
+            *args,
+            qsl_cpu.cuda(),
+            lens_cpu.cuda(),
+            **b["kwargs"],
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=lens_cpu,
+            window=w,
+            workspace=ws,
+            check_block_table=False,
+        )
+        cached = [lens[r] - (qsl[r + 1] - qsl[r]) for r in range(len(lens))]
+        cached_part = functools.partial(
+            cached_attention,
+            b["query"],
+            b["kv_cache"],
+            b["block_table"],
+            qsl,
+            cached,
+            **b["kwargs"],
+        )
+        fused = functools.partial(
+            fused_continuation_prefill_varlen, *args, qsl, lens, **b["kwargs"]
+        )
+        floor_ms = kernel_ms(floor)
+        window_ms = kernel_ms(window_path)
+        tried = {}
+        for bm, bn, s in CONFIGS:
+            cfg = dict(block_m=bm, block_n=bn, splits=s)
+            tried[(bm, bn, s)] = kernel_ms(functools.partial(cached_part, **cfg))
+        bm, bn, _ = min(tried, key=tried.get)
+        for s in SPLITS:
+            cfg = dict(block_m=bm, block_n=bn, splits=s)
+            tried[(bm, bn, s)] = kernel_ms(functools.partial(cached_part, **cfg))
+        best = min(tried, key=tried.get)
+        # the whole fused call at the default configuration (its splits) and the cached
+        # part's best; what the best would make of the whole is fused - cached + best
+        fused_ms = kernel_ms(fused)
+        default_part = tried[(64, 64, None)]
+        fused_best = fused_ms - default_part + tried[best]
+        # exactness against the float64 oracle, per request of 4 query tokens or more
+        out_w, out_f = window_path(), fused()
+        worst = {"window": 0.0, "fused": 0.0}
+        for r in range(len(lens)):
+            q0, q1 = qsl[r], qsl[r + 1]
+            if q1 - q0 < 4:
+                continue
+            ref = oracle_continuation_prefill(
+                b["query"][q0:q1],
+                b["key"][q0:q1],
+                b["value"][q0:q1],
+                b["kv_cache"],
+                b["block_table"][r],
+                cached[r],
+                **b["kwargs"],
+            )
+            worst["window"] = max(worst["window"], rel_err(out_w[q0:q1], ref))
+            worst["fused"] = max(worst["fused"], rel_err(out_f[q0:q1], ref))
+        ratio = worst["fused"] / worst["window"] if worst["window"] else None
+        q_rows = max_q * hq // hk
+        row = dict(
+            workload=wl.name,
+            shape=wl.shape,
+            preset=wl.preset,
+            dtype=wl.dtype,
+            query_rows_per_kv_head=q_rows,
+            floor_ms=floor_ms,
+            window_ms=window_ms,
+            fused_ms=fused_ms,
+            fused_best_ms=fused_best,
+            best_config=list(best),
+            cached_part_ms={str(k): v for k, v in tried.items()},
+            worst_error=worst,
+        )
+        rows.append(row)
+        ratio_s = f"{ratio:.2f}" if ratio is not None else "-"
+        tqdm.write(
+            f"| {wl.name} | {wl.shape} | {q_rows} | {floor_ms:.3f} | {window_ms:.3f} | "
+            f"{fused_best:.3f} | {best} | {tried[best]:.3f} | "
+            f"{window_ms / floor_ms:.2f} | {fused_best / floor_ms:.2f} | {ratio_s} |"
+        )
+        del b, k_full, v_full, ws
+        torch.cuda.empty_cache()
+    with open(os.path.join(a.out_dir, "fused-probe.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

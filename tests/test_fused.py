@@ -1,0 +1,157 @@
+"""The fused prototype (tq_chunked/fused.py) against the float64 oracle and the full
+path: every request within the full path's error, every row written, a bad block id
+NaN in its request alone."""
+
+import pytest
+import torch
+
+from tq_chunked.fused import (
+    cached_attention,
+    combine_splits,
+    fused_continuation_prefill_varlen,
+)
+from tq_chunked.reference import (
+    full_buffer_continuation_prefill,
+    oracle_continuation_prefill,
+)
+from tq_chunked.testing import make_batch, rel_err
+
+REQUESTS = [
+    (70, 4),
+    (0, 5),
+    (130, 6),
+    (33, 4),
+]  # 4 query tokens or more: --oracle's rule
+
+
+def fused(batch, splits=3, out=None, backend="torch"):
+    return fused_continuation_prefill_varlen(
+        batch.query,
+        batch.key,
+        batch.value,
+        batch.kv_cache,
+        batch.block_table,
+        batch.query_start_loc,
+        batch.seq_lens,
+        **batch.kwargs,
+        splits=splits,
+        backend=backend,
+        out=out,
+    )
+
+
+@pytest.mark.parametrize(
+    "preset", ["turboquant_3bit_nc", "turboquant_4bit_nc", "turboquant_k8v4"]
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["v020", "v033"])
+def test_every_request_is_within_the_full_paths_error(preset, dtype, layout):
+    seed = 20 + len(preset) + (dtype == torch.bfloat16) + 2 * (layout == "v033")
+    batch = make_batch(
+        REQUESTS,
+        preset,
+        dtype,
+        head_dim=64,
+        num_q_heads=4,
+        num_kv_heads=2,
+        layout=layout,
+        seed=seed,
+    )
+    out = torch.full_like(batch.query, float("nan"))  # poisoned: every row written
+    fused(batch, out=out)
+    assert not out.isnan().any(), f"seed {seed}: a row was not written"
+    for r in range(len(REQUESTS)):
+        q0, q1 = batch.query_start_loc[r], batch.query_start_loc[r + 1]
+        args = batch.request(r)
+        oracle = oracle_continuation_prefill(*args, **batch.kwargs)
+        full = full_buffer_continuation_prefill(*args, **batch.kwargs, backend="torch")
+        mine, theirs = rel_err(out[q0:q1], oracle), rel_err(full, oracle)
+        # both end in one rounding to the query's dtype; the fused path rounds less
+        # before it
+        assert mine <= 1.1 * theirs, f"seed {seed}, request {r}: {mine} > {theirs}"
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7])
+def test_the_answer_does_not_depend_on_the_splits_beyond_rounding(splits):
+    batch = make_batch(REQUESTS, head_dim=32, seed=31)
+    ref = oracle = None
+    for r in range(len(REQUESTS)):
+        args = batch.request(r)
+        oracle = oracle_continuation_prefill(*args, **batch.kwargs)
+        q0, q1 = batch.query_start_loc[r], batch.query_start_loc[r + 1]
+        ref = fused(batch, splits=splits)[q0:q1]
+        assert rel_err(ref, oracle) < 2e-3, f"seed 31, request {r}, splits {splits}"
+
+
+def test_a_bad_block_id_is_nan_in_its_request_alone():
+    batch = make_batch(REQUESTS, head_dim=32, seed=32)
+    batch.block_table[2, 1] = batch.kv_cache.shape[0] + 5  # request 2, tokens 16-31
+    out = fused(batch)
+    q = batch.query_start_loc
+    assert out[q[2] : q[3]].isnan().all(), "seed 32"
+    others = torch.cat([out[: q[2]], out[q[3] :]])
+    assert not others.isnan().any(), "seed 32"
+
+
+def test_combine_weighs_empty_splits_nothing_and_keeps_nan():
+    gen = torch.Generator().manual_seed(33)
+    o = torch.randn(3, 4, 2, 8, generator=gen)
+    lse = torch.randn(3, 2, 4, generator=gen)
+    lse[1] = float("-inf")  # split 1 without keys
+    lse[:, 0, 3] = float("-inf")  # a row without any key
+    lse[2, 1, 2] = float("nan")
+    out, total = combine_splits(o, lse)
+    ref = torch.logsumexp(lse[[0, 2]].double(), 0)
+    w = torch.exp(lse[[0, 2]].double() - ref)  # (2, H, N)
+    ref_out = torch.einsum("shn,snhd->nhd", w, o[[0, 2]].double())
+    fine = torch.isfinite(ref)
+    assert torch.allclose(total[fine].double(), ref[fine], rtol=1e-6)
+    assert torch.allclose(out[fine.T].double(), ref_out[fine.T], rtol=1e-5, atol=1e-6)
+    assert total[0, 3] == float("-inf") and (out[3, 0] == 0).all()
+    assert total[1, 2].isnan() and out[2, 1].isnan().all()
+
+
+def test_cached_attention_alone_has_no_keys_for_a_first_chunk():
+    batch = make_batch([(0, 3), (40, 2)], head_dim=32, seed=34)
+    o, lse = cached_attention(
+        batch.query,
+        batch.kv_cache,
+        batch.block_table,
+        batch.query_start_loc,
+        [0, 40],
+        **{k: v for k, v in batch.kwargs.items()},
+        splits=2,
+    )
+    assert (lse[:, :3] == float("-inf")).all() and (o[:3] == 0).all()
+    assert torch.isfinite(lse[:, 3:]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_decode_like_hits_on_the_gpu_are_within_the_full_paths_error(preset, dtype):
+    # the regime the prototype is for: 8 hits of 16 query tokens, Hq 32 / Hk 8, D 128,
+    # against the full path with FlashAttention (the GPU's tensor-core dots)
+    seed = 40 + len(preset) + (dtype == torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    requests = [(int(c), 16) for c in torch.randint(300, 3000, (8,), generator=gen)]
+    batch = make_batch(
+        requests,
+        preset,
+        dtype,
+        head_dim=128,
+        num_q_heads=32,
+        num_kv_heads=8,
+        rotation="hadamard",
+        seed=seed,
+    )
+    out = torch.full_like(batch.query, float("nan"))
+    fused(batch, splits=None, out=out, backend="auto")
+    assert not out.isnan().any(), f"seed {seed}: a row was not written"
+    for r in range(len(requests)):
+        q0, q1 = batch.query_start_loc[r], batch.query_start_loc[r + 1]
+        args = batch.request(r)
+        oracle = oracle_continuation_prefill(*args, **batch.kwargs)
+        full = full_buffer_continuation_prefill(*args, **batch.kwargs)
+        mine, theirs = rel_err(out[q0:q1], oracle), rel_err(full, oracle)
+        assert mine <= 1.1 * theirs, f"seed {seed}, request {r}: {mine} > {theirs}"

@@ -1,0 +1,380 @@
+"""Attention over the cached prefix, read straight from the paged TurboQuant cache:
+no window, no fp16 K/V written (experimental; not dispatched, benchmarks/NOTES.md §25).
+
+Why: where a request's query rows per kv head (q_len x Hq / Hk) are few, attention is
+bound by the bytes of K/V. The window path writes the fp16 K/V of every cached token and
+reads them back, twice the bytes the floor (one FlashAttention call over a BF16 cache)
+reads; with the quantized slots it reads first, at least 2.2x the floor at 3 bits. This
+kernel reads each slot once and dequantizes it in registers (about a fifth of the
+floor's bytes at 3 bits).
+
+What it computes, for each request r with cached_len c_r and its query rows: attention
+over keys and values [0, c_r) of the cache (no causal mask: every cached token precedes
+every query token), as (out, lse) partial results over ``splits`` ranges of positions,
+combined into one (out, lse) per query row and head.
+``fused_continuation_prefill_varlen`` adds the chunk's own causal attention
+(``attention.varlen_attention``) and merges the two (``merge.merge_attn_states``): the
+answer of ``continuation_prefill_varlen``.
+
+Exactness: MSE keys are cached rotated, ``k_rot = k @ rotation^T``, so ``q . k = (q @
+rotation^T) . k_rot``. The query is rotated once in float32, then split into an fp16
+part and an fp16 remainder, and each score is two dots of exact products with the
+cached key as vLLM's dequant rounds it (fp16), summed in float32: the un-rotated key is
+never rounded (the full path's second rounding). Values are rounded to fp16 as vLLM
+writes them; the probabilities are split the same way (FlashAttention rounds them to
+the query's dtype). In the memory-bound regime this kernel is for, the second dots
+cost no bytes. A block id outside ``[0, num_blocks)`` is not read; its request's rows
+are NaN.
+
+Layouts and dtypes as ``continuation_prefill_varlen``; what this prototype does not do
+yet: the float32 query rotation, the split results and their combine are allocated per
+call (PyTorch), not carved from the workspace; lengths are host lists; the cache is read
+byte by byte where the fill reads 16-bit words.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import interpreting
+from .attention import make_call, resolve_backend, varlen_attention
+from .dequant import _fp16_at, _unpack, fp8_e4b15_for
+from .format import resolve_config
+from .merge import merge_attn_states
+
+
+@triton.jit
+def _cached_attention_kernel(
+    q_ptr,  # (N, Hq, D) float32, rotated
+    cache_ptr,
+    block_table_ptr,
+    centroids_ptr,
+    qsl_ptr,  # (B + 1,) int32
+    cached_ptr,  # (B,) int32
+    o_ptr,  # (S, N, Hq, D) float32
+    lse_ptr,  # (S, Hq, N) float32
+    num_blocks,
+    max_blocks,
+    n_splits,
+    split_len,  # positions per split, a multiple of BLOCK_N
+    s_q_tok,
+    s_q_head,
+    s_cache_block,
+    s_cache_pos,
+    s_cache_head,
+    s_bt_req,
+    s_bt_col,
+    s_centroid,
+    s_o_split,
+    s_o_tok,
+    s_o_head,
+    s_lse_split,
+    s_lse_head,
+    qk_scale,  # softmax scale * log2(e)
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    KEY_INDEX_BYTES: tl.constexpr,
+    KEY_BYTES: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
+    VALUE_INDEX_BYTES: tl.constexpr,
+    NORM_CORRECTION: tl.constexpr,
+    FP8_E4B15: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    # float32 dot operands (the interpreter: numpy's fp16 products)
+    DOT_F32: tl.constexpr,
+):
+    """Program (r, tile, kv head x split): BLOCK_M rows (query token, head of the kv
+    head's group) of request r against the split's range of its cached positions."""
+    r = tl.program_id(0)
+    tile = tl.program_id(1)
+    kvh = (tl.program_id(2) // n_splits).to(tl.int64)
+    split = tl.program_id(2) % n_splits
+    q0 = tl.load(qsl_ptr + r)
+    n_rows = (tl.load(qsl_ptr + r + 1) - q0) * GROUP
+    cached = tl.load(cached_ptr + r)
+    if tile * BLOCK_M < n_rows:
+        u = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = u < n_rows
+        tok = (q0 + u // GROUP).to(tl.int64)  # (BLOCK_M,) query row
+        head = kvh * GROUP + (u % GROUP)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        q = tl.load(
+            q_ptr + tok[:, None] * s_q_tok + head[:, None] * s_q_head + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        # q = hi + lo exactly to 22 bits: two dots of exact fp16 products
+        q_hi = q.to(tl.float16)
+        q_lo = (q - q_hi.to(tl.float32)).to(tl.float16)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        start = split * split_len
+        end = tl.minimum(cached, start + split_len)
+        nan = float("nan")
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            in_c = pos < end
+            col = pos // BLOCK_SIZE
+            block = tl.load(
+                block_table_ptr + r * s_bt_req + col * s_bt_col,
+                mask=in_c & (col < max_blocks),
+                other=-1,
+            ).to(tl.int64)
+            ok = in_c & (block >= 0) & (block < num_blocks)  # else nothing is read
+            bad = in_c & ((block < 0) | (block >= num_blocks))
+            slot = tl.where(
+                ok,
+                block * s_cache_block
+                + (pos % BLOCK_SIZE).to(tl.int64) * s_cache_pos
+                + kvh * s_cache_head,
+                0,
+            )
+            ok2 = ok[:, None]
+            sp = cache_ptr + slot[:, None]  # (BLOCK_N, 1)
+            # keys (BLOCK_N, BLOCK_D), as vLLM's dequant rounds them
+            if KEY_BITS == 8:
+                raw = tl.load(sp + d[None, :], mask=ok2 & d_ok[None, :], other=0)
+                if FP8_E4B15:
+                    k = raw.to(tl.float8e4b15, bitcast=True).to(tl.float32)
+                else:
+                    k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                k = tl.where(bad[:, None], nan, k)
+            else:
+                idx = _unpack(sp, ok2, D, KEY_BITS, BLOCK_D)
+                norm = tl.reshape(_fp16_at(sp + KEY_INDEX_BYTES, ok2), [BLOCK_N])
+                c = tl.load(centroids_ptr + idx * s_centroid)
+                if NORM_CORRECTION:
+                    c64 = c.to(tl.float64)
+                    sumsq = tl.sum(c64 * c64, axis=1).to(tl.float32)
+                    inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(sumsq + 1e-16))
+                    c = c * inv[:, None]
+                k = tl.where(bad, nan, norm)[:, None] * c
+            kt = tl.trans(k.to(tl.float16))  # (BLOCK_D, BLOCK_N)
+            if DOT_F32:
+                kt = kt.to(tl.float32)
+                s = tl.dot(q_lo.to(tl.float32), kt)
+                s = tl.dot(q_hi.to(tl.float32), kt, s)
+            else:
+                s = tl.dot(q_lo, kt, out_dtype=tl.float32)
+                s = tl.dot(q_hi, kt, s, out_dtype=tl.float32)
+            s = tl.where(in_c[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            # values (BLOCK_N, BLOCK_D): index * scale + zero, rounded to fp16
+            vp = sp + KEY_BYTES
+            vidx = _unpack(vp, ok2, D, VALUE_BITS, BLOCK_D)
+            scale = tl.reshape(_fp16_at(vp + VALUE_INDEX_BYTES, ok2), [BLOCK_N])
+            zero = tl.reshape(_fp16_at(vp + VALUE_INDEX_BYTES + 2, ok2), [BLOCK_N])
+            scale = tl.where(bad, nan, scale)
+            v = (vidx.to(tl.float32) * scale[:, None] + zero[:, None]).to(tl.float16)
+            # p = hi + lo too: the probabilities are not rounded either
+            p_hi = p.to(tl.float16)
+            p_lo = (p - p_hi.to(tl.float32)).to(tl.float16)
+            acc = acc * alpha[:, None]
+            if DOT_F32:
+                v32 = v.to(tl.float32)
+                acc = tl.dot(p_lo.to(tl.float32), v32, acc)
+                acc = tl.dot(p_hi.to(tl.float32), v32, acc)
+            else:
+                acc = tl.dot(p_lo, v, acc, out_dtype=tl.float32)
+                acc = tl.dot(p_hi, v, acc, out_dtype=tl.float32)
+            m_i = m_new
+        empty = l_i == 0  # no key in the split (a NaN sum stays NaN: out and lse)
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(
+            empty,
+            float("-inf"),
+            (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453,
+        )
+        tl.store(
+            o_ptr
+            + split * s_o_split
+            + tok[:, None] * s_o_tok
+            + head[:, None] * s_o_head
+            + d[None, :],
+            out,
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+        tl.store(
+            lse_ptr + split * s_lse_split + head * s_lse_head + tok, lse, mask=row_ok
+        )
+
+
+def combine_splits(o: torch.Tensor, lse: torch.Tensor):
+    """(out (N, Hq, D) float32, lse (Hq, N) float32) of split results o (S, N, Hq, D)
+    and lse (S, Hq, N) over disjoint key ranges; a split without keys (lse -inf) weighs
+    nothing, no keys at all gives out 0 and lse -inf, a NaN anywhere NaN."""
+    m = lse.amax(0)  # (Hq, N)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m_safe)  # (S, Hq, N); 0 where -inf
+    den = w.sum(0)
+    out = torch.einsum("shn,snhd->nhd", w, o) / den.clamp_min(1e-30).T[..., None]
+    out = torch.where((den == 0).T[..., None], torch.zeros_like(out), out)
+    total = torch.where(den == 0, float("-inf"), m_safe + torch.log(den))
+    nan = torch.isnan(m)
+    return torch.where(nan.T[..., None], float("nan"), out), torch.where(
+        nan, float("nan"), total
+    )
+
+
+def cached_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: list[int],
+    cached_lens: list[int],
+    *,
+    preset,
+    centroids: torch.Tensor | None,
+    rotation: torch.Tensor | None,
+    scale: float,
+    splits: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+):
+    """(out (N, Hq, D) float32, lse (Hq, N) float32): each request's query rows against
+    its cached keys and values [0, cached_lens[r]) read from the paged cache.
+
+    query: (N, Hq, D) fp16/bf16 (un-rotated). kv_cache: uint8 (num_blocks, block_size,
+    Hk, slot_bytes), unit stride over slot bytes. block_table: int32 (B, max_blocks).
+    query_start_loc: B + 1 host ints; cached_lens: B host ints. splits: ranges of
+    positions per (request, kv head), each its own program (default: enough programs
+    for two per SM). Arguments are trusted (the prototype's callers validate).
+    """
+    n, hq, d = query.shape
+    cfg = resolve_config(preset, d)
+    hk = kv_cache.shape[2]
+    group = hq // hk
+    b = len(cached_lens)
+    dev = query.device
+    q = query.float()
+    if not cfg.key_fp8:
+        # float32 (TF32 would round the query to 10 bits: torch's default is off, and
+        # a caller that turns it on for matmuls turns it on here too)
+        q = q @ rotation.float().T
+    interp = interpreting() or not query.is_cuda
+    block_n = block_n or (16 if interp else 64)
+    block_m = block_m or (16 if interp else 64)
+    block_m = max(block_m, 16)
+    longest = max(cached_lens, default=0)
+    if splits is None:
+        sms = (
+            132
+            if interp
+            else torch.cuda.get_device_properties(dev).multi_processor_count
+        )
+        tiles = max(1, b * hk)
+        splits = max(1, min(triton.cdiv(2 * sms, tiles), triton.cdiv(longest, block_n)))
+    split_len = triton.cdiv(triton.cdiv(max(longest, 1), splits), block_n) * block_n
+    if n == 0 or b == 0:
+        return torch.zeros(n, hq, d, device=dev), torch.full(
+            (hq, n), float("-inf"), device=dev
+        )
+    o = torch.empty(splits, n, hq, d, dtype=torch.float32, device=dev)
+    lse = torch.empty(splits, hq, n, dtype=torch.float32, device=dev)
+    max_rows = max(query_start_loc[i + 1] - query_start_loc[i] for i in range(b))
+    t = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)
+    if centroids is None:
+        centroids = torch.zeros(1, device=dev)
+    grid = (b, triton.cdiv(max_rows * group, block_m), hk * splits)
+    _cached_attention_kernel[grid](
+        q,
+        kv_cache,
+        block_table,
+        centroids,
+        t(list(query_start_loc)),
+        t(list(cached_lens)),
+        o,
+        lse,
+        kv_cache.shape[0],
+        block_table.shape[1],
+        splits,
+        split_len,
+        q.stride(0),
+        q.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        block_table.stride(0),
+        block_table.stride(1),
+        centroids.stride(0),
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        scale * math.log2(math.e),
+        GROUP=group,
+        D=d,
+        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_SIZE=kv_cache.shape[1],
+        KEY_BITS=cfg.key_bits,
+        KEY_INDEX_BYTES=cfg.key_index_bytes,
+        KEY_BYTES=cfg.key_bytes,
+        VALUE_BITS=cfg.value_bits,
+        VALUE_INDEX_BYTES=cfg.value_index_bytes,
+        NORM_CORRECTION=cfg.norm_correction,
+        FP8_E4B15=cfg.key_fp8 and fp8_e4b15_for(dev),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_F32=interp,
+        num_warps=4,
+    )
+    return combine_splits(o, lse)
+
+
+def fused_continuation_prefill_varlen(
+    query,
+    key,
+    value,
+    kv_cache,
+    block_table,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    *,
+    preset,
+    centroids,
+    rotation,
+    scale,
+    splits=None,
+    backend="auto",
+    out=None,
+):
+    """``continuation_prefill_varlen``'s answer (N, Hq, D) in the query's dtype: the
+    cached prefix through ``cached_attention``, the chunk's own tokens (key, value:
+    (N, Hk, D)) through one causal varlen call, merged. Host lengths."""
+    b = len(seq_lens)
+    q_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(b)]
+    cached = [seq_lens[i] - q_lens[i] for i in range(b)]
+    o_c, lse_c = cached_attention(
+        query,
+        kv_cache,
+        block_table,
+        query_start_loc,
+        cached,
+        preset=preset,
+        centroids=centroids,
+        rotation=rotation,
+        scale=scale,
+        splits=splits,
+    )
+    out = torch.empty_like(query) if out is None else out
+    new = torch.empty_like(query)
+    backend = resolve_backend(backend, query.device, query.shape[2])
+    call = make_call(q_lens, q_lens, True, query.device)
+    lse_n = varlen_attention(call, query, key, value, scale, new, backend)
+    merge_attn_states(out, o_c, lse_c, new, lse_n)
+    return out
