@@ -40,8 +40,12 @@ WORKLOADS = (
     "64 hits q16,8 hits q64-128,32 hits q128,32 hits q200,16 hits q256 1K-8K,"
     "1 hit q8 ,1 hit q32 ,1 hit q128 ,24 hits"
 )
-# (BLOCK_M, BLOCK_N, splits; None: the default, two programs per SM)
-CONFIGS = [(64, 64, None), (128, 64, None), (16, 64, None), (64, 32, None)]
+# (BLOCK_M, BLOCK_N, warps): sm_90 registers and stack per thread, shared memory per
+# program (benchmarks/sass_report.py's compile, Triton 3.6, 3bit_nc D 128): (64, 64, 4)
+# 255 / 1784 B / 161 KB (the default), (64, 32, 8) 255 / 104 B / 117 KB, (128, 32, 8)
+# 255 / 0 / 177 KB, (16, 32, 4) 255 / 24 B / 69 KB. Each at the default splits (two
+# programs per SM), then the fastest at SPLITS.
+CONFIGS = [(64, 64, 4), (64, 32, 8), (128, 32, 8), (16, 32, 4)]
 SPLITS = [1, 4, 16, 64]
 
 
@@ -60,6 +64,17 @@ def kernel_ms(call, calls=10):
     return total["all"]
 
 
+def time_part(cached_part, tried, compiled, bm, bn, warps, splits):
+    """tried[(bm, bn, warps, splits)] <- the cached part's kernel ms at that launch;
+    compiled[(bm, bn, warps)] <- its registers and spills."""
+    info = {}
+    part = functools.partial(
+        cached_part, block_m=bm, block_n=bn, num_warps=warps, splits=splits, info=info
+    )
+    tried[(bm, bn, warps, splits)] = kernel_ms(part)
+    compiled[(bm, bn, warps)] = info
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir", nargs="?", default=".")
@@ -76,8 +91,8 @@ def main():
     rows = []
     print(
         "| workload | shape | q x G | floor ms | window path | fused (best) | best "
-        "config | cached part | window / floor | fused / floor | error fused / "
-        "window |\n|---|---|---|---|---|---|---|---|---|---|---|",
+        "config | cached part | regs / spills | window / floor | fused / floor | error "
+        "fused / window |\n|---|---|---|---|---|---|---|---|---|---|---|---|",
         flush=True,
     )
     for wl in tqdm(chosen, desc="workloads", unit="workload"):
@@ -139,20 +154,19 @@ def main():
         )
         floor_ms = kernel_ms(floor)
         window_ms = kernel_ms(window_path)
-        tried = {}
-        for bm, bn, s in CONFIGS:
-            cfg = dict(block_m=bm, block_n=bn, splits=s)
-            tried[(bm, bn, s)] = kernel_ms(functools.partial(cached_part, **cfg))
-        bm, bn, _ = min(tried, key=tried.get)
-        for s in SPLITS:
-            cfg = dict(block_m=bm, block_n=bn, splits=s)
-            tried[(bm, bn, s)] = kernel_ms(functools.partial(cached_part, **cfg))
+        tried, compiled = {}, {}
+        for bm, bn, w in CONFIGS:  # at the default splits
+            time_part(cached_part, tried, compiled, bm, bn, w, None)
+        bm, bn, w, _ = min(tried, key=tried.get)
+        for s in SPLITS:  # the fastest at each of SPLITS
+            time_part(cached_part, tried, compiled, bm, bn, w, s)
         best = min(tried, key=tried.get)
-        # the whole fused call at the default configuration (its splits) and the cached
-        # part's best; what the best would make of the whole is fused - cached + best
+        # the whole fused call at the default configuration and the cached part's
+        # best; what the best would make of the whole is fused - cached + best
         fused_ms = kernel_ms(fused)
-        default_part = tried[(64, 64, None)]
+        default_part = tried[(*CONFIGS[0], None)]
         fused_best = fused_ms - default_part + tried[best]
+        info = compiled[best[:3]]
         # exactness against the float64 oracle, per request of 4 query tokens or more
         out_w, out_f = window_path(), fused()
         worst = {"window": 0.0, "fused": 0.0}
@@ -185,19 +199,21 @@ def main():
             fused_best_ms=fused_best,
             best_config=list(best),
             cached_part_ms={str(k): v for k, v in tried.items()},
+            compiled={str(k): v for k, v in compiled.items()},
             worst_error=worst,
         )
         rows.append(row)
+        with open(os.path.join(a.out_dir, "fused-probe.json"), "w") as f:
+            json.dump(rows, f, indent=1)  # after each workload: a timeout keeps them
         ratio_s = f"{ratio:.2f}" if ratio is not None else "-"
         tqdm.write(
             f"| {wl.name} | {wl.shape} | {q_rows} | {floor_ms:.3f} | {window_ms:.3f} | "
             f"{fused_best:.3f} | {best} | {tried[best]:.3f} | "
+            f"{info.get('regs', '?')} / {info.get('spills', '?')} | "
             f"{window_ms / floor_ms:.2f} | {fused_best / floor_ms:.2f} | {ratio_s} |"
         )
         del b, k_full, v_full, ws
         torch.cuda.empty_cache()
-    with open(os.path.join(a.out_dir, "fused-probe.json"), "w") as f:
-        json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 shared memory, and the SASS instructions per cache slot, by kind (no device time).
 
     python benchmarks/sass_report.py [--preset P] [--head-dim D] [--kv-heads H]
-        [--chunk] [--config SLOTS,COLUMNS,WARPS[,SPLIT]] [--write both|values|keys]
+        [--chunk] [--config SLOTS,COLUMNS,WARPS[,SPLIT[,SYLVESTER]]]
+        [--write both|values|keys]
         [--sass FILE]
 
 The fill's arguments are the ones ``fill_window`` passes for the case (recorded from a

@@ -4,7 +4,10 @@ NaN in its request alone."""
 
 import pytest
 import torch
+from conftest import TRITON_OK
 
+from tq_chunked.dequant import halves_ok
+from tq_chunked.format import TQConfig
 from tq_chunked.fused import (
     cached_attention,
     combine_splits,
@@ -16,6 +19,9 @@ from tq_chunked.reference import (
 )
 from tq_chunked.testing import make_batch, rel_err
 
+pytestmark = pytest.mark.skipif(
+    not TRITON_OK, reason="the fused kernel is Triton only: a GPU or TRITON_INTERPRET=1"
+)
 REQUESTS = [
     (70, 4),
     (0, 5),
@@ -71,16 +77,28 @@ def test_every_request_is_within_the_full_paths_error(preset, dtype, layout):
         assert mine <= 1.1 * theirs, f"seed {seed}, request {r}: {mine} > {theirs}"
 
 
+def test_a_cache_at_an_odd_address_is_read_byte_by_byte_to_the_same_bits():
+    batch = make_batch(REQUESTS, "turboquant_4bit_nc", head_dim=32, seed=35)
+    even = fused(batch)
+    cache = batch.kv_cache
+    buf = torch.empty(cache.numel() + 1, dtype=torch.uint8, device=cache.device)
+    batch.kv_cache = buf[1:].view(cache.shape)
+    batch.kv_cache.copy_(cache)
+    assert not halves_ok(batch.kv_cache, TQConfig.from_preset("turboquant_4bit_nc", 32))
+    assert torch.equal(fused(batch), even), "seed 35"
+
+
 @pytest.mark.parametrize("splits", [1, 2, 7])
 def test_the_answer_does_not_depend_on_the_splits_beyond_rounding(splits):
     batch = make_batch(REQUESTS, head_dim=32, seed=31)
-    ref = oracle = None
+    out = fused(batch, splits=splits)
+    one = fused(batch, splits=1)
+    assert rel_err(out, one) < 1e-3, "seed 31"  # the fp16 rounding of the answer
     for r in range(len(REQUESTS)):
-        args = batch.request(r)
-        oracle = oracle_continuation_prefill(*args, **batch.kwargs)
         q0, q1 = batch.query_start_loc[r], batch.query_start_loc[r + 1]
-        ref = fused(batch, splits=splits)[q0:q1]
-        assert rel_err(ref, oracle) < 2e-3, f"seed 31, request {r}, splits {splits}"
+        oracle = oracle_continuation_prefill(*batch.request(r), **batch.kwargs)
+        err = rel_err(out[q0:q1], oracle)
+        assert err < 2e-3, f"seed 31, request {r}, splits {splits}: {err}"
 
 
 def test_a_bad_block_id_is_nan_in_its_request_alone():
@@ -155,3 +173,18 @@ def test_decode_like_hits_on_the_gpu_are_within_the_full_paths_error(preset, dty
         full = full_buffer_continuation_prefill(*args, **batch.kwargs)
         mine, theirs = rel_err(out[q0:q1], oracle), rel_err(full, oracle)
         assert mine <= 1.1 * theirs, f"seed {seed}, request {r}: {mine} > {theirs}"
+
+
+def test_bf16_queries_beyond_the_fp16_range_are_scaled_not_overflowed():
+    batch = make_batch(
+        REQUESTS, "turboquant_k8v4", torch.bfloat16, head_dim=32, seed=36
+    )
+    batch.query[0, 0, 0] = 7e4  # above fp16's largest, 65504
+    batch.query[1, 1] *= 2.0**-20  # and a row of tiny elements
+    out = fused(batch)
+    assert not out.isnan().any(), "seed 36"
+    q0, q1 = batch.query_start_loc[0], batch.query_start_loc[1]
+    args = batch.request(0)
+    oracle = oracle_continuation_prefill(*args, **batch.kwargs)
+    full = full_buffer_continuation_prefill(*args, **batch.kwargs, backend="torch")
+    assert rel_err(out[q0:q1], oracle) <= 1.1 * rel_err(full, oracle), "seed 36"

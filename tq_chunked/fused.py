@@ -13,23 +13,28 @@ over keys and values [0, c_r) of the cache (no causal mask: every cached token p
 every query token), as (out, lse) partial results over ``splits`` ranges of positions,
 combined into one (out, lse) per query row and head.
 ``fused_continuation_prefill_varlen`` adds the chunk's own causal attention
-(``attention.varlen_attention``) and merges the two (``merge.merge_attn_states``): the
-answer of ``continuation_prefill_varlen``.
+(``attention.varlen_attention``) and merges the two (``merge.merge_attn_states``): what
+``continuation_prefill_varlen`` computes, rounded differently (below).
 
 Exactness: MSE keys are cached rotated, ``k_rot = k @ rotation^T``, so ``q . k = (q @
-rotation^T) . k_rot``. The query is rotated once in float32, then split into an fp16
-part and an fp16 remainder, and each score is two dots of exact products with the
-cached key as vLLM's dequant rounds it (fp16), summed in float32: the un-rotated key is
-never rounded (the full path's second rounding). Values are rounded to fp16 as vLLM
-writes them; the probabilities are split the same way (FlashAttention rounds them to
-the query's dtype). In the memory-bound regime this kernel is for, the second dots
+rotation^T) . k_rot``. The query is rotated once in float32, each row scaled by a power
+of two into fp16's range, then split into an fp16 part and an fp16 remainder (22 bits
+relative to the row's largest element), and each score is two dots of exact products
+with the cached key as vLLM's dequant rounds it (fp16), accumulated by the tensor cores
+(float32 on the interpreter): the un-rotated key is never rounded (the full path's
+second rounding). Values are rounded to fp16 as vLLM writes them; the probabilities are
+split the same way (FlashAttention rounds them to the query's dtype). With bf16 queries
+the full path also rounds K and V to bf16, and this kernel does not: its answer is not
+the full path's bit for bit, and its error against the float64 oracle is smaller
+(tests/test_fused.py). In the memory-bound regime this kernel is for, the second dots
 cost no bytes. A block id outside ``[0, num_blocks)`` is not read; its request's rows
 are NaN.
 
 Layouts and dtypes as ``continuation_prefill_varlen``; what this prototype does not do
 yet: the float32 query rotation, the split results and their combine are allocated per
-call (PyTorch), not carved from the workspace; lengths are host lists; the cache is read
-byte by byte where the fill reads 16-bit words.
+call (PyTorch), not carved from the workspace; lengths are host lists, uploaded per
+call. The cache is read as the fill reads it: in 16-bit loads where ``halves_ok``, byte
+by byte otherwise.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import triton.language as tl
 
 from ._utils import interpreting
 from .attention import make_call, resolve_backend, varlen_attention
-from .dequant import _fp16_at, _unpack, fp8_e4b15_for
+from .dequant import _fp16_at, _unpack, _unpack_halves, fp8_e4b15_for, halves_ok
 from .format import resolve_config
 from .merge import merge_attn_states
 
@@ -86,6 +91,8 @@ def _cached_attention_kernel(
     VALUE_INDEX_BYTES: tl.constexpr,
     NORM_CORRECTION: tl.constexpr,
     FP8_E4B15: tl.constexpr,
+    # the cache read in 16-bit loads (dequant.halves_ok)
+    HALVES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     # float32 dot operands (the interpreter: numpy's fp16 products)
@@ -112,7 +119,16 @@ def _cached_attention_kernel(
             mask=row_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
-        # q = hi + lo exactly to 22 bits: two dots of exact fp16 products
+        # each row scaled by the power of two at or below its largest |element| (bits
+        # of the float32: exact), so that hi + lo below fits fp16 whatever the query's
+        # range; the scale goes back into the score's one multiplication
+        amax = tl.max(tl.abs(q), 1)
+        pw = (amax.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        pw = tl.where(pw == 0, 1.0, pw)  # a row of zeros or subnormals: as it is
+        q = tl.math.div_rn(q, pw[:, None])
+        row_scale = pw * qk_scale
+        # q = hi + lo to 22 bits relative to the row's largest element: two dots of
+        # exact fp16 products
         q_hi = q.to(tl.float16)
         q_lo = (q - q_hi.to(tl.float32)).to(tl.float16)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2
@@ -141,17 +157,36 @@ def _cached_attention_kernel(
             )
             ok2 = ok[:, None]
             sp = cache_ptr + slot[:, None]  # (BLOCK_N, 1)
+            hp = sp.to(tl.pointer_type(tl.uint16))  # with HALVES: 16-bit loads
             # keys (BLOCK_N, BLOCK_D), as vLLM's dequant rounds them
             if KEY_BITS == 8:
-                raw = tl.load(sp + d[None, :], mask=ok2 & d_ok[None, :], other=0)
+                if HALVES:
+                    dh = tl.arange(0, BLOCK_D // 2)[None, :]
+                    h = tl.load(hp + dh, mask=ok2 & (2 * dh < D), other=0)
+                    raw = tl.reshape(
+                        tl.join((h & 0xFF).to(tl.uint8), (h >> 8).to(tl.uint8)),
+                        [BLOCK_N, BLOCK_D],
+                    )
+                else:
+                    raw = tl.load(sp + d[None, :], mask=ok2 & d_ok[None, :], other=0)
                 if FP8_E4B15:
                     k = raw.to(tl.float8e4b15, bitcast=True).to(tl.float32)
                 else:
                     k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
                 k = tl.where(bad[:, None], nan, k)
             else:
-                idx = _unpack(sp, ok2, D, KEY_BITS, BLOCK_D)
-                norm = tl.reshape(_fp16_at(sp + KEY_INDEX_BYTES, ok2), [BLOCK_N])
+                if HALVES:
+                    idx = _unpack_halves(hp, ok2, D, KEY_BITS, BLOCK_D)
+                    norm = tl.load(
+                        (cache_ptr + slot + KEY_INDEX_BYTES).to(
+                            tl.pointer_type(tl.float16)
+                        ),
+                        mask=ok,
+                        other=0,
+                    ).to(tl.float32)
+                else:
+                    idx = _unpack(sp, ok2, D, KEY_BITS, BLOCK_D)
+                    norm = tl.reshape(_fp16_at(sp + KEY_INDEX_BYTES, ok2), [BLOCK_N])
                 c = tl.load(centroids_ptr + idx * s_centroid)
                 if NORM_CORRECTION:
                     c64 = c.to(tl.float64)
@@ -167,17 +202,28 @@ def _cached_attention_kernel(
             else:
                 s = tl.dot(q_lo, kt, out_dtype=tl.float32)
                 s = tl.dot(q_hi, kt, s, out_dtype=tl.float32)
-            s = tl.where(in_c[None, :], s * qk_scale, float("-inf"))
+            s = tl.where(in_c[None, :], s * row_scale[:, None], float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             # values (BLOCK_N, BLOCK_D): index * scale + zero, rounded to fp16
+            # (with HALVES, columns past D are the group's next bytes: never stored)
             vp = sp + KEY_BYTES
-            vidx = _unpack(vp, ok2, D, VALUE_BITS, BLOCK_D)
-            scale = tl.reshape(_fp16_at(vp + VALUE_INDEX_BYTES, ok2), [BLOCK_N])
-            zero = tl.reshape(_fp16_at(vp + VALUE_INDEX_BYTES + 2, ok2), [BLOCK_N])
+            if HALVES:
+                vidx = _unpack_halves(
+                    vp.to(tl.pointer_type(tl.uint16)), ok2, D, VALUE_BITS, BLOCK_D
+                )
+                sz = (cache_ptr + slot + KEY_BYTES + VALUE_INDEX_BYTES).to(
+                    tl.pointer_type(tl.float16)
+                )
+                scale = tl.load(sz, mask=ok, other=0).to(tl.float32)
+                zero = tl.load(sz + 1, mask=ok, other=0).to(tl.float32)
+            else:
+                vidx = _unpack(vp, ok2, D, VALUE_BITS, BLOCK_D)
+                scale = tl.reshape(_fp16_at(vp + VALUE_INDEX_BYTES, ok2), [BLOCK_N])
+                zero = tl.reshape(_fp16_at(vp + VALUE_INDEX_BYTES + 2, ok2), [BLOCK_N])
             scale = tl.where(bad, nan, scale)
             v = (vidx.to(tl.float32) * scale[:, None] + zero[:, None]).to(tl.float16)
             # p = hi + lo too: the probabilities are not rounded either
@@ -201,7 +247,7 @@ def _cached_attention_kernel(
         )
         tl.store(
             o_ptr
-            + split * s_o_split
+            + split.to(tl.int64) * s_o_split
             + tok[:, None] * s_o_tok
             + head[:, None] * s_o_head
             + d[None, :],
@@ -209,7 +255,9 @@ def _cached_attention_kernel(
             mask=row_ok[:, None] & d_ok[None, :],
         )
         tl.store(
-            lse_ptr + split * s_lse_split + head * s_lse_head + tok, lse, mask=row_ok
+            lse_ptr + split.to(tl.int64) * s_lse_split + head * s_lse_head + tok,
+            lse,
+            mask=row_ok,
         )
 
 
@@ -225,9 +273,8 @@ def combine_splits(o: torch.Tensor, lse: torch.Tensor):
     out = torch.where((den == 0).T[..., None], torch.zeros_like(out), out)
     total = torch.where(den == 0, float("-inf"), m_safe + torch.log(den))
     nan = torch.isnan(m)
-    return torch.where(nan.T[..., None], float("nan"), out), torch.where(
-        nan, float("nan"), total
-    )
+    out = torch.where(nan.T[..., None], float("nan"), out).contiguous()
+    return out, torch.where(nan, float("nan"), total)
 
 
 def cached_attention(
@@ -244,6 +291,8 @@ def cached_attention(
     splits: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    info: dict | None = None,
 ):
     """(out (N, Hq, D) float32, lse (Hq, N) float32): each request's query rows against
     its cached keys and values [0, cached_lens[r]) read from the paged cache.
@@ -252,8 +301,16 @@ def cached_attention(
     Hk, slot_bytes), unit stride over slot bytes. block_table: int32 (B, max_blocks).
     query_start_loc: B + 1 host ints; cached_lens: B host ints. splits: ranges of
     positions per (request, kv head), each its own program (default: enough programs
-    for two per SM). Arguments are trusted (the prototype's callers validate).
+    for two per SM). block_m (query rows x heads of a group), block_n (positions),
+    num_warps: the launch (default 64, 64, 4 on a GPU; 16, 16 in the interpreter).
+    info: a dict given here receives the compiled kernel's registers and spills.
+    Tensors and lengths are trusted (the prototype's callers validate them).
     """
+    for name, x in (("block_m", block_m), ("block_n", block_n)):
+        if x is not None and (x < 16 or x & (x - 1)):
+            raise ValueError(f"{name} must be a power of two >= 16, got {x}")
+    if splits is not None and splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
     n, hq, d = query.shape
     cfg = resolve_config(preset, d)
     hk = kv_cache.shape[2]
@@ -268,16 +325,19 @@ def cached_attention(
     interp = interpreting() or not query.is_cuda
     block_n = block_n or (16 if interp else 64)
     block_m = block_m or (16 if interp else 64)
-    block_m = max(block_m, 16)
     longest = max(cached_lens, default=0)
-    if splits is None:
+    if splits is None:  # two programs per SM, counting the row tiles
         sms = (
             132
             if interp
             else torch.cuda.get_device_properties(dev).multi_processor_count
         )
-        tiles = max(1, b * hk)
-        splits = max(1, min(triton.cdiv(2 * sms, tiles), triton.cdiv(longest, block_n)))
+        tiles = hk * sum(
+            triton.cdiv((query_start_loc[i + 1] - query_start_loc[i]) * group, block_m)
+            for i in range(b)
+        )
+        splits = min(triton.cdiv(2 * sms, max(tiles, 1)), triton.cdiv(longest, block_n))
+        splits = max(1, splits)
     split_len = triton.cdiv(triton.cdiv(max(longest, 1), splits), block_n) * block_n
     if n == 0 or b == 0:
         return torch.zeros(n, hq, d, device=dev), torch.full(
@@ -290,7 +350,7 @@ def cached_attention(
     if centroids is None:
         centroids = torch.zeros(1, device=dev)
     grid = (b, triton.cdiv(max_rows * group, block_m), hk * splits)
-    _cached_attention_kernel[grid](
+    compiled = _cached_attention_kernel[grid](
         q,
         kv_cache,
         block_table,
@@ -328,11 +388,14 @@ def cached_attention(
         VALUE_INDEX_BYTES=cfg.value_index_bytes,
         NORM_CORRECTION=cfg.norm_correction,
         FP8_E4B15=cfg.key_fp8 and fp8_e4b15_for(dev),
+        HALVES=halves_ok(kv_cache, cfg),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_F32=interp,
-        num_warps=4,
+        num_warps=num_warps or 4,
     )
+    if info is not None and compiled is not None:  # (the interpreter compiles nothing)
+        info.update(regs=compiled.n_regs, spills=compiled.n_spills)
     return combine_splits(o, lse)
 
 
