@@ -416,9 +416,10 @@ def fused_continuation_prefill_varlen(
     backend="auto",
     out=None,
 ):
-    """``continuation_prefill_varlen``'s answer (N, Hq, D) in the query's dtype: the
-    cached prefix through ``cached_attention``, the chunk's own tokens (key, value:
-    (N, Hk, D)) through one causal varlen call, merged. Host lengths."""
+    """What ``continuation_prefill_varlen`` computes (rounded differently: the module
+    docstring), (N, Hq, D) in the query's dtype: the cached prefix through
+    ``cached_attention``, the chunk's own tokens (key, value: (N, Hk, D)) through one
+    causal varlen call, merged. Host lengths."""
     b = len(seq_lens)
     q_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(b)]
     cached = [seq_lens[i] - q_lens[i] for i in range(b)]
