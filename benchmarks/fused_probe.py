@@ -16,13 +16,11 @@ writes fused-probe.json; NOTES.md §25 has the prediction.
 
 import argparse
 import functools
-import itertools
 import json
 import os
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from breakdown import floor_of, profile_ms
 from tqdm import tqdm
 
 from tq_chunked import continuation_prefill_varlen, default_window, workspace_bytes
@@ -42,26 +40,16 @@ WORKLOADS = (
 )
 # (BLOCK_M, BLOCK_N, warps): sm_90 registers and stack per thread, shared memory per
 # program (benchmarks/sass_report.py's compile, Triton 3.6, 3bit_nc D 128): (64, 64, 4)
-# 255 / 1784 B / 161 KB (the default), (64, 32, 8) 255 / 104 B / 117 KB, (128, 32, 8)
-# 255 / 0 / 177 KB, (16, 32, 4) 255 / 24 B / 69 KB. Each at the default splits (two
+# 255 / 2312 B / 161 KB (the default), (64, 32, 8) 255 / 320 B / 117 KB, (128, 32, 8)
+# 255 / 104 B / 177 KB, (16, 32, 4) 255 / 104 B / 69 KB. Each at the default splits (two
 # programs per SM), then the fastest at SPLITS.
 CONFIGS = [(64, 64, 4), (64, 32, 8), (128, 32, 8), (16, 32, 4)]
 SPLITS = [1, 4, 16, 64]
 
 
-def kernel_ms(call, calls=10):
+def kernel_ms(call):
     """GPU kernel time per call: every kernel's time, summed (host gaps excluded)."""
-    call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-    total = defaultdict(float)
-    for e in prof.key_averages():
-        if e.device_type.name == "CUDA" and e.self_device_time_total > 0:
-            total["all"] += e.self_device_time_total / 1e3 / calls
-    return total["all"]
+    return sum(profile_ms(call).values())
 
 
 def time_part(cached_part, tried, compiled, bm, bn, warps, splits):
@@ -80,8 +68,6 @@ def main():
     p.add_argument("out_dir", nargs="?", default=".")
     p.add_argument("--workloads", default=WORKLOADS)
     a = p.parse_args()
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
-
     prefixes = [x for x in a.workloads.split(",") if x]
     chosen = [
         w
@@ -102,25 +88,7 @@ def main():
         qsl, lens = b["query_start_loc"], b["seq_lens"]
         qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
         lens_cpu = torch.tensor(lens, dtype=torch.int32)
-        k_full = torch.randn(sum(lens), hk, d, device="cuda", dtype=dtype)
-        v_full = torch.randn_like(k_full)
-        cu_k = torch.tensor(
-            [0] + list(itertools.accumulate(lens)), dtype=torch.int32, device="cuda"
-        )
-        max_q = max(q for _, q in wl.requests)
-        floor = functools.partial(
-            flash_attn_varlen_func,
-            b["query"],
-            k_full,
-            v_full,
-            max_q,
-            qsl_cpu.cuda(),
-            max(lens),
-            cu_k,
-            softmax_scale=d**-0.5,
-            causal=True,
-            fa_version=3,
-        )
+        floor = floor_of(b, hk, d, dtype)
         n = b["query"].shape[0]
         w = default_window(hk, d, 16)
         ws = torch.empty(
@@ -186,7 +154,7 @@ def main():
             worst["window"] = max(worst["window"], rel_err(out_w[q0:q1], ref))
             worst["fused"] = max(worst["fused"], rel_err(out_f[q0:q1], ref))
         ratio = worst["fused"] / worst["window"] if worst["window"] else None
-        q_rows = max_q * hq // hk
+        q_rows = max(q for _, q in wl.requests) * hq // hk
         row = dict(
             workload=wl.name,
             shape=wl.shape,
@@ -212,7 +180,7 @@ def main():
             f"{info.get('regs', '?')} / {info.get('spills', '?')} | "
             f"{window_ms / floor_ms:.2f} | {fused_best / floor_ms:.2f} | {ratio_s} |"
         )
-        del b, k_full, v_full, ws
+        del b, floor, ws
         torch.cuda.empty_cache()
 
 

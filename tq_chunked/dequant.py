@@ -145,6 +145,119 @@ def _to_window(x, OUT_BF16: tl.constexpr, ROUND_BF16: tl.constexpr):
 
 
 @triton.jit
+def _slot_values(
+    cache_ptr,
+    slot,
+    ok,
+    bad,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KEY_BYTES: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
+    VALUE_INDEX_BYTES: tl.constexpr,
+    HALVES: tl.constexpr,
+):
+    """(M, BLOCK_D) float32 values of the slots whose first bytes are at ``slot`` (M,)
+    where ``ok`` (nothing read elsewhere): index * scale + zero; NaN rows where ``bad``
+    (through the scale). With HALVES, columns past D are unspecified
+    (_unpack_halves)."""
+    M: tl.constexpr = slot.shape[0]
+    ok2 = ok[:, None]
+    vslot = slot + KEY_BYTES
+    if HALVES:
+        vidx = _unpack_halves(
+            (cache_ptr + vslot[:, None]).to(tl.pointer_type(tl.uint16)),
+            ok2,
+            D,
+            VALUE_BITS,
+            BLOCK_D,
+        )
+        sz = (cache_ptr + vslot + VALUE_INDEX_BYTES).to(tl.pointer_type(tl.float16))
+        scale = tl.load(sz, mask=ok, other=0).to(tl.float32)
+        zero = tl.load(sz + 1, mask=ok, other=0).to(tl.float32)
+    else:
+        vptr = cache_ptr + vslot[:, None]
+        vidx = _unpack(vptr, ok2, D, VALUE_BITS, BLOCK_D)
+        scale = _fp16_at(vptr + VALUE_INDEX_BYTES, ok2)
+        zero = _fp16_at(vptr + VALUE_INDEX_BYTES + 2, ok2)
+        scale, zero = tl.reshape(scale, [M]), tl.reshape(zero, [M])
+    scale = tl.where(bad, float("nan"), scale)
+    return vidx.to(tl.float32) * scale[:, None] + zero[:, None]
+
+
+@triton.jit
+def _slot_keys(
+    cache_ptr,
+    slot,
+    ok,
+    bad,
+    centroids_ptr,
+    s_centroid,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    KEY_INDEX_BYTES: tl.constexpr,
+    NORM_CORRECTION: tl.constexpr,
+    FP8_E4B15: tl.constexpr,
+    HALVES: tl.constexpr,
+):
+    """(M, BLOCK_D) float32 keys of the slots at ``slot`` (M,) where ``ok``, as cached
+    (MSE keys rotated): fp8 bytes, or norm * centroid (with NORM_CORRECTION, the
+    centroids' row scaled to unit norm first); NaN rows where ``bad`` (through the
+    norm; fp8 keys: set). Columns past D are 0."""
+    M: tl.constexpr = slot.shape[0]
+    ok2 = ok[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    if KEY_BITS == 8:
+        if HALVES:
+            dh = tl.arange(0, BLOCK_D // 2)[None, :]
+            h = tl.load(
+                (cache_ptr + slot[:, None]).to(tl.pointer_type(tl.uint16)) + dh,
+                mask=ok2 & (2 * dh < D),
+                other=0,
+            )
+            raw = tl.reshape(
+                tl.join((h & 0xFF).to(tl.uint8), (h >> 8).to(tl.uint8)),
+                [M, BLOCK_D],
+            )
+        else:
+            raw = tl.load(cache_ptr + slot[:, None] + d, mask=ok2 & (d < D), other=0)
+        if FP8_E4B15:
+            k = raw.to(tl.float8e4b15, bitcast=True).to(tl.float32)
+        else:
+            k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        k = tl.where(bad[:, None], float("nan"), k)
+    else:
+        if HALVES:
+            idx = _unpack_halves(
+                (cache_ptr + slot[:, None]).to(tl.pointer_type(tl.uint16)),
+                ok2,
+                D,
+                KEY_BITS,
+                BLOCK_D,
+            )
+            norm = tl.load(
+                (cache_ptr + slot + KEY_INDEX_BYTES).to(tl.pointer_type(tl.float16)),
+                mask=ok,
+                other=0,
+            ).to(tl.float32)
+        else:
+            idx = _unpack(cache_ptr + slot[:, None], ok2, D, KEY_BITS, BLOCK_D)
+            norm = tl.reshape(
+                _fp16_at(cache_ptr + slot[:, None] + KEY_INDEX_BYTES, ok2), [M]
+            )
+        # indices are in range whatever the bytes: the table is read unmasked
+        c = tl.load(centroids_ptr + idx * s_centroid)
+        if NORM_CORRECTION:
+            c64 = c.to(tl.float64)
+            sumsq = tl.sum(c64 * c64, axis=1).to(tl.float32)
+            inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(sumsq + 1e-16))
+            c = c * inv[:, None]
+        k = tl.where(bad, float("nan"), norm)[:, None] * c
+    return k
+
+
+@triton.jit
 def _with_new_rows(x, ptr, mask, chunk):
     """``x`` with the rows of new tokens (``chunk``) read at ``ptr`` (the chunk's key
     or value; ``mask`` off reads nothing and gives 0: a gap's zeros)."""
@@ -291,11 +404,9 @@ def _fill_kernel(
         + (head0 + head) * s_cache_head,
         0,
     )
-    ok2 = ok[:, None]
     row = t.to(tl.int64)[:, None]  # (M, 1) window row
     h2 = head[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]  # (1, BLOCK_D)
-    nan = float("nan")
     if HAS_CHUNK:
         # row of key/value; < 0 in a gap
         crow = (tl.load(fields + 3 * nseg) + off - cached).to(tl.int64)
@@ -310,28 +421,19 @@ def _fill_kernel(
 
     # Values: index * scale + zero; a bad block id gives NaN through its scale
     if WRITE_V and ((part == 0) | (not SPLIT)):
-        vslot = slot + KEY_BYTES
-        if HALVES:
-            vidx = _unpack_halves(
-                (cache_ptr + vslot[:, None]).to(tl.pointer_type(tl.uint16)),
-                ok2,
-                D,
-                VALUE_BITS,
-                BLOCK_D,
-            )
-            sz = (cache_ptr + vslot + VALUE_INDEX_BYTES).to(tl.pointer_type(tl.float16))
-            scale = tl.load(sz, mask=ok, other=0).to(tl.float32)
-            zero = tl.load(sz + 1, mask=ok, other=0).to(tl.float32)
-        else:
-            vptr = cache_ptr + vslot[:, None]
-            vidx = _unpack(vptr, ok2, D, VALUE_BITS, BLOCK_D)
-            scale = _fp16_at(vptr + VALUE_INDEX_BYTES, ok2)
-            zero = _fp16_at(vptr + VALUE_INDEX_BYTES + 2, ok2)
-            scale, zero = tl.reshape(scale, [M]), tl.reshape(zero, [M])
-        scale = tl.where(bad, nan, scale)
-        vw = _to_window(
-            vidx.to(tl.float32) * scale[:, None] + zero[:, None], OUT_BF16, ROUND_BF16
+        v = _slot_values(
+            cache_ptr,
+            slot,
+            ok,
+            bad,
+            D,
+            BLOCK_D,
+            KEY_BYTES,
+            VALUE_BITS,
+            VALUE_INDEX_BYTES,
+            HALVES,
         )
+        vw = _to_window(v, OUT_BF16, ROUND_BF16)
         if HAS_CHUNK:  # noqa: SIM102 (new_rows exists only then)
             if new_rows:
                 vc = value_ptr + crow * s_val_tok + (head0 + h2) * s_val_head
@@ -344,56 +446,21 @@ def _fill_kernel(
 
     # Keys; a bad block id gives NaN through its norm (fp8 keys: set)
     if WRITE_K and ((part == 1) | (not SPLIT)):
-        if KEY_BITS == 8:
-            if HALVES:
-                dh = tl.arange(0, BLOCK_D // 2)[None, :]
-                h = tl.load(
-                    (cache_ptr + slot[:, None]).to(tl.pointer_type(tl.uint16)) + dh,
-                    mask=ok2 & (2 * dh < D),
-                    other=0,
-                )
-                raw = tl.reshape(
-                    tl.join((h & 0xFF).to(tl.uint8), (h >> 8).to(tl.uint8)),
-                    [M, BLOCK_D],
-                )
-            else:
-                raw = tl.load(
-                    cache_ptr + slot[:, None] + d, mask=ok2 & (d < D), other=0
-                )
-            if FP8_E4B15:
-                k = raw.to(tl.float8e4b15, bitcast=True).to(tl.float32)
-            else:
-                k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            k = tl.where(bad[:, None], nan, k)
-        else:
-            if HALVES:
-                idx = _unpack_halves(
-                    (cache_ptr + slot[:, None]).to(tl.pointer_type(tl.uint16)),
-                    ok2,
-                    D,
-                    KEY_BITS,
-                    BLOCK_D,
-                )
-                norm = tl.load(
-                    (cache_ptr + slot + KEY_INDEX_BYTES).to(
-                        tl.pointer_type(tl.float16)
-                    ),
-                    mask=ok,
-                    other=0,
-                ).to(tl.float32)
-            else:
-                idx = _unpack(cache_ptr + slot[:, None], ok2, D, KEY_BITS, BLOCK_D)
-                norm = tl.reshape(
-                    _fp16_at(cache_ptr + slot[:, None] + KEY_INDEX_BYTES, ok2), [M]
-                )
-            # indices are in range whatever the bytes: the table is read unmasked
-            c = tl.load(centroids_ptr + idx * s_centroid)
-            if NORM_CORRECTION:
-                c64 = c.to(tl.float64)
-                sumsq = tl.sum(c64 * c64, axis=1).to(tl.float32)
-                inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(sumsq + 1e-16))
-                c = c * inv[:, None]
-            k = tl.where(bad, nan, norm)[:, None] * c
+        k = _slot_keys(
+            cache_ptr,
+            slot,
+            ok,
+            bad,
+            centroids_ptr,
+            s_centroid,
+            D,
+            BLOCK_D,
+            KEY_BITS,
+            KEY_INDEX_BYTES,
+            NORM_CORRECTION,
+            FP8_E4B15,
+            HALVES,
+        )
         if ROTATE:
             # k = fp16(k_rot) @ rotation, with split_rotation's parts: vLLM's
             # normalized Sylvester Hadamard (flags 3) in groups of 16 columns and a

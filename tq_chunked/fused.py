@@ -47,7 +47,7 @@ import triton.language as tl
 
 from ._utils import interpreting
 from .attention import make_call, resolve_backend, varlen_attention
-from .dequant import _fp16_at, _unpack, _unpack_halves, fp8_e4b15_for, halves_ok
+from .dequant import _slot_keys, _slot_values, fp8_e4b15_for, halves_ok
 from .format import resolve_config
 from .merge import merge_attn_states
 
@@ -136,7 +136,6 @@ def _cached_attention_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         start = split * split_len
         end = tl.minimum(cached, start + split_len)
-        nan = float("nan")
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             in_c = pos < end
@@ -155,45 +154,22 @@ def _cached_attention_kernel(
                 + kvh * s_cache_head,
                 0,
             )
-            ok2 = ok[:, None]
-            sp = cache_ptr + slot[:, None]  # (BLOCK_N, 1)
-            hp = sp.to(tl.pointer_type(tl.uint16))  # with HALVES: 16-bit loads
-            # keys (BLOCK_N, BLOCK_D), as vLLM's dequant rounds them
-            if KEY_BITS == 8:
-                if HALVES:
-                    dh = tl.arange(0, BLOCK_D // 2)[None, :]
-                    h = tl.load(hp + dh, mask=ok2 & (2 * dh < D), other=0)
-                    raw = tl.reshape(
-                        tl.join((h & 0xFF).to(tl.uint8), (h >> 8).to(tl.uint8)),
-                        [BLOCK_N, BLOCK_D],
-                    )
-                else:
-                    raw = tl.load(sp + d[None, :], mask=ok2 & d_ok[None, :], other=0)
-                if FP8_E4B15:
-                    k = raw.to(tl.float8e4b15, bitcast=True).to(tl.float32)
-                else:
-                    k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                k = tl.where(bad[:, None], nan, k)
-            else:
-                if HALVES:
-                    idx = _unpack_halves(hp, ok2, D, KEY_BITS, BLOCK_D)
-                    norm = tl.load(
-                        (cache_ptr + slot + KEY_INDEX_BYTES).to(
-                            tl.pointer_type(tl.float16)
-                        ),
-                        mask=ok,
-                        other=0,
-                    ).to(tl.float32)
-                else:
-                    idx = _unpack(sp, ok2, D, KEY_BITS, BLOCK_D)
-                    norm = tl.reshape(_fp16_at(sp + KEY_INDEX_BYTES, ok2), [BLOCK_N])
-                c = tl.load(centroids_ptr + idx * s_centroid)
-                if NORM_CORRECTION:
-                    c64 = c.to(tl.float64)
-                    sumsq = tl.sum(c64 * c64, axis=1).to(tl.float32)
-                    inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(sumsq + 1e-16))
-                    c = c * inv[:, None]
-                k = tl.where(bad, nan, norm)[:, None] * c
+            # keys (BLOCK_N, BLOCK_D) as cached, then as vLLM's dequant rounds them
+            k = _slot_keys(
+                cache_ptr,
+                slot,
+                ok,
+                bad,
+                centroids_ptr,
+                s_centroid,
+                D,
+                BLOCK_D,
+                KEY_BITS,
+                KEY_INDEX_BYTES,
+                NORM_CORRECTION,
+                FP8_E4B15,
+                HALVES,
+            )
             kt = tl.trans(k.to(tl.float16))  # (BLOCK_D, BLOCK_N)
             if DOT_F32:
                 kt = kt.to(tl.float32)
@@ -208,24 +184,20 @@ def _cached_attention_kernel(
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            # values (BLOCK_N, BLOCK_D): index * scale + zero, rounded to fp16
-            # (with HALVES, columns past D are the group's next bytes: never stored)
-            vp = sp + KEY_BYTES
-            if HALVES:
-                vidx = _unpack_halves(
-                    vp.to(tl.pointer_type(tl.uint16)), ok2, D, VALUE_BITS, BLOCK_D
-                )
-                sz = (cache_ptr + slot + KEY_BYTES + VALUE_INDEX_BYTES).to(
-                    tl.pointer_type(tl.float16)
-                )
-                scale = tl.load(sz, mask=ok, other=0).to(tl.float32)
-                zero = tl.load(sz + 1, mask=ok, other=0).to(tl.float32)
-            else:
-                vidx = _unpack(vp, ok2, D, VALUE_BITS, BLOCK_D)
-                scale = tl.reshape(_fp16_at(vp + VALUE_INDEX_BYTES, ok2), [BLOCK_N])
-                zero = tl.reshape(_fp16_at(vp + VALUE_INDEX_BYTES + 2, ok2), [BLOCK_N])
-            scale = tl.where(bad, nan, scale)
-            v = (vidx.to(tl.float32) * scale[:, None] + zero[:, None]).to(tl.float16)
+            # values (BLOCK_N, BLOCK_D), rounded to fp16 as vLLM writes them (with
+            # HALVES, columns past D are the group's next bytes: never stored)
+            v = _slot_values(
+                cache_ptr,
+                slot,
+                ok,
+                bad,
+                D,
+                BLOCK_D,
+                KEY_BYTES,
+                VALUE_BITS,
+                VALUE_INDEX_BYTES,
+                HALVES,
+            ).to(tl.float16)
             # p = hi + lo too: the probabilities are not rounded either
             p_hi = p.to(tl.float16)
             p_lo = (p - p_hi.to(tl.float32)).to(tl.float16)
