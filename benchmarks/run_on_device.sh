@@ -14,6 +14,8 @@
 #   bash benchmarks/run_on_device.sh ncu       # no carry: Nsight Compute on the fill's cases
 #   bash benchmarks/run_on_device.sh fused     # carry .gpu-carry: the fused prototype's tests,
 #                                              #   then it beside the window path and the floor
+#   bash benchmarks/run_on_device.sh ncu-fused # carry .gpu-carry: Nsight Compute on the fused
+#                                              #   prototype (FUSED_WORKLOADS; the 2nd, 3rd, 4th launch)
 #   bash benchmarks/run_on_device.sh upstream  # carry CARRY (default .gpu-carry) and
 #                                              #   .vllm-envs/vllm-$VLLM_TESTS_VERSION/src: vLLM's own
 #                                              #   TurboQuant tests on the vendored tree
@@ -53,7 +55,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|fused|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|forward ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|fused|ncu-fused|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|forward ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -92,6 +94,15 @@ for mode in "$@"; do
       carry .gpu-carry timeout "${FUSED_TIMEOUT:-300}" python3 benchmarks/fused_probe.py "$OUT" \
         ${FUSED_WORKLOADS:+--workloads "$FUSED_WORKLOADS"} 2>&1 | tee "$OUT/fused-probe.md" \
         | grep -E "^\||Error|error" | tail -20 ;;
+    ncu-fused)
+      carry .gpu-carry timeout 300 ncu --clock-control none --kernel-name regex:_cached_attention \
+        --launch-skip 1 --launch-count 3 --section SpeedOfLight --section LaunchStats \
+        --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+        --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters \
+        python3 benchmarks/fused_probe.py --ncu --workloads "${FUSED_WORKLOADS:-64 hits q16,1 hit q8 64K}" \
+        > "$OUT/ncu-fused.txt" 2>&1
+      grep -E "^  _cached|Duration|Registers Per|Achieved Occupancy|Memory Throughput|DRAM Throughput|Compute \(SM\)|Local|Warp Cycles|Issued Ipc|Executed Ipc|Block Limit" \
+        "$OUT/ncu-fused.txt" | head -40 ;;
     ncu)
       # the sections that say what bounds a kernel: throughput, occupancy, stall reasons
       timeout 300 ncu --clock-control none --kernel-name regex:_fill_kernel \

@@ -1,5 +1,6 @@
 """Attention over the cached prefix, read straight from the paged TurboQuant cache:
-no window, no fp16 K/V written (experimental; not dispatched, benchmarks/NOTES.md §25).
+no window, no fp16 K/V written (experimental, not dispatched: on the H200 machine it
+took 1.4-22x the window path's time, benchmarks/NOTES.md §25-26).
 
 Why: where a request's query rows per kv head (q_len x Hq / Hk) are few, attention is
 bound by the bytes of K/V. The window path writes the fp16 K/V of every cached token and
@@ -274,13 +275,18 @@ def cached_attention(
     query_start_loc: B + 1 host ints; cached_lens: B host ints. splits: ranges of
     positions per (request, kv head), each its own program (default: enough programs
     for two per SM). block_m (query rows x heads of a group), block_n (positions),
-    num_warps: the launch (default 64, 64, 4 on a GPU; 16, 16 in the interpreter).
-    info: a dict given here receives the compiled kernel's registers and spills.
+    num_warps: the launch (default 32, 64, 4 on a GPU; 16, 16 in the interpreter).
+    block_m is 16 or 32: Triton compiles a 64-row tile's dots to wgmma on sm_90, and
+    with Triton 3.6 on the H200 machine that launch gave NaN (D 32) and an illegal
+    address (D 128) where the same inputs at 16 or 32 rows (mma.sync) were right
+    (benchmarks/NOTES.md §26). info: a dict given here receives the compiled kernel's
+    registers, spills and whether its dots are wgmma.
     Tensors and lengths are trusted (the prototype's callers validate them).
     """
-    for name, x in (("block_m", block_m), ("block_n", block_n)):
-        if x is not None and (x < 16 or x & (x - 1)):
-            raise ValueError(f"{name} must be a power of two >= 16, got {x}")
+    if block_m is not None and block_m not in (16, 32):
+        raise ValueError(f"block_m must be 16 or 32, got {block_m}")
+    if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if splits is not None and splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
     n, hq, d = query.shape
@@ -296,7 +302,7 @@ def cached_attention(
         q = q @ rotation.float().T
     interp = interpreting() or not query.is_cuda
     block_n = block_n or (16 if interp else 64)
-    block_m = block_m or (16 if interp else 64)
+    block_m = block_m or (16 if interp else 32)
     longest = max(cached_lens, default=0)
     if splits is None:  # two programs per SM, counting the row tiles
         sms = (
@@ -367,7 +373,10 @@ def cached_attention(
         num_warps=num_warps or 4,
     )
     if info is not None and compiled is not None:  # (the interpreter compiles nothing)
-        info.update(regs=compiled.n_regs, spills=compiled.n_spills)
+        ptx = compiled.asm.get("ptx", "")
+        info.update(
+            regs=compiled.n_regs, spills=compiled.n_spills, wgmma="wgmma" in ptx
+        )
     return combine_splits(o, lse)
 
 
