@@ -182,7 +182,8 @@ def main():
         )
         rows.append(row)
         with open(os.path.join(a.out_dir, "fused-probe.json"), "w") as f:
-            json.dump(rows, f, indent=1)  # after each workload: a timeout keeps them
+            # after each workload: a timeout keeps them
+            json.dump({"probe": "fused", "rows": rows}, f, indent=1)
         ratio_s = f"{ratio:.2f}" if ratio is not None else "-"
         tqdm.write(
             f"| {wl.name} | {wl.shape} | {q_rows} | {floor_ms:.3f} | {window_ms:.3f} | "

@@ -16,6 +16,8 @@
 #                                              #   then it beside the window path and the floor
 #   bash benchmarks/run_on_device.sh ncu-fused # carry .gpu-carry: Nsight Compute on the fused
 #                                              #   prototype (FUSED_WORKLOADS; the 2nd, 3rd, 4th launch)
+#   bash benchmarks/run_on_device.sh ncu-fused-source # carry .gpu-carry: the same, per line
+#                                              #   of Python (instructions, stall samples; ncu_lines.py)
 #   bash benchmarks/run_on_device.sh upstream  # carry CARRY (default .gpu-carry) and
 #                                              #   .vllm-envs/vllm-$VLLM_TESTS_VERSION/src: vLLM's own
 #                                              #   TurboQuant tests on the vendored tree
@@ -55,7 +57,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|fused|ncu-fused|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|forward ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|fused|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|forward ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -103,6 +105,17 @@ for mode in "$@"; do
         > "$OUT/ncu-fused.txt" 2>&1
       grep -E "^  _cached|Duration|Registers Per|Achieved Occupancy|Memory Throughput|DRAM Throughput|Compute \(SM\)|Local|Warp Cycles|Issued Ipc|Executed Ipc|Block Limit" \
         "$OUT/ncu-fused.txt" | head -40 ;;
+    ncu-fused-source)
+      # where the prototype's instructions and stalls are, line by line of fused.py and
+      # dequant.py (Triton's line info); the report too, for the Nsight Compute GUI
+      carry .gpu-carry timeout 240 ncu --clock-control none --kernel-name regex:_cached_attention \
+        --launch-skip 1 --launch-count 1 --section SourceCounters --section WarpStateStats \
+        --section InstructionStats --import-source yes --export "$OUT/fused-source" \
+        python3 benchmarks/fused_probe.py --ncu --workloads "${FUSED_WORKLOADS:-1 hit q8 64K}" \
+        > "$OUT/ncu-fused-source.log" 2>&1
+      carry .gpu-carry ncu --import "$OUT/fused-source.ncu-rep" --page source \
+        --print-source cuda,sass --csv > "$OUT/ncu-fused-source.csv" 2>&1
+      python3 benchmarks/ncu_lines.py "$OUT/ncu-fused-source.csv" | tee "$OUT/fused-lines.md" | head -16 ;;
     ncu)
       # the sections that say what bounds a kernel: throughput, occupancy, stall reasons
       timeout 300 ncu --clock-control none --kernel-name regex:_fill_kernel \

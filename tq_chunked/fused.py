@@ -1,6 +1,6 @@
 """Attention over the cached prefix, read straight from the paged TurboQuant cache:
 no window, no fp16 K/V written (experimental, not dispatched: on the H200 machine it
-took 1.4-22x the window path's time, benchmarks/NOTES.md §25-26).
+took 1.3-22x the window path's time, benchmarks/NOTES.md §25-26).
 
 Why: where a request's query rows per kv head (q_len x Hq / Hk) are few, attention is
 bound by the bytes of K/V. The window path writes the fp16 K/V of every cached token and
@@ -32,10 +32,10 @@ cost no bytes. A block id outside ``[0, num_blocks)`` is not read; its request's
 are NaN.
 
 Layouts and dtypes as ``continuation_prefill_varlen``; what this prototype does not do
-yet: the float32 query rotation, the split results and their combine are allocated per
-call (PyTorch), not carved from the workspace; lengths are host lists, uploaded per
-call. The cache is read as the fill reads it: in 16-bit loads where ``halves_ok``, byte
-by byte otherwise.
+yet: the float32 query rotation, the slot offsets, the split results and their combine
+are allocated per call (PyTorch), not carved from the workspace; lengths are host
+lists, uploaded per call. The cache is read as the fill reads it: in 16-bit loads where
+``halves_ok``, byte by byte otherwise.
 """
 
 from __future__ import annotations
@@ -57,23 +57,18 @@ from .merge import merge_attn_states
 def _cached_attention_kernel(
     q_ptr,  # (N, Hq, D) float32, rotated
     cache_ptr,
-    block_table_ptr,
+    offsets_ptr,  # (B, L) int64: each cached position's slot offset, -1 if bad
     centroids_ptr,
     qsl_ptr,  # (B + 1,) int32
     cached_ptr,  # (B,) int32
     o_ptr,  # (S, N, Hq, D) float32
     lse_ptr,  # (S, Hq, N) float32
-    num_blocks,
-    max_blocks,
     n_splits,
     split_len,  # positions per split, a multiple of BLOCK_N
     s_q_tok,
     s_q_head,
-    s_cache_block,
-    s_cache_pos,
     s_cache_head,
-    s_bt_req,
-    s_bt_col,
+    s_off_req,
     s_centroid,
     s_o_split,
     s_o_tok,
@@ -84,7 +79,6 @@ def _cached_attention_kernel(
     GROUP: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
     KEY_BITS: tl.constexpr,
     KEY_INDEX_BYTES: tl.constexpr,
     KEY_BYTES: tl.constexpr,
@@ -140,21 +134,13 @@ def _cached_attention_kernel(
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             in_c = pos < end
-            col = pos // BLOCK_SIZE
-            block = tl.load(
-                block_table_ptr + r * s_bt_req + col * s_bt_col,
-                mask=in_c & (col < max_blocks),
-                other=-1,
-            ).to(tl.int64)
-            ok = in_c & (block >= 0) & (block < num_blocks)  # else nothing is read
-            bad = in_c & ((block < 0) | (block >= num_blocks))
-            slot = tl.where(
-                ok,
-                block * s_cache_block
-                + (pos % BLOCK_SIZE).to(tl.int64) * s_cache_pos
-                + kvh * s_cache_head,
-                0,
-            )
+            # one load per position (the block table's lookup, its checks and the
+            # address arithmetic done once per call by slot_offsets: inline, they were
+            # half the loop's instructions, NOTES.md §26)
+            off = tl.load(offsets_ptr + r * s_off_req + pos, mask=in_c, other=-1)
+            ok = off >= 0  # else nothing is read
+            bad = in_c & (off < 0)
+            slot = tl.where(ok, off + kvh * s_cache_head, 0)
             # keys (BLOCK_N, BLOCK_D) as cached, then as vLLM's dequant rounds them
             k = _slot_keys(
                 cache_ptr,
@@ -232,6 +218,22 @@ def _cached_attention_kernel(
             lse,
             mask=row_ok,
         )
+
+
+def slot_offsets(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int):
+    """(B, max(length, 1)) int64: the byte offset in ``kv_cache`` of position p's slot
+    of kv head 0 for each request (block_table[r, p // block_size] * the block stride +
+    p % block_size * the position stride), -1 where that block id is outside [0,
+    num_blocks) or p is past the table."""
+    num_blocks, block_size = kv_cache.shape[:2]
+    pos = torch.arange(max(length, 1), device=block_table.device)
+    if block_table.shape[1] == 0:
+        return torch.full((block_table.shape[0], pos.numel()), -1, device=pos.device)
+    col = pos // block_size
+    blk = block_table[:, col.clamp(max=block_table.shape[1] - 1)].long()
+    ok = (blk >= 0) & (blk < num_blocks) & (col < block_table.shape[1])
+    off = blk * kv_cache.stride(0) + (pos % block_size) * kv_cache.stride(1)
+    return torch.where(ok, off, -1)
 
 
 def combine_splits(o: torch.Tensor, lse: torch.Tensor):
@@ -327,27 +329,23 @@ def cached_attention(
     t = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)
     if centroids is None:
         centroids = torch.zeros(1, device=dev)
+    offsets = slot_offsets(kv_cache, block_table, longest)
     grid = (b, triton.cdiv(max_rows * group, block_m), hk * splits)
     compiled = _cached_attention_kernel[grid](
         q,
         kv_cache,
-        block_table,
+        offsets,
         centroids,
         t(list(query_start_loc)),
         t(list(cached_lens)),
         o,
         lse,
-        kv_cache.shape[0],
-        block_table.shape[1],
         splits,
         split_len,
         q.stride(0),
         q.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
         kv_cache.stride(2),
-        block_table.stride(0),
-        block_table.stride(1),
+        offsets.stride(0),
         centroids.stride(0),
         o.stride(0),
         o.stride(1),
@@ -358,7 +356,6 @@ def cached_attention(
         GROUP=group,
         D=d,
         BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_SIZE=kv_cache.shape[1],
         KEY_BITS=cfg.key_bits,
         KEY_INDEX_BYTES=cfg.key_index_bytes,
         KEY_BYTES=cfg.key_bytes,

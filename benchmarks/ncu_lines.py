@@ -1,0 +1,74 @@
+"""A Triton kernel's stall samples and instructions, per line of its Python source.
+
+    ncu --import REPORT.ncu-rep --page source --print-source cuda,sass --csv > lines.csv
+    python benchmarks/ncu_lines.py lines.csv [--top 30]
+
+Reads Nsight Compute's source page (Triton's line info maps each SASS instruction to a
+line of the kernel's Python) and prints, as Markdown, each line's share of the kernel's
+warp stall samples and executed instructions, largest first, with the line's text.
+Instructions without a line (layout conversions, spills) count in the totals the shares
+are of.
+"""
+
+import argparse
+import collections
+import csv
+import os
+
+
+def _count(cell: str) -> int:
+    """A counter's cell: digits (thousands separators dropped), or 0 for "-"."""
+    cell = cell.replace(",", "").strip()
+    return int(cell) if cell.isdigit() else 0
+
+
+def per_line(path):
+    """{(file, line): [stall samples, instructions, text]}, total samples, total
+    instructions (every SASS row, with or without a line)."""
+    lines = collections.defaultdict(lambda: [0, 0, ""])
+    total_samples = total_inst = 0
+    source = header = None
+    with open(path, newline="") as f:
+        for row in csv.reader(f):
+            if not row:
+                continue
+            if row[0] in ("File Path", "File Name"):
+                source = os.path.basename(row[1])
+                continue
+            if row[0] == "Line No":
+                header = row
+                continue
+            if header is None or len(row) < len(header):
+                continue
+            samples = _count(row[header.index("Warp Stall Sampling (All Samples)")])
+            inst = _count(row[header.index("Instructions Executed")])
+            if row[0].strip():  # a line's aggregate
+                entry = lines[(source, int(row[0]))]
+                entry[0] += samples
+                entry[1] += inst
+                entry[2] = row[1].strip()
+            else:  # one SASS instruction (the aggregates' parts)
+                total_samples += samples
+                total_inst += inst
+    return lines, total_samples, total_inst
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("csv")
+    p.add_argument("--top", type=int, default=30)
+    a = p.parse_args()
+    lines, samples, inst = per_line(a.csv)
+    print(f"{samples} stall samples, {inst} warp instructions executed\n")
+    print("| stall samples | instructions | line | source |\n|---|---|---|---|")
+    ranked = sorted(lines.items(), key=lambda kv: -kv[1][0])[: a.top]
+    for (source, line), (s, i, text) in ranked:
+        text = text.replace("|", "\\|")[:100]
+        print(
+            f"| {100 * s / max(samples, 1):.1f} % | {100 * i / max(inst, 1):.1f} % "
+            f"| {source}:{line} | `{text}` |"
+        )
+
+
+if __name__ == "__main__":
+    main()
