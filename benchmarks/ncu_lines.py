@@ -15,6 +15,18 @@ import collections
 import csv
 import os
 
+METRICS = ("Warp Stall Sampling (All Samples)", "Instructions Executed")
+
+
+def _column(header, name):
+    if name not in header:
+        raise SystemExit(
+            f"ncu_lines.py: no {name!r} column in the source page (its first "
+            f"columns: {header[:6]}); export it with --page source "
+            "--print-source cuda,sass --csv"
+        )
+    return header.index(name)
+
 
 def _count(cell: str) -> int:
     """A counter's cell: digits (thousands separators dropped), or 0 for "-"."""
@@ -37,11 +49,11 @@ def per_line(path):
                 continue
             if row[0] == "Line No":
                 header = row
+                columns = [_column(header, name) for name in METRICS]
                 continue
             if header is None or len(row) < len(header):
                 continue
-            samples = _count(row[header.index("Warp Stall Sampling (All Samples)")])
-            inst = _count(row[header.index("Instructions Executed")])
+            samples, inst = _count(row[columns[0]]), _count(row[columns[1]])
             if row[0].strip():  # a line's aggregate
                 entry = lines[(source, int(row[0]))]
                 entry[0] += samples

@@ -114,7 +114,7 @@ for mode in "$@"; do
         python3 benchmarks/fused_probe.py --ncu --workloads "${FUSED_WORKLOADS:-1 hit q8 64K}" \
         > "$OUT/ncu-fused-source.log" 2>&1
       carry .gpu-carry ncu --import "$OUT/fused-source.ncu-rep" --page source \
-        --print-source cuda,sass --csv > "$OUT/ncu-fused-source.csv" 2>&1
+        --print-source cuda,sass --csv > "$OUT/ncu-fused-source.csv" 2> "$OUT/ncu-import.log"
       python3 benchmarks/ncu_lines.py "$OUT/ncu-fused-source.csv" | tee "$OUT/fused-lines.md" | head -16 ;;
     ncu)
       # the sections that say what bounds a kernel: throughput, occupancy, stall reasons

@@ -1,6 +1,6 @@
 """Attention over the cached prefix, read straight from the paged TurboQuant cache:
 no window, no fp16 K/V written (experimental, not dispatched: on the H200 machine it
-took 1.3-22x the window path's time, benchmarks/NOTES.md §25-26).
+took 1.7-61x the window path's time, benchmarks/NOTES.md §25-26).
 
 Why: where a request's query rows per kv head (q_len x Hq / Hk) are few, attention is
 bound by the bytes of K/V. The window path writes the fp16 K/V of every cached token and
@@ -137,7 +137,8 @@ def _cached_attention_kernel(
             # one load per position (the block table's lookup, its checks and the
             # address arithmetic done once per call by slot_offsets: inline, they were
             # half the loop's instructions, NOTES.md §26)
-            off = tl.load(offsets_ptr + r * s_off_req + pos, mask=in_c, other=-1)
+            row = offsets_ptr + r.to(tl.int64) * s_off_req  # B x L may pass 2^31
+            off = tl.load(row + pos, mask=in_c, other=-1)
             ok = off >= 0  # else nothing is read
             bad = in_c & (off < 0)
             slot = tl.where(ok, off + kvh * s_cache_head, 0)
@@ -224,7 +225,8 @@ def slot_offsets(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int)
     """(B, max(length, 1)) int64: the byte offset in ``kv_cache`` of position p's slot
     of kv head 0 for each request (block_table[r, p // block_size] * the block stride +
     p % block_size * the position stride), -1 where that block id is outside [0,
-    num_blocks) or p is past the table."""
+    num_blocks) or p is past the table. A prototype's layout: B x the longest cached
+    length, whatever the others (a ragged one would bound it by the batch's tokens)."""
     num_blocks, block_size = kv_cache.shape[:2]
     pos = torch.arange(max(length, 1), device=block_table.device)
     if block_table.shape[1] == 0:
