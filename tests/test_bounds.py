@@ -92,14 +92,17 @@ def test_a_misaligned_word_is_caught():
     raises_out_of_bounds(lambda: _read_words[(1,)](x, 2, out), "not a multiple of 4")
 
 
+def at_odd_address(cache):
+    """The cache's bytes copied to an odd address (the byte-by-byte reads)."""
+    buf = torch.empty(cache.numel() + 1, dtype=torch.uint8)
+    return buf[1:].view(cache.shape).copy_(cache)
+
+
 def batch_with_a_bad_block(preset, d, dtype, odd_cache):
     b = build_batch(preset, REQUESTS, 4, 2, d, 16, dtype, "cpu", seed=d)
     b["block_table"][3, 1] = b["kv_cache"].shape[0] + 5  # never read: request 3 NaN
-    if odd_cache:  # the byte-by-byte reads
-        cache = b["kv_cache"]
-        buf = torch.empty(cache.numel() + 1, dtype=torch.uint8)
-        b["kv_cache"] = buf[1:].view(cache.shape)
-        b["kv_cache"].copy_(cache)
+    if odd_cache:
+        b["kv_cache"] = at_odd_address(b["kv_cache"])
     # head-major storage: token stride D, head stride N * D
     b["query"] = b["query"].transpose(0, 1).contiguous().transpose(0, 1)
     return b
@@ -258,10 +261,7 @@ def test_random_batches_stay_inside_their_tensors(
         past = batch.kv_cache.shape[0] + bad % 1000
         batch.block_table[victim, col] = past if bad % 2 else -1 - bad % 5
     if odd_cache:
-        cache = batch.kv_cache
-        buf = torch.empty(cache.numel() + 1, dtype=torch.uint8)
-        batch.kv_cache = buf[1:].view(cache.shape)
-        batch.kv_cache.copy_(cache)
+        batch.kv_cache = at_odd_address(batch.kv_cache)
     q, k, v, cache, bt, qsl, lens = batch.args
     with reads_within_arguments():
         window_out = continuation_prefill_varlen(
