@@ -14,6 +14,8 @@
 #   bash benchmarks/run_on_device.sh ncu       # no carry: Nsight Compute on the fill's cases
 #   bash benchmarks/run_on_device.sh fused     # carry .gpu-carry: the fused prototype's tests,
 #                                              #   then it beside the window path and the floor
+#   bash benchmarks/run_on_device.sh fused-nov3 # carry .gpu-carry: the probe with Triton's
+#                                              #   wgmma off (64-row tiles as mma.sync)
 #   bash benchmarks/run_on_device.sh ncu-fused # carry .gpu-carry: Nsight Compute on the fused
 #                                              #   prototype (FUSED_WORKLOADS; the 2nd, 3rd, 4th launch)
 #   bash benchmarks/run_on_device.sh ncu-fused-source # carry .gpu-carry: the same, per line
@@ -57,7 +59,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|fused|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|forward ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|forward ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -96,6 +98,14 @@ for mode in "$@"; do
       carry .gpu-carry timeout "${FUSED_TIMEOUT:-300}" python3 benchmarks/fused_probe.py "$OUT" \
         ${FUSED_WORKLOADS:+--workloads "$FUSED_WORKLOADS"} 2>&1 | tee "$OUT/fused-probe.md" \
         | grep -E "^\||Error|error" | tail -20 ;;
+    fused-nov3)
+      # the probe again with Triton's wgmma turned off (DISABLE_MMA_V3, read when a
+      # kernel compiles: a fresh cache), so that 64-row tiles compile to mma.sync
+      mkdir -p "$OUT/nov3"
+      (export DISABLE_MMA_V3=1 TRITON_CACHE_DIR=$(mktemp -d) && carry .gpu-carry timeout \
+        "${FUSED_TIMEOUT:-300}" python3 benchmarks/fused_probe.py "$OUT/nov3" \
+        ${FUSED_WORKLOADS:+--workloads "$FUSED_WORKLOADS"} 2>&1 | tee "$OUT/nov3/fused-probe.md" \
+        | grep -E "^\||Error|error" | tail -20) ;;
     ncu-fused)
       carry .gpu-carry timeout 300 ncu --clock-control none --kernel-name regex:_cached_attention \
         --launch-skip 1 --launch-count 3 --section SpeedOfLight --section LaunchStats \

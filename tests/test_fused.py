@@ -30,7 +30,7 @@ REQUESTS = [
 ]  # 4 query tokens or more: --oracle's rule
 
 
-def fused(batch, splits=3, out=None, backend="torch"):
+def fused(batch, splits=3, out=None, backend="torch", **launch):
     return fused_continuation_prefill_varlen(
         batch.query,
         batch.key,
@@ -43,6 +43,7 @@ def fused(batch, splits=3, out=None, backend="torch"):
         splits=splits,
         backend=backend,
         out=out,
+        **launch,
     )
 
 
@@ -151,7 +152,10 @@ def test_cached_attention_alone_has_no_keys_for_a_first_chunk():
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_decode_like_hits_on_the_gpu_are_within_the_full_paths_error(preset, dtype):
+@pytest.mark.parametrize("block_m", [16, 32, 64])  # 64: wgmma on the H200
+def test_decode_like_hits_on_the_gpu_are_within_the_full_paths_error(
+    preset, dtype, block_m
+):
     # the regime the prototype is for: 8 hits of 16 query tokens, Hq 32 / Hk 8, D 128,
     # against the full path with FlashAttention (the GPU's tensor-core dots)
     seed = 40 + len(preset) + (dtype == torch.bfloat16)
@@ -168,7 +172,7 @@ def test_decode_like_hits_on_the_gpu_are_within_the_full_paths_error(preset, dty
         seed=seed,
     )
     out = torch.full_like(batch.query, float("nan"))
-    fused(batch, splits=None, out=out, backend="auto")
+    fused(batch, splits=None, out=out, backend="auto", block_m=block_m)
     assert not out.isnan().any(), f"seed {seed}: a row was not written"
     for r in range(len(requests)):
         q0, q1 = batch.query_start_loc[r], batch.query_start_loc[r + 1]
@@ -177,6 +181,36 @@ def test_decode_like_hits_on_the_gpu_are_within_the_full_paths_error(preset, dty
         full = full_buffer_continuation_prefill(*args, **batch.kwargs)
         mine, theirs = rel_err(out[q0:q1], oracle), rel_err(full, oracle)
         assert mine <= 1.1 * theirs, f"seed {seed}, request {r}: {mine} > {theirs}"
+
+
+def test_value_scales_times_a_power_of_two_scale_the_answer_exactly():
+    # every value's scale and zero times 64 (exact in fp16): the kernel keeps p * scale
+    # in units of a power of two at the largest scale seen, so p * scale / unit rounds
+    # to the same fp16 bits whatever the scales' magnitude (unscaled, the smaller
+    # products fell to fp16's subnormals and lost bits: this failed). Scales made
+    # smaller by 2^-8 did not give the same bits either way (not explained yet)
+    exponent = 6
+    batch = make_batch([(400, 4), (90, 5)], head_dim=32, seed=37)
+    cfg = TQConfig.from_preset("turboquant_3bit_nc", 32)
+    at = cfg.key_bytes + cfg.value_index_bytes
+
+    def cached_part():
+        return cached_attention(
+            batch.query,
+            batch.kv_cache,
+            batch.block_table,
+            batch.query_start_loc,
+            [400, 90],
+            **batch.kwargs,
+            splits=1,
+        )
+
+    o, lse = cached_part()
+    fields = batch.kv_cache[..., at : at + 4].contiguous().view(torch.float16)
+    batch.kv_cache[..., at : at + 4] = (fields * 2.0**exponent).view(torch.uint8)
+    o_scaled, lse_scaled = cached_part()
+    assert torch.equal(lse_scaled, lse), "seed 37"
+    assert torch.equal(o_scaled, o * 2.0**exponent), "seed 37"
 
 
 def test_bf16_queries_beyond_the_fp16_range_are_scaled_not_overflowed():

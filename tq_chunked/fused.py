@@ -1,6 +1,9 @@
 """Attention over the cached prefix, read straight from the paged TurboQuant cache:
-no window, no fp16 K/V written (experimental, not dispatched: on the H200 machine it
-took 1.7-61x the window path's time, benchmarks/NOTES.md §25-26).
+no window, no fp16 K/V written (experimental, not dispatched). On the H200 machine
+(benchmarks/NOTES.md §25-27) it takes 0.43-0.88x the window path's time where a
+request's rows per kv head are few and its cache long, 1.1-7.2x elsewhere, 4-10x the
+floor; and on two batches of long splits (22K-32K positions) its error was 2.1-2.2x the
+window path's, for a cause not found: so no path calls it.
 
 Why: where a request's query rows per kv head (q_len x Hq / Hk) are few, attention is
 bound by the bytes of K/V. The window path writes the fp16 K/V of every cached token and
@@ -20,16 +23,19 @@ combined into one (out, lse) per query row and head.
 Exactness: MSE keys are cached rotated, ``k_rot = k @ rotation^T``, so ``q . k = (q @
 rotation^T) . k_rot``. The query is rotated once in float32, each row scaled by a power
 of two into fp16's range, then split into an fp16 part and an fp16 remainder (22 bits
-relative to the row's largest element), and each score is two dots of exact products
-with the cached key as vLLM's dequant rounds it (fp16), accumulated by the tensor cores
-(float32 on the interpreter): the un-rotated key is never rounded (the full path's
-second rounding). Values are rounded to fp16 as vLLM writes them; the probabilities are
-split the same way (FlashAttention rounds them to the query's dtype). With bf16 queries
-the full path also rounds K and V to bf16, and this kernel does not: its answer is not
-the full path's bit for bit, and its error against the float64 oracle is smaller
-(tests/test_fused.py). In the memory-bound regime this kernel is for, the second dots
-cost no bytes. A block id outside ``[0, num_blocks)`` is not read; its request's rows
-are NaN.
+relative to the row's largest element). A key is ``a_n c_n``: ``c_n`` its centroids
+(the fp16 table: the dot's operand as loaded, the one rounding, where vLLM rounds
+``a_n c_n``), ``a_n`` its norm over the centroids' norm (the sum of squares one more
+dot, of ones against the fp16 squares), applied to the scores; each score is two dots of
+exact products: the un-rotated key is never rounded (the full path's second rounding).
+A value is ``i s + z``; ``p . v = (p s) . (i - h) + p . (z + h s)``, h half the index
+range: the centred indices are exact in fp16, ``p s`` (in units of a power of two at the
+largest scale seen, to stay in fp16's normal range) is rounded once where FlashAttention
+rounds p and the value, and the zero term is float32. With bf16 queries the full path
+also rounds K and V to bf16, and this kernel does not: its answer is not the full
+path's bit for bit, and its error against the float64 oracle is smaller
+(tests/test_fused.py), except on the H200 at long splits (the first paragraph). A block
+id outside ``[0, num_blocks)`` is not read; its request's rows are NaN.
 
 Layouts and dtypes as ``continuation_prefill_varlen``; what this prototype does not do
 yet: the float32 query rotation, the slot offsets, the split results and their combine
@@ -48,9 +54,122 @@ import triton.language as tl
 
 from ._utils import interpreting
 from .attention import make_call, resolve_backend, varlen_attention
-from .dequant import _slot_keys, _slot_values, fp8_e4b15_for, halves_ok
+from .dequant import _fp16_at, _unpack, fp8_e4b15_for, halves_ok
 from .format import resolve_config
 from .merge import merge_attn_states
+
+
+@triton.jit
+def _unpack16(hp, ok2, D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(N, BLOCK_D) int32: the BITS-wide (3 or 4) little-endian indices of each row's
+    stream, read as halfwords at ``hp`` (N, 1), uint16 pointers; rows outside ``ok2``
+    read nothing. Indices 16g .. 16g + 15 are the BITS halfwords from halfword g * BITS:
+    two 32-bit words (halfwords 0-1 and, for 3 bits, 1-2; for 4 bits, 2-3) hold every
+    index of the group whole, so each index is one shift and one mask of a 32-bit word
+    chosen by its place in the group (dequant._unpack_halves shifts 64-bit words)."""
+    N: tl.constexpr = hp.shape[0]
+    G: tl.constexpr = BLOCK_D // 16
+    g = tl.arange(0, G)[None, :]
+    m = ok2 & (g * 16 < D)
+    base = hp + g * BITS
+    h0 = tl.load(base, mask=m, other=0).to(tl.int32)
+    h1 = tl.load(base + 1, mask=m, other=0).to(tl.int32)
+    h2 = tl.load(base + 2, mask=m, other=0).to(tl.int32)
+    j = tl.arange(0, 16)[None, None, :]
+    if BITS == 4:
+        h3 = tl.load(base + 3, mask=m, other=0).to(tl.int32)
+        lo = h0 | (h1 << 16)  # indices 0-7
+        hi = h2 | (h3 << 16)  # indices 8-15
+        first_hi: tl.constexpr = 8
+        hi_bit: tl.constexpr = 32
+    else:
+        lo = h0 | (h1 << 16)  # indices 0-9 whole (bits 0-29)
+        hi = h1 | (h2 << 16)  # indices 6-15 whole (bits 16-47)
+        first_hi: tl.constexpr = 10
+        hi_bit: tl.constexpr = 16
+    in_lo = j < first_hi
+    w = tl.where(in_lo, lo[:, :, None], hi[:, :, None])
+    sh = tl.where(in_lo, j * BITS, j * BITS - hi_bit)
+    idx = (w >> sh) & ((1 << BITS) - 1)
+    return tl.reshape(idx, [N, BLOCK_D])
+
+
+@triton.jit
+def _fp16_field(ptr, ok, HALVES: tl.constexpr):
+    """float32 of the fp16 at byte pointers ``ptr`` where ``ok`` (0 elsewhere): one
+    16-bit load where the cache's fields are even (HALVES), two bytes otherwise."""
+    if HALVES:
+        x = tl.load(ptr.to(tl.pointer_type(tl.float16)), mask=ok, other=0)
+        return x.to(tl.float32)
+    else:
+        return _fp16_at(ptr, ok)
+
+
+@triton.jit
+def _pow2_floor(x):
+    """The power of two at or below each positive normal float32 ``x`` (its exponent
+    bits); 0 for 0."""
+    return (x.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key_operand(
+    cache_ptr,
+    slot,
+    ok,
+    centroids_ptr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    FP8_E4B15: tl.constexpr,
+    HALVES: tl.constexpr,
+):
+    """(N, BLOCK_D) fp16 of the slots at ``slot`` (N,) where ``ok`` (0 elsewhere and
+    past D): MSE keys' centroids (``centroids_ptr``: the fp16 table, unit stride), not
+    yet scaled by the norm; fp8 keys as they are (exact in fp16)."""
+    ok2 = ok[:, None]
+    if KEY_BITS == 8:
+        d = tl.arange(0, BLOCK_D)[None, :]
+        raw = tl.load(cache_ptr + slot[:, None] + d, mask=ok2 & (d < D), other=0)
+        if FP8_E4B15:
+            return raw.to(tl.float8e4b15, bitcast=True).to(tl.float16)
+        else:
+            return raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        if HALVES:
+            hp = (cache_ptr + slot[:, None]).to(tl.pointer_type(tl.uint16))
+            idx = _unpack16(hp, ok2, D, KEY_BITS, BLOCK_D)
+        else:
+            idx = _unpack(cache_ptr + slot[:, None], ok2, D, KEY_BITS, BLOCK_D)
+        # indices are in range whatever the bytes: the table is read unmasked
+        return tl.load(centroids_ptr + idx)
+
+
+@triton.jit
+def _value_indices(
+    cache_ptr,
+    slot,
+    ok,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KEY_BYTES: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
+    HALVES: tl.constexpr,
+):
+    """(N, BLOCK_D) fp16 value indices less half their range (exact: -4 .. 3 at 3
+    bits) of the slots at ``slot`` (N,) where ``ok`` (-half elsewhere); columns past D
+    unspecified. Centred, so that each term of the value dot is about as large as the
+    value it stands for (the zero, about minus half the range, goes into the float32
+    zero term: uncentred, the two terms cancel and the rounding of p * scale weighs
+    up to twice as much against the answer)."""
+    ok2 = ok[:, None]
+    vslot = slot + KEY_BYTES
+    if HALVES:
+        hp = (cache_ptr + vslot[:, None]).to(tl.pointer_type(tl.uint16))
+        idx = _unpack16(hp, ok2, D, VALUE_BITS, BLOCK_D)
+    else:
+        idx = _unpack(cache_ptr + vslot[:, None], ok2, D, VALUE_BITS, BLOCK_D)
+    return (idx - (1 << (VALUE_BITS - 1))).to(tl.float16)
 
 
 @triton.jit
@@ -69,7 +188,6 @@ def _cached_attention_kernel(
     s_q_head,
     s_cache_head,
     s_off_req,
-    s_centroid,
     s_o_split,
     s_o_tok,
     s_o_head,
@@ -128,76 +246,91 @@ def _cached_attention_kernel(
         q_lo = (q - q_hi.to(tl.float32)).to(tl.float16)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2
         l_i = tl.zeros([BLOCK_M], tl.float32)
+        z_i = tl.zeros([BLOCK_M], tl.float32)  # sum of p * the value's zero
+        # acc is kept in units of v_unit, the power of two at or below the largest value
+        # scale seen so far, so that p * scale / v_unit (< 2) stays in fp16's normal
+        # range as FlashAttention's p does (unscaled, long splits' small p * scale fell
+        # to fp16's subnormals: twice the full path's error at 22K positions a split)
+        v_unit = 2.0**-126
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        if NORM_CORRECTION:
+            ones = tl.full([BLOCK_M, BLOCK_D], 1.0, tl.float16)
         start = split * split_len
         end = tl.minimum(cached, start + split_len)
+        row = offsets_ptr + r.to(tl.int64) * s_off_req  # B x L may pass 2^31
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             in_c = pos < end
-            # one load per position (the block table's lookup, its checks and the
-            # address arithmetic done once per call by slot_offsets: inline, they were
-            # half the loop's instructions, NOTES.md §26)
-            row = offsets_ptr + r.to(tl.int64) * s_off_req  # B x L may pass 2^31
+            # each position's slot offset, looked up once per call (slot_offsets)
             off = tl.load(row + pos, mask=in_c, other=-1)
             ok = off >= 0  # else nothing is read
             bad = in_c & (off < 0)
             slot = tl.where(ok, off + kvh * s_cache_head, 0)
-            # keys (BLOCK_N, BLOCK_D) as cached, then as vLLM's dequant rounds them
-            k = _slot_keys(
+            # scores: q . (a_n * c_n), c_n the key's centroids (fp16) or fp8 key, a_n
+            # its norm over the centroids' norm (MSE), applied to the (M, N) scores
+            kc = _key_operand(
                 cache_ptr,
                 slot,
                 ok,
-                bad,
                 centroids_ptr,
-                s_centroid,
                 D,
                 BLOCK_D,
                 KEY_BITS,
-                KEY_INDEX_BYTES,
-                NORM_CORRECTION,
                 FP8_E4B15,
                 HALVES,
             )
-            kt = tl.trans(k.to(tl.float16))  # (BLOCK_D, BLOCK_N)
+            kt = tl.trans(kc)  # (BLOCK_D, BLOCK_N)
             if DOT_F32:
-                kt = kt.to(tl.float32)
-                s = tl.dot(q_lo.to(tl.float32), kt)
-                s = tl.dot(q_hi.to(tl.float32), kt, s)
+                kt32 = kt.to(tl.float32)
+                s = tl.dot(q_lo.to(tl.float32), kt32)
+                s = tl.dot(q_hi.to(tl.float32), kt32, s)
             else:
                 s = tl.dot(q_lo, kt, out_dtype=tl.float32)
                 s = tl.dot(q_hi, kt, s, out_dtype=tl.float32)
-            s = tl.where(in_c[None, :], s * row_scale[:, None], float("-inf"))
+            scale_n = row_scale[:, None]
+            if KEY_BITS != 8:
+                norm = _fp16_field(cache_ptr + slot + KEY_INDEX_BYTES, ok, HALVES)
+                scale_n = scale_n * norm[None, :]
+                if NORM_CORRECTION:
+                    # each row: the sum of the centroids' squares (fp16 squares, exact
+                    # products, float32 sums) of each position
+                    kt2 = kt * kt
+                    if DOT_F32:
+                        sq = tl.dot(ones.to(tl.float32), kt2.to(tl.float32))
+                    else:
+                        sq = tl.dot(ones, kt2, out_dtype=tl.float32)
+                    scale_n = scale_n * tl.math.rsqrt(sq + 1e-16)
+            s = tl.where(bad[None, :], float("nan"), s * scale_n)
+            s = tl.where(in_c[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            # values (BLOCK_N, BLOCK_D), rounded to fp16 as vLLM writes them (with
-            # HALVES, columns past D are the group's next bytes: never stored)
-            v = _slot_values(
-                cache_ptr,
-                slot,
-                ok,
-                bad,
-                D,
-                BLOCK_D,
-                KEY_BYTES,
-                VALUE_BITS,
-                VALUE_INDEX_BYTES,
-                HALVES,
-            ).to(tl.float16)
-            # p = hi + lo too: the probabilities are not rounded either
-            p_hi = p.to(tl.float16)
-            p_lo = (p - p_hi.to(tl.float32)).to(tl.float16)
-            acc = acc * alpha[:, None]
+            # values: p . (index * scale + zero) = (p * scale) . (index - h) + p .
+            # (zero + h * scale), h half the indices' range; the centred indices are
+            # exact in fp16, p * scale is rounded once (FlashAttention rounds p and
+            # the value), the zero term is float32
+            vidx = _value_indices(
+                cache_ptr, slot, ok, D, BLOCK_D, KEY_BYTES, VALUE_BITS, HALVES
+            )
+            sz = cache_ptr + slot + KEY_BYTES + VALUE_INDEX_BYTES
+            vscale = _fp16_field(sz, ok, HALVES)
+            vzero = _fp16_field(sz + 2, ok, HALVES)
+            vzero = vzero + (1 << (VALUE_BITS - 1)) * vscale  # the indices centred
+            top = _pow2_floor(tl.max(tl.abs(vscale), 0))  # (0 where not ok)
+            unit = tl.maximum(v_unit, top)
+            vscale = tl.where(bad, float("nan"), vscale)
+            pv = p * (vscale / unit)[None, :]  # exact: unit is a power of two
+            z_i = z_i * alpha + tl.sum(p * vzero[None, :], 1)
+            acc = acc * (alpha * (v_unit / unit))[:, None]
+            v_unit = unit
             if DOT_F32:
-                v32 = v.to(tl.float32)
-                acc = tl.dot(p_lo.to(tl.float32), v32, acc)
-                acc = tl.dot(p_hi.to(tl.float32), v32, acc)
+                acc = tl.dot(pv.to(tl.float16).to(tl.float32), vidx.to(tl.float32), acc)
             else:
-                acc = tl.dot(p_lo, v, acc, out_dtype=tl.float32)
-                acc = tl.dot(p_hi, v, acc, out_dtype=tl.float32)
+                acc = tl.dot(pv.to(tl.float16), vidx, acc, out_dtype=tl.float32)
             m_i = m_new
+        acc = acc * v_unit + z_i[:, None]
         empty = l_i == 0  # no key in the split (a NaN sum stays NaN: out and lse)
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
         lse = tl.where(
@@ -269,6 +402,7 @@ def cached_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
+    num_stages: int | None = None,
     info: dict | None = None,
 ):
     """(out (N, Hq, D) float32, lse (Hq, N) float32): each request's query rows against
@@ -280,15 +414,16 @@ def cached_attention(
     positions per (request, kv head), each its own program (default: enough programs
     for two per SM). block_m (query rows x heads of a group), block_n (positions),
     num_warps: the launch (default 32, 64, 4 on a GPU; 16, 16 in the interpreter).
-    block_m is 16 or 32: Triton compiles a 64-row tile's dots to wgmma on sm_90, and
-    with Triton 3.6 on the H200 machine that launch gave NaN (D 32) and an illegal
-    address (D 128) where the same inputs at 16 or 32 rows (mma.sync) were right
-    (benchmarks/NOTES.md §26). info: a dict given here receives the compiled kernel's
-    registers, spills and whether its dots are wgmma.
+    block_m is 16, 32 or 64: Triton compiles a 64-row tile's dots to wgmma on sm_90;
+    with Triton 3.6 on the H200 machine the earlier form of this kernel gave NaN and an
+    illegal address there (NOTES.md §26), the present one passes its GPU tests and is
+    fastest there (§27). num_stages: Triton's software pipelining (default 1: off; on,
+    the offsets' load cost 533 instructions a loop). info: a dict given here receives
+    the compiled kernel's registers, spills and whether its dots are wgmma.
     Tensors and lengths are trusted (the prototype's callers validate them).
     """
-    if block_m is not None and block_m not in (16, 32):
-        raise ValueError(f"block_m must be 16 or 32, got {block_m}")
+    if block_m is not None and block_m not in (16, 32, 64):
+        raise ValueError(f"block_m must be 16, 32 or 64, got {block_m}")
     if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if splits is not None and splits < 1:
@@ -329,15 +464,20 @@ def cached_attention(
     lse = torch.empty(splits, hq, n, dtype=torch.float32, device=dev)
     max_rows = max(query_start_loc[i + 1] - query_start_loc[i] for i in range(b))
     t = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)
-    if centroids is None:
-        centroids = torch.zeros(1, device=dev)
+    # the fp16 table: the dot's operand, as vLLM's dequant rounds each key (after
+    # scaling, here before: the same rounding error, of the other factor)
+    table = (
+        torch.zeros(1, dtype=torch.float16, device=dev)
+        if centroids is None
+        else centroids.to(device=dev, dtype=torch.float16).contiguous()
+    )
     offsets = slot_offsets(kv_cache, block_table, longest)
     grid = (b, triton.cdiv(max_rows * group, block_m), hk * splits)
     compiled = _cached_attention_kernel[grid](
         q,
         kv_cache,
         offsets,
-        centroids,
+        table,
         t(list(query_start_loc)),
         t(list(cached_lens)),
         o,
@@ -348,7 +488,6 @@ def cached_attention(
         q.stride(1),
         kv_cache.stride(2),
         offsets.stride(0),
-        centroids.stride(0),
         o.stride(0),
         o.stride(1),
         o.stride(2),
@@ -370,6 +509,7 @@ def cached_attention(
         BLOCK_N=block_n,
         DOT_F32=interp,
         num_warps=num_warps or 4,
+        num_stages=num_stages or 1,
     )
     if info is not None and compiled is not None:  # (the interpreter compiles nothing)
         ptx = compiled.asm.get("ptx", "")
@@ -395,11 +535,13 @@ def fused_continuation_prefill_varlen(
     splits=None,
     backend="auto",
     out=None,
+    **launch,
 ):
     """What ``continuation_prefill_varlen`` computes (rounded differently: the module
     docstring), (N, Hq, D) in the query's dtype: the cached prefix through
     ``cached_attention``, the chunk's own tokens (key, value: (N, Hk, D)) through one
-    causal varlen call, merged. Host lengths."""
+    causal varlen call, merged. Host lengths; ``launch``: ``cached_attention``'s
+    block_m, block_n, num_warps, num_stages."""
     b = len(seq_lens)
     q_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(b)]
     cached = [seq_lens[i] - q_lens[i] for i in range(b)]
@@ -414,6 +556,7 @@ def fused_continuation_prefill_varlen(
         rotation=rotation,
         scale=scale,
         splits=splits,
+        **launch,
     )
     out = torch.empty_like(query) if out is None else out
     new = torch.empty_like(query)
