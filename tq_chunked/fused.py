@@ -1,9 +1,10 @@
 """Attention over the cached prefix, read straight from the paged TurboQuant cache:
 no window, no fp16 K/V written (experimental, not dispatched). On the H200 machine
-(benchmarks/NOTES.md §25-27) it takes 0.43-0.88x the window path's time where a
-request's rows per kv head are few and its cache long, 1.1-7.2x elsewhere, 4-10x the
-floor; and on two batches of long splits (22K-32K positions) its error was 2.1-2.2x the
-window path's, for a cause not found: so no path calls it.
+(benchmarks/NOTES.md §25-27) it takes 0.45-0.81x the window path's time where a
+request's rows per kv head are few (32-128) and its cache long (64K), about the same on
+64 hits of q16, 1.2-7x elsewhere, 4-10x the floor; its error against the float64
+oracle is 0.55-0.60x the window path's. No path calls it yet (no dispatch, per-call
+allocations).
 
 Why: where a request's query rows per kv head (q_len x Hq / Hk) are few, attention is
 bound by the bytes of K/V. The window path writes the fp16 K/V of every cached token and
@@ -28,14 +29,15 @@ relative to the row's largest element). A key is ``a_n c_n``: ``c_n`` its centro
 ``a_n c_n``), ``a_n`` its norm over the centroids' norm (the sum of squares one more
 dot, of ones against the fp16 squares), applied to the scores; each score is two dots of
 exact products: the un-rotated key is never rounded (the full path's second rounding).
-A value is ``i s + z``; ``p . v = (p s) . (i - h) + p . (z + h s)``, h half the index
-range: the centred indices are exact in fp16, ``p s`` (in units of a power of two at the
-largest scale seen, to stay in fp16's normal range) is rounded once where FlashAttention
-rounds p and the value, and the zero term is float32. With bf16 queries the full path
+A value is ``i s + z``; ``p . v = (p s) . (i - h) + p . (z + h s)``, h the middle of
+the index range: the centred indices are exact in fp16 (doubled: odd integers), ``p s``
+(in units of a power of two at the largest scale seen, to stay in fp16's normal range)
+is rounded once where FlashAttention rounds p and the value, and the zero term is
+float32. With bf16 queries the full path
 also rounds K and V to bf16, and this kernel does not: its answer is not the full
 path's bit for bit, and its error against the float64 oracle is smaller
-(tests/test_fused.py), except on the H200 at long splits (the first paragraph). A block
-id outside ``[0, num_blocks)`` is not read; its request's rows are NaN.
+(tests/test_fused.py). A block id outside ``[0, num_blocks)`` is not read; its
+request's rows are NaN.
 
 Layouts and dtypes as ``continuation_prefill_varlen``; what this prototype does not do
 yet: the float32 query rotation, the slot offsets, the split results and their combine
@@ -156,12 +158,15 @@ def _value_indices(
     VALUE_BITS: tl.constexpr,
     HALVES: tl.constexpr,
 ):
-    """(N, BLOCK_D) fp16 value indices less half their range (exact: -4 .. 3 at 3
-    bits) of the slots at ``slot`` (N,) where ``ok`` (-half elsewhere); columns past D
-    unspecified. Centred, so that each term of the value dot is about as large as the
-    value it stands for (the zero, about minus half the range, goes into the float32
-    zero term: uncentred, the two terms cancel and the rounding of p * scale weighs
-    up to twice as much against the answer)."""
+    """(N, BLOCK_D) fp16: twice the value indices less the middle of their range
+    (exact: -7, -5 .. 7 at 3 bits) of the slots at ``slot`` (N,) where ``ok`` (minus
+    twice the middle elsewhere); columns past D unspecified. Centred, so that the
+    value dot's sum is about as large as the answer: the zero and the middle go into
+    the float32 zero term. Uncentred (from 0), that sum and the zero term cancelled:
+    k8v4's error was 1.17x the full path's on the CPU. Centred at 2^(bits-1), the
+    indices' mean -0.5 left a sum 10-40x the answer on long splits, and the tensor
+    cores' accumulation, which truncates, gave 2.1x the window path's error at
+    22K-32K positions a split on the H200 (benchmarks/NOTES.md §27)."""
     ok2 = ok[:, None]
     vslot = slot + KEY_BYTES
     if HALVES:
@@ -169,7 +174,7 @@ def _value_indices(
         idx = _unpack16(hp, ok2, D, VALUE_BITS, BLOCK_D)
     else:
         idx = _unpack(cache_ptr + vslot[:, None], ok2, D, VALUE_BITS, BLOCK_D)
-    return (idx - (1 << (VALUE_BITS - 1))).to(tl.float16)
+    return (2 * idx - ((1 << VALUE_BITS) - 1)).to(tl.float16)
 
 
 @triton.jit
@@ -308,20 +313,21 @@ def _cached_attention_kernel(
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             # values: p . (index * scale + zero) = (p * scale) . (index - h) + p .
-            # (zero + h * scale), h half the indices' range; the centred indices are
-            # exact in fp16, p * scale is rounded once (FlashAttention rounds p and
-            # the value), the zero term is float32
+            # (zero + h * scale), h the middle of the indices' range (3.5 at 3 bits);
+            # the centred indices are exact in fp16, p * scale is rounded once
+            # (FlashAttention rounds p and the value), the zero term is float32
             vidx = _value_indices(
                 cache_ptr, slot, ok, D, BLOCK_D, KEY_BYTES, VALUE_BITS, HALVES
             )
             sz = cache_ptr + slot + KEY_BYTES + VALUE_INDEX_BYTES
             vscale = _fp16_field(sz, ok, HALVES)
             vzero = _fp16_field(sz + 2, ok, HALVES)
-            vzero = vzero + (1 << (VALUE_BITS - 1)) * vscale  # the indices centred
+            vzero = vzero + ((1 << (VALUE_BITS - 1)) - 0.5) * vscale  # centred
             top = _pow2_floor(tl.max(tl.abs(vscale), 0))  # (0 where not ok)
             unit = tl.maximum(v_unit, top)
             vscale = tl.where(bad, float("nan"), vscale)
-            pv = p * (vscale / unit)[None, :]  # exact: unit is a power of two
+            # halved: the indices are doubled (exact: unit is a power of two)
+            pv = p * (vscale * 0.5 / unit)[None, :]
             z_i = z_i * alpha + tl.sum(p * vzero[None, :], 1)
             acc = acc * (alpha * (v_unit / unit))[:, None]
             v_unit = unit
