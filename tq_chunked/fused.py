@@ -1,10 +1,12 @@
 """Attention over the cached prefix, read straight from the paged TurboQuant cache:
 no window, no fp16 K/V written (experimental, not dispatched). On the H200 machine
-(benchmarks/NOTES.md §25-27) it takes 0.45-0.81x the window path's time where a
-request's rows per kv head are few (32-128) and its cache long (64K), about the same on
-64 hits of q16, 1.2-7x elsewhere, 4-10x the floor; its error against the float64
-oracle is 0.55-0.60x the window path's. No path calls it yet (no dispatch, per-call
-allocations).
+(benchmarks/NOTES.md §25-27; 3bit_nc, fp16, llama3-8b's heads, seven workloads) it
+takes 0.45-0.81x the window path's time where a request's rows per kv head are few
+(32-128) and its cache long (64K), 1.04x on 64 hits of q16, 1.2-2.6x elsewhere, 4-10x
+the floor, with 0.55-0.60x the window path's error against the float64 oracle. An
+earlier form of it (before the values' centring and scale unit; 16 workloads) took up
+to 7.2x the window path's time on batches of 256-1536 rows per kv head. No path calls
+it yet (no dispatch, per-call allocations).
 
 Why: where a request's query rows per kv head (q_len x Hq / Hk) are few, attention is
 bound by the bytes of K/V. The window path writes the fp16 K/V of every cached token and
@@ -25,25 +27,26 @@ Exactness: MSE keys are cached rotated, ``k_rot = k @ rotation^T``, so ``q . k =
 rotation^T) . k_rot``. The query is rotated once in float32, each row scaled by a power
 of two into fp16's range, then split into an fp16 part and an fp16 remainder (22 bits
 relative to the row's largest element). A key is ``a_n c_n``: ``c_n`` its centroids
-(the fp16 table: the dot's operand as loaded, the one rounding, where vLLM rounds
-``a_n c_n``), ``a_n`` its norm over the centroids' norm (the sum of squares one more
-dot, of ones against the fp16 squares), applied to the scores; each score is two dots of
-exact products: the un-rotated key is never rounded (the full path's second rounding).
+(the fp16 table: the dot's operand as loaded, rounded once, where vLLM rounds ``a_n
+c_n``), ``a_n`` its norm over the centroids' norm (the sum of squares one more dot, of
+ones against the squares rounded to fp16, then the GPU's approximate reciprocal square
+root), applied to the scores; each score is two dots of exact products: the un-rotated
+key is never rounded (the full path's second rounding).
 A value is ``i s + z``; ``p . v = (p s) . (i - h) + p . (z + h s)``, h the middle of
 the index range: the centred indices are exact in fp16 (doubled: odd integers), ``p s``
 (in units of a power of two at the largest scale seen, to stay in fp16's normal range)
 is rounded once where FlashAttention rounds p and the value, and the zero term is
-float32. With bf16 queries the full path
-also rounds K and V to bf16, and this kernel does not: its answer is not the full
-path's bit for bit, and its error against the float64 oracle is smaller
-(tests/test_fused.py). A block id outside ``[0, num_blocks)`` is not read; its
-request's rows are NaN.
+float32. With bf16 queries the full path also rounds K and V to bf16, and this kernel
+does not: its answer is not the full path's bit for bit, and its error against the
+float64 oracle is smaller (tests/test_fused.py). A block id outside ``[0,
+num_blocks)`` is not read; its request's rows are NaN.
 
 Layouts and dtypes as ``continuation_prefill_varlen``; what this prototype does not do
 yet: the float32 query rotation, the slot offsets, the split results and their combine
 are allocated per call (PyTorch), not carved from the workspace; lengths are host
-lists, uploaded per call. The cache is read as the fill reads it: in 16-bit loads where
-``halves_ok``, byte by byte otherwise.
+lists, uploaded per call. MSE keys' indices, value indices and the fp16 fields are read
+in 16-bit loads where ``halves_ok``, byte by byte otherwise; fp8 keys byte by byte
+(the fill reads them in 16-bit loads: not measured here, the probe runs 3bit_nc).
 """
 
 from __future__ import annotations
@@ -126,9 +129,10 @@ def _key_operand(
     FP8_E4B15: tl.constexpr,
     HALVES: tl.constexpr,
 ):
-    """(N, BLOCK_D) fp16 of the slots at ``slot`` (N,) where ``ok`` (0 elsewhere and
-    past D): MSE keys' centroids (``centroids_ptr``: the fp16 table, unit stride), not
-    yet scaled by the norm; fp8 keys as they are (exact in fp16)."""
+    """(N, BLOCK_D) fp16 of the slots at ``slot`` (N,) where ``ok``: MSE keys'
+    centroids (``centroids_ptr``: the fp16 table, unit stride), not yet scaled by the
+    norm (rows outside ``ok`` read index 0: their norm is 0 and their score masked);
+    fp8 keys as they are (exact in fp16; 0 outside ``ok`` and past D)."""
     ok2 = ok[:, None]
     if KEY_BITS == 8:
         d = tl.arange(0, BLOCK_D)[None, :]
@@ -297,8 +301,8 @@ def _cached_attention_kernel(
                 norm = _fp16_field(cache_ptr + slot + KEY_INDEX_BYTES, ok, HALVES)
                 scale_n = scale_n * norm[None, :]
                 if NORM_CORRECTION:
-                    # each row: the sum of the centroids' squares (fp16 squares, exact
-                    # products, float32 sums) of each position
+                    # each row: the sum of the centroids' squares of each position
+                    # (the squares rounded to fp16, exact products, float32 sums)
                     kt2 = kt * kt
                     if DOT_F32:
                         sq = tl.dot(ones.to(tl.float32), kt2.to(tl.float32))
@@ -426,7 +430,8 @@ def cached_attention(
     fastest there (§27). num_stages: Triton's software pipelining (default 1: off; on,
     the offsets' load cost 533 instructions a loop). info: a dict given here receives
     the compiled kernel's registers, spills and whether its dots are wgmma.
-    Tensors and lengths are trusted (the prototype's callers validate them).
+    Tensors and lengths are trusted (the prototype's callers validate them), but for
+    the centroid table, which the kernel reads at every index a slot can hold.
     """
     if block_m is not None and block_m not in (16, 32, 64):
         raise ValueError(f"block_m must be 16, 32 or 64, got {block_m}")
@@ -436,6 +441,11 @@ def cached_attention(
         raise ValueError(f"splits must be >= 1, got {splits}")
     n, hq, d = query.shape
     cfg = resolve_config(preset, d)
+    if not cfg.key_fp8 and (centroids is None or centroids.numel() < 2**cfg.key_bits):
+        raise ValueError(
+            f"centroids must hold {2**cfg.key_bits} entries for {cfg.key_bits}-bit "
+            f"keys, got {None if centroids is None else centroids.numel()}"
+        )
     hk = kv_cache.shape[2]
     group = hq // hk
     b = len(cached_lens)
