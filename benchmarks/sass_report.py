@@ -5,6 +5,13 @@ shared memory, and the SASS instructions per cache slot, by kind (no device time
         [--chunk] [--config SLOTS,COLUMNS,WARPS[,SPLIT[,SYLVESTER]]]
         [--write both|values|keys]
         [--sass FILE]
+    python benchmarks/sass_report.py --fused ROWS,POSITIONS,WARPS [--preset P]
+        [--head-dim D] [--group G]
+
+With --fused, the fused kernel (tq_chunked/fused.py, one request of 16 query tokens,
+G query heads per kv head) at that launch: registers, shared memory, and its main
+loop's SASS instructions x warps / positions per iteration = warp instructions per
+decoded slot-row (a tile of ROWS rows decodes each slot once; benchmarks/NOTES.md §27).
 
 The fill's arguments are the ones ``fill_window`` passes for the case (recorded from a
 call on CPU tensors, the launch itself replaced), compiled by Triton for sm_90 with the
@@ -139,6 +146,93 @@ def sass_of(cubin: bytes) -> str:
     return sass, res
 
 
+def record_fused(preset, d, group, launch):
+    """(kernel, args, options) of ``fused.cached_attention``'s launch for one request
+    of 16 query tokens over 600 cached, at launch (rows, positions, warps)."""
+    import tq_chunked.fused as fz
+    from tq_chunked.testing import make_batch
+
+    seen = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.update(args=args, kw=kw)
+
+    b = make_batch(
+        [(600, 16)],
+        preset,
+        head_dim=d,
+        num_q_heads=2 * group,
+        num_kv_heads=2,
+        rotation="hadamard",
+        seed=0,
+    )
+    qsl = b.query_start_loc
+    saved = fz._cached_attention_kernel, fz.interpreting, torch.Tensor.is_cuda
+    fz._cached_attention_kernel, fz.interpreting = Recorder(), lambda: False
+    torch.Tensor.is_cuda = property(lambda self: True)  # the GPU's defaults
+    try:
+        fz.cached_attention(
+            b.query,
+            b.kv_cache,
+            b.block_table,
+            qsl,
+            [600],
+            **b.kwargs,
+            splits=1,
+            block_m=launch[0],
+            block_n=launch[1],
+            num_warps=launch[2],
+        )
+    finally:
+        fz._cached_attention_kernel, fz.interpreting, torch.Tensor.is_cuda = saved
+    kernel = fz._cached_attention_kernel
+    kw = dict(seen["kw"])
+    options = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+    args = list(seen["args"]) + [
+        kw.pop(p.name) for p in kernel.params[len(seen["args"]) :]
+    ]
+    args[[p.name for p in kernel.params].index("DOT_F32")] = False
+    return kernel, args, options
+
+
+def loop_body(sass: str):
+    """The SASS instructions (mnemonics) of the largest loop: from a backward branch's
+    target to the branch."""
+    rows = []
+    for line in sass.splitlines():
+        m = re.match(
+            r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(.*)", line
+        )
+        if m:
+            rows.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    loops = []
+    for addr, op, rest in rows:
+        t = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if t and int(t.group(1), 16) < addr:
+            loops.append((int(t.group(1), 16), addr))
+    lo, hi = max(loops, key=lambda x: x[1] - x[0])
+    return [op.split(".")[0] for addr, op, _ in rows if lo <= addr <= hi]
+
+
+def main_fused(a):
+    launch = tuple(int(x) for x in a.fused.split(","))
+    kernel, args, options = record_fused(a.preset, a.head_dim, a.group, launch)
+    ck = compile_sm90(kernel, args, options)
+    sass, res = sass_of(ck.asm["cubin"])
+    body = loop_body(sass)
+    regs = re.search(r"REG:(\d+)", res)
+    ops = collections.Counter(body)
+    print(
+        f"fused {a.preset} D {a.head_dim} G {a.group} launch {launch}: "
+        f"{regs.group(1) if regs else '?'} registers, {ck.metadata.shared} B shared, "
+        f"wgmma {'wgmma' in ck.asm['ptx']}; loop {len(body)} SASS instructions x "
+        f"{launch[2]} warps / {launch[1]} positions = "
+        f"{len(body) * launch[2] / launch[1]:.0f} warp instructions per slot-row"
+    )
+    print("  " + ", ".join(f"{k} {v}" for k, v in ops.most_common(24)))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="turboquant_3bit_nc")
@@ -148,7 +242,11 @@ def main():
     ap.add_argument("--config", default=None)
     ap.add_argument("--sass", default=None, help="write the SASS here")
     ap.add_argument("--write", default="both", choices=("both", "values", "keys"))
+    ap.add_argument("--fused", default=None, help="ROWS,POSITIONS,WARPS")
+    ap.add_argument("--group", type=int, default=4, help="--fused: Hq / Hk")
     a = ap.parse_args()
+    if a.fused:
+        return main_fused(a)
     config = tuple(int(x) for x in a.config.split(",")) if a.config else None
     kernel, grid, args, options = record_fill(
         a.preset, a.head_dim, a.kv_heads, a.chunk, config, a.write
