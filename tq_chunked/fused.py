@@ -258,8 +258,9 @@ def _cached_attention_kernel(
         z_i = tl.zeros([BLOCK_M], tl.float32)  # sum of p * the value's zero
         # acc is kept in units of v_unit, the power of two at or below the largest value
         # scale seen so far, so that p * scale / v_unit (< 2) stays in fp16's normal
-        # range as FlashAttention's p does (unscaled, long splits' small p * scale fell
-        # to fp16's subnormals: twice the full path's error at 22K positions a split)
+        # range as FlashAttention's p does (unscaled, small p * scale would fall to
+        # fp16's subnormals, where an index's rounding error is up to 35x the one p's
+        # rounding makes on the same term; NOTES.md §27)
         v_unit = 2.0**-126
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         if NORM_CORRECTION:
