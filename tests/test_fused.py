@@ -47,6 +47,19 @@ def fused(batch, splits=3, out=None, backend="torch", **launch):
     )
 
 
+def assert_within_full_paths_error(batch, out, seed, backend="torch", requests=None):
+    """Each request's fused answer (rows of ``out``) within 1.1x the full path's error
+    against the float64 oracle: both end in one rounding to the query's dtype, the
+    fused path rounds less before it."""
+    for r in range(len(batch.seq_lens)) if requests is None else requests:
+        q0, q1 = batch.query_start_loc[r], batch.query_start_loc[r + 1]
+        args = batch.request(r)
+        oracle = oracle_continuation_prefill(*args, **batch.kwargs)
+        full = full_buffer_continuation_prefill(*args, **batch.kwargs, backend=backend)
+        mine, theirs = rel_err(out[q0:q1], oracle), rel_err(full, oracle)
+        assert mine <= 1.1 * theirs, f"seed {seed}, request {r}: {mine} > {theirs}"
+
+
 @pytest.mark.parametrize(
     "preset", ["turboquant_3bit_nc", "turboquant_4bit_nc", "turboquant_k8v4"]
 )
@@ -67,15 +80,7 @@ def test_every_request_is_within_the_full_paths_error(preset, dtype, layout):
     out = torch.full_like(batch.query, float("nan"))  # poisoned: every row written
     fused(batch, out=out)
     assert not out.isnan().any(), f"seed {seed}: a row was not written"
-    for r in range(len(REQUESTS)):
-        q0, q1 = batch.query_start_loc[r], batch.query_start_loc[r + 1]
-        args = batch.request(r)
-        oracle = oracle_continuation_prefill(*args, **batch.kwargs)
-        full = full_buffer_continuation_prefill(*args, **batch.kwargs, backend="torch")
-        mine, theirs = rel_err(out[q0:q1], oracle), rel_err(full, oracle)
-        # both end in one rounding to the query's dtype; the fused path rounds less
-        # before it
-        assert mine <= 1.1 * theirs, f"seed {seed}, request {r}: {mine} > {theirs}"
+    assert_within_full_paths_error(batch, out, seed)
 
 
 @pytest.mark.parametrize(
@@ -92,13 +97,7 @@ def test_other_head_sizes_and_tiles_are_within_the_full_paths_error(
     batch = make_batch(REQUESTS, preset, head_dim=head_dim, seed=seed)
     out = torch.full_like(batch.query, float("nan"))
     fused(batch, out=out, block_m=block_m, block_n=block_n)
-    for r in range(len(REQUESTS)):
-        q0, q1 = batch.query_start_loc[r], batch.query_start_loc[r + 1]
-        args = batch.request(r)
-        oracle = oracle_continuation_prefill(*args, **batch.kwargs)
-        full = full_buffer_continuation_prefill(*args, **batch.kwargs, backend="torch")
-        mine, theirs = rel_err(out[q0:q1], oracle), rel_err(full, oracle)
-        assert mine <= 1.1 * theirs, f"seed {seed}, request {r}: {mine} > {theirs}"
+    assert_within_full_paths_error(batch, out, seed)
 
 
 def test_a_short_centroid_table_is_refused():
@@ -207,13 +206,7 @@ def test_decode_like_hits_on_the_gpu_are_within_the_full_paths_error(
     assert not out.isnan().any(), f"seed {seed}: a row was not written"
     if torch.cuda.get_device_capability() == (9, 0):  # the tile this test is for
         assert info["wgmma"] == (block_m == 64), info
-    for r in range(len(requests)):
-        q0, q1 = batch.query_start_loc[r], batch.query_start_loc[r + 1]
-        args = batch.request(r)
-        oracle = oracle_continuation_prefill(*args, **batch.kwargs)
-        full = full_buffer_continuation_prefill(*args, **batch.kwargs)
-        mine, theirs = rel_err(out[q0:q1], oracle), rel_err(full, oracle)
-        assert mine <= 1.1 * theirs, f"seed {seed}, request {r}: {mine} > {theirs}"
+    assert_within_full_paths_error(batch, out, seed, backend="auto")
 
 
 @pytest.mark.parametrize("exponent", [-4, 4])
@@ -311,11 +304,7 @@ def test_a_long_split_is_within_the_full_paths_error():
         seed=seed,
     )
     out = fused(batch, splits=1, backend="auto", block_m=64)
-    args = batch.request(0)
-    oracle = oracle_continuation_prefill(*args, **batch.kwargs)
-    full = full_buffer_continuation_prefill(*args, **batch.kwargs)
-    mine, theirs = rel_err(out, oracle), rel_err(full, oracle)
-    assert mine <= 1.1 * theirs, f"seed {seed}: {mine} > {theirs}"
+    assert_within_full_paths_error(batch, out, seed, backend="auto")
 
 
 def test_bf16_queries_beyond_the_fp16_range_are_scaled_not_overflowed():
