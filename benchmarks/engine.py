@@ -18,6 +18,11 @@ repeat meets the cache in the same state):
   request (the batch's longest, its first chunk) beside four hits of 512 new tokens over
   those prefixes: the shape of vLLM issue 46460 (upstream attends the hits without their
   prefixes). The same four hits are also run alone as the reference for their answers.
+* ``short-hits``: 64 prefixes of 1K-8K tokens cached, then one batch of 64 hits of 16
+  new tokens each (decode-like continuations: the batch's attention is mostly reading
+  the cache; the serving grid's "64 hits q16 1K-8K").
+* ``hits-q200``: 32 prefixes of 1K-4K cached, then 32 hits of 200 new tokens each (the
+  serving grid's "32 hits q200 1K-4K").
 
 Measured per configuration: time to first token of each workload's batch (wall time of
 ``generate`` with one output token; median of the repeats after the first, which waits
@@ -26,7 +31,10 @@ that time), decode time per step (shared prefix, 64 tokens, reported apart: deco
 upstream's), the KV-cache blocks the engine got, vLLM's workspace (its size, and whether
 it is locked), peak GPU memory above the steady state during the workloads and what they
 left allocated, the first token's top-20 logprobs of every request (the answers), the
-plugin's log lines and any error.
+plugin's log lines and any error. With ``--profile``, one more repeat of each
+workload's batch runs under the PyTorch profiler: the GPU kernels' own time in that
+batch, in all and in attention and KV-cache kernels (``ATTENTION_KERNELS``), and its
+largest kernels.
 
     python3 benchmarks/engine.py --out $OUT/engine.json            # the default grid
     python3 benchmarks/engine.py --configs off:turboquant_3bit_nc,on:turboquant_3bit_nc
@@ -47,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -188,7 +197,62 @@ def workloads(repeats, long_tokens=60000):
                 "alone": hits,
             }
         )
+    # Their own generator, so that the workloads above keep the prompts of earlier runs.
+    rng = np.random.default_rng(16)
+    out["short-hits"], out["hits-q200"] = [], []
+    for _ in range(repeats):
+        for name, n, lo, hi, q in (
+            ("short-hits", 64, 1024, 8192, 16),
+            ("hits-q200", 32, 1024, 4096, 200),
+        ):
+            # prefixes of whole 16-token blocks, so that each hit finds all of it cached
+            lens = 16 * rng.integers(lo // 16, hi // 16 + 1, size=n)
+            prefixes = [_tokens(rng, int(m)) for m in lens]
+            out[name].append(
+                {
+                    "warm": [p + _tokens(rng, 16) for p in prefixes],
+                    "batch": [p + _tokens(rng, q) for p in prefixes],
+                    "new_tokens": n * q,
+                }
+            )
     return out
+
+
+# GPU kernels counted as attention and KV cache in --profile: FlashAttention's (FA2,
+# FA3, vLLM's cache store for a BF16 cache), this project's fill and merge, upstream
+# TurboQuant's Triton kernels (store, dequantization, decode).
+ATTENTION_KERNELS = re.compile(
+    r"flash|fmha|attn|attention|_fill_kernel|merge|turboquant|_tq_|tq_|dequant|"
+    r"decode|reshape_and_cache",
+    re.IGNORECASE,
+)
+
+
+def kernel_summary(kernels, top=8):
+    """{"total_ms", "attention_ms", "top": [[name, ms, count]]} from a profile's
+    (name, total ms, count) per kernel; attention: names ``ATTENTION_KERNELS`` finds."""
+    kernels = sorted(kernels, key=lambda k: -k[1])
+    return {
+        "total_ms": sum(k[1] for k in kernels),
+        "attention_ms": sum(k[1] for k in kernels if ATTENTION_KERNELS.search(k[0])),
+        "top": [[name[:120], ms, n] for name, ms, n in kernels[:top]],
+    }
+
+
+def _profiled(llm, prompts):
+    """One batch under the PyTorch profiler: kernel_summary of its GPU kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _generate(llm, prompts)
+    kernels = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:  # torch before 2.4 named it for CUDA
+            us = e.self_cuda_time_total
+        if us > 0:
+            kernels.append((e.key, us / 1e3, e.count))
+    return kernel_summary(kernels)
 
 
 def child(args):
@@ -241,7 +305,8 @@ def child(args):
         result["plugin_patched"] = bool(plug.is_patched())
     except Exception as e:  # noqa: BLE001 - reported, not hidden
         result["plugin_patched"] = f"{type(e).__name__}: {e}"
-    wl = workloads(args.repeats, args.long_tokens)
+    # --profile: one more repeat of each workload, run under the profiler
+    wl = workloads(args.repeats + args.profile, args.long_tokens)
     names = args.workloads.split(",")
     result["workloads"] = {}
     torch.cuda.synchronize()
@@ -251,7 +316,7 @@ def child(args):
         rec = {"ttft_s": [], "warm_s": [], "answers": [], "alone_answers": []}
         result["workloads"][name] = rec
         try:
-            for rep in wl[name]:
+            for rep in wl[name][: args.repeats]:
                 if rep["warm"]:
                     rec["warm_s"].append(_generate(llm, rep["warm"])[0])
                 dt, outs = _generate(llm, rep["batch"])
@@ -272,6 +337,14 @@ def child(args):
                 new = [p[:-1024] + p[-1024:][::-1] for p in rep["batch"]]
                 dt, _ = _generate(llm, new, max_tokens=65)
                 rec["decode_ms_per_step"] = 1e3 * (dt - rec["ttft_median_s"]) / 64
+            if args.profile:
+                rep = wl[name][-1]
+                if rep["warm"]:
+                    _generate(llm, rep["warm"])
+                try:
+                    rec["profile"] = _profiled(llm, rep["batch"])
+                except Exception as e:  # noqa: BLE001 - reported beside the times
+                    rec["profile"] = {"error": f"{type(e).__name__}: {e}"[:500]}
             print(
                 f"[{args.config}] {name}: ttft {rec['ttft_median_s'] * 1e3:.1f} ms",
                 flush=True,
@@ -389,6 +462,8 @@ def parent(args):
         ]
         if args.eager:
             cmd.append("--eager")
+        if args.profile:
+            cmd.append("--profile")
         t0 = time.perf_counter()
         try:
             p = subprocess.run(
@@ -428,6 +503,16 @@ def parent(args):
         )
         for e in res["errors"]:
             print(f"    error: {e[:300]}", flush=True)
+        for w, rec in res.get("workloads", {}).items():
+            prof = rec.get("profile", {})
+            if "total_ms" in prof:
+                print(
+                    f"    {w}: GPU kernels {prof['total_ms']:.1f} ms, attention + "
+                    f"KV cache {prof['attention_ms']:.1f} ms",
+                    flush=True,
+                )
+            elif prof:
+                print(f"    {w}: profile {prof['error'][:200]}", flush=True)
         with open(
             args.out, "w"
         ) as f:  # after every configuration: a timeout keeps the rest
@@ -454,6 +539,57 @@ def _workspace_cell(ws) -> str:
     if not ws:
         return "-"
     return f"{ws['mib']:.1f}" + (" (locked)" if ws.get("locked") else "")
+
+
+def _ttft(r, w):
+    rec = r.get("workloads", {}).get(w, {})
+    if "error" in rec or not rec.get("ttft_s"):
+        return None
+    return warm_median(rec["ttft_s"])
+
+
+def _ratio_rows(res, names):
+    """TTFT of each configuration over the BF16 cache's, where one ran."""
+    bf16 = next((r for r in res if r["config"].startswith("bf16")), None)
+    if bf16 is None:
+        return []
+    rows = ["", "| TTFT / BF16 cache's | " + " | ".join(names) + " |"]
+    rows.append("|" + "---|" * (len(names) + 1))
+    for r in res:
+        if r is bf16:
+            continue
+        cells = []
+        for w in names:
+            a, b = _ttft(r, w), _ttft(bf16, w)
+            cells.append(f"{a / b:.2f}" if a and b else "-")
+        rows.append(f"| {r['config']} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def _profile_rows(res, names):
+    """--profile: each batch's GPU kernel time, and its largest kernels."""
+    rows = []
+    for r in res:
+        for w in names:
+            prof = r.get("workloads", {}).get(w, {}).get("profile")
+            if not prof:
+                continue
+            if not rows:
+                rows = [
+                    "",
+                    "| configuration | workload | GPU kernels ms (one batch, profiler) "
+                    "| attention + KV cache ms | largest kernels (ms) |",
+                    "|---|---|---|---|---|",
+                ]
+            if "error" in prof:
+                rows.append(f"| {r['config']} | {w} | - | - | {prof['error'][:120]} |")
+                continue
+            top = "; ".join(f"{n[:48]} {ms:.1f}" for n, ms, _ in prof["top"][:4])
+            rows.append(
+                f"| {r['config']} | {w} | {prof['total_ms']:.1f} "
+                f"| {prof['attention_ms']:.1f} | {top} |"
+            )
+    return rows
 
 
 def markdown(data) -> str:
@@ -495,6 +631,7 @@ def markdown(data) -> str:
         cells += [decode, f"{peak:.0f}" if peak is not None else "-"]
         cells += [f"{held:.0f}" if held is not None else "-", err]
         rows.append("| " + " | ".join(cells) + " |")
+    rows += _ratio_rows(res, names) + _profile_rows(res, names)
     rows += [
         "",
         "| answers compared (first token, top-20 logprobs) | requests | top-1 agree "
@@ -539,6 +676,12 @@ def main(argv=None):
         "--eager",
         action="store_true",
         help="enforce_eager (no CUDA graphs, no compile)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more repeat of each workload's batch under the PyTorch profiler: "
+        "its GPU kernel time, in all and in attention and KV-cache kernels",
     )
     ap.add_argument(
         "--timeout", type=float, default=300.0, help="seconds per configuration"

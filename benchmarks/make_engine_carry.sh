@@ -7,6 +7,9 @@
 # part; benchmarks/engine_setup.sh gathers them in /tmp there and unpacks the last.
 #
 #   bash benchmarks/make_engine_carry.sh 0.21.0     # a few minutes (xz)
+#   PART_MB=58 bash benchmarks/make_engine_carry.sh 0.21.0
+#       # 3 parts instead of 5 0.21.0 (a call carries the checkout too, 5 MiB); PART_MB=36
+#       # leaves room for .gpu-carry (22 MiB) beside each part
 #
 # Compiled pieces kept (the rest of the wheel's .so files are left out):
 #   _C / _C_stable_libtorch  vLLM's ops (the custom ops of the model's layers, the
@@ -57,7 +60,7 @@ done
 ls "$work"/whl/pydantic_core-"$want"-* >/dev/null
 rm -rf "$out" && mkdir -p "$out"
 tar cf - -C "$work" vllm whl | xz -6 -T2 > "$work/carry.tar.xz"
-( cd "$work" && split -b 60M -d -a 1 carry.tar.xz chunk. )
+( cd "$work" && split -b "${PART_MB:-60}M" -d -a 1 carry.tar.xz chunk. )
 n=0
 for f in "$work"/chunk.?; do
   n=$((n + 1)); mkdir -p "$out/part$n"; mv "$f" "$out/part$n/chunk"

@@ -41,6 +41,11 @@
 #   bash benchmarks/run_on_device.sh stack-before # carry .gpu-carry, .bench-old: the same of an
 #                                              #   earlier version
 #   bash benchmarks/run_on_device.sh forward   # carry .gpu-carry, .gpu-carry-0.21.0 (0.26.0 likewise)
+#   bash benchmarks/run_on_device.sh engine-stage # carry .engine-carry-$ENGINE_VLLM/part$PART
+#                                              #   (make_engine_carry.sh): one part of the
+#                                              #   engine's carry into /tmp, a call each
+#   bash benchmarks/run_on_device.sh engine    # carry its last part (PART) or none once
+#                                              #   staged: benchmarks/engine.py ENGINE_ARGS
 # serving and stack take BENCH_ARGS (e.g. --oracle) and compare with vLLM 0.33.0's methods run in the carry's vLLM 0.20.0
 # (tq-chunked bench --baseline-source): BASELINE_SOURCE, by default the 0.33.0
 # turboquant_attn.py that make-vllm-carry.sh puts in the carry. "before" imports the
@@ -54,12 +59,13 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 BASELINE_SOURCE=${BASELINE_SOURCE:-.gpu-carry/latest/turboquant_attn.py}
 BEFORE=${BEFORE:-v03}
+ENGINE_VLLM=${ENGINE_VLLM:-0.21.0}
 WORKLOADS=${WORKLOADS:-24 hits,16 hits q256 1K-8K,1 long hit,1 hit q2048 8K,16 hits q512 2K-16K}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|forward ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|forward|engine-stage|engine ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -184,6 +190,17 @@ for mode in "$@"; do
       for c in .gpu-carry .gpu-carry-0.21.0 .gpu-carry-0.26.0; do
         [ -d "$c" ] && carry "$c" timeout 90 python3 benchmarks/vllm_forward.py "$OUT" 2>&1 | grep -v "^INFO\|^WARNING"
       done ;;
+    engine-stage)
+      bash benchmarks/engine_setup.sh ".engine-carry-$ENGINE_VLLM/part$PART" ;;
+    engine)
+      # the last part if carried, else the release already unpacked by an earlier call
+      part=".engine-carry-$ENGINE_VLLM/part${PART:-0}"; [ -d "$part" ] || part=$ENGINE_VLLM
+      ( source benchmarks/engine_setup.sh "$part" \
+        && timeout "${ENGINE_TIMEOUT:-580}" python3 benchmarks/engine.py ${ENGINE_ARGS:-} \
+          --out "$OUT/engine-$ENGINE_VLLM${ENGINE_TAG:+-$ENGINE_TAG}.json" 2>&1 \
+        | grep -v "^INFO\|^WARNING\|^(EngineCore\|^DEBUG" | tail -60
+        python3 benchmarks/engine.py --render "$OUT/engine-$ENGINE_VLLM${ENGINE_TAG:+-$ENGINE_TAG}.json" \
+          > "$OUT/engine-$ENGINE_VLLM${ENGINE_TAG:+-$ENGINE_TAG}.md" ) ;;
     *) echo "unknown mode $mode" >&2; exit 2 ;;
   esac
 done

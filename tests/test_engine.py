@@ -107,3 +107,48 @@ def test_engine_workloads_are_reproducible():
     a, b = mod.workloads(2), mod.workloads(2)
     assert a == b
     assert [len(p) for p in a["mixed-46460"][0]["batch"]] == [4096] + [2560] * 4
+
+
+def test_engine_new_workloads_hit_whole_blocks():
+    """short-hits and hits-q200: every prefix is whole 16-token blocks (so the hit finds
+    all of it cached), the batch adds the stated new tokens, and adding them left the
+    older workloads' prompts as they were (their own generator)."""
+    pytest.importorskip("numpy")
+    mod = _load_engine()
+    wl = mod.workloads(2)
+    for name, n, lo, hi, q in (
+        ("short-hits", 64, 1024, 8192, 16),
+        ("hits-q200", 32, 1024, 4096, 200),
+    ):
+        for rep in wl[name]:
+            assert len(rep["batch"]) == len(rep["warm"]) == n
+            assert rep["new_tokens"] == n * q
+            for warm, hit in zip(rep["warm"], rep["batch"]):
+                prefix = len(hit) - q
+                assert prefix % 16 == 0 and lo <= prefix <= hi
+                assert hit[:prefix] == warm[:prefix] and len(warm) == prefix + 16
+    # a repeat more (--profile) leaves the first ones unchanged
+    assert mod.workloads(3)["short-hits"][:2] == wl["short-hits"]
+    assert mod.workloads(3)["shared-prefix"][:2] == wl["shared-prefix"]
+
+
+@pytest.mark.parametrize(
+    "name, attention",
+    [
+        ("void flash::FlashAttnFwdSm90<...>", True),  # FA3
+        ("flash_fwd_splitkv_kernel", True),  # FA2
+        ("_fill_kernel", True),  # this project's fill
+        ("_merge_kernel", True),
+        ("_tq_full_dequant_kv", True),  # upstream TurboQuant
+        ("void vllm::reshape_and_cache_flash_kernel<...>", True),  # BF16 cache store
+        ("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NNT", False),  # a GEMM
+        ("void vllm::rms_norm_kernel<c10::BFloat16>", False),
+        ("void vllm::act_and_mul_kernel<...>", False),
+    ],
+)
+def test_kernel_summary_counts_attention_by_name(name, attention):
+    mod = _load_engine()
+    s = mod.kernel_summary([(name, 2.0, 3), ("other_gemm", 5.0, 1)])
+    assert s["total_ms"] == 7.0
+    assert s["attention_ms"] == (2.0 if attention else 0.0)
+    assert s["top"][0] == ["other_gemm", 5.0, 1]
