@@ -260,10 +260,10 @@ def child(args):
 
     result = {"config": args.config, "errors": []}
     mode, kv = args.config.split("@")[0].split(":")
-    if mode not in ("on", "off", "bf16"):
+    if mode not in ("on", "on-fa2", "off", "bf16"):
         raise SystemExit(
-            "--config: expected on:<preset>, off:<preset> or bf16:auto, "
-            f"got {args.config}"
+            "--config: expected on:<preset>, on-fa2:<preset>, off:<preset> or "
+            f"bf16:auto, got {args.config}"
         )
     model_dir = tempfile.mkdtemp(prefix="tq-engine-model-")
     cfg = dict(LLAMA3_8B, num_hidden_layers=args.layers)
@@ -435,10 +435,13 @@ def parent(args):
     )
     for cfg in configs:
         env = dict(env_base)
+        env.pop("TQ_CHUNKED_FA_VERSION", None)
         if cfg.startswith("off:"):
             env["TQ_CHUNKED_DISABLE"] = "1"
         else:
             env.pop("TQ_CHUNKED_DISABLE", None)
+        if cfg.startswith("on-fa2:"):  # windows on FA2, vLLM's pick for TurboQuant
+            env["TQ_CHUNKED_FA_VERSION"] = "2"
         # on:<preset>@<workload>[+<workload>]: that configuration on those workloads
         only = cfg.split("@")[1].replace("+", ",") if "@" in cfg else args.workloads
         cmd = [
@@ -658,7 +661,9 @@ def main(argv=None):
             ]
             + ["bf16:auto"]
         ),
-        help="comma-separated on:<preset>, off:<preset>, bf16:auto",
+        help="comma-separated on:<preset>, off:<preset>, bf16:auto; on-fa2:<preset> is "
+        "the plugin with its windows on FlashAttention 2 (TQ_CHUNKED_FA_VERSION=2), "
+        "what vLLM picks for a TurboQuant model's layers",
     )
     ap.add_argument("--workloads", default="mixed-46460,shared-prefix,long-prompt")
     ap.add_argument("--layers", type=int, default=16)

@@ -88,3 +88,19 @@ def test_auto_never_picks_an_unavailable_back_end_and_named_ones_are_checked():
                 resolve_backend(name, dev, 128)
     with pytest.raises(ValueError, match="backend must be one of"):
         resolve_backend("cudnn", dev, 128)
+
+
+def test_windows_fa_version_env_names_it(monkeypatch):
+    """TQ_CHUNKED_FA_VERSION overrides the FlashAttention version the windows use; any
+    value but 2 or 3 is refused by name. Without it, a pick other than 2 stands."""
+    from tq_chunked.attention import _windows_fa_version
+
+    monkeypatch.setenv("TQ_CHUNKED_FA_VERSION", "2")
+    assert _windows_fa_version(3, None) == 2
+    monkeypatch.setenv("TQ_CHUNKED_FA_VERSION", "4")
+    with pytest.raises(ValueError, match="TQ_CHUNKED_FA_VERSION: expected 2 or 3"):
+        _windows_fa_version(3, None)
+    monkeypatch.delenv("TQ_CHUNKED_FA_VERSION")
+    assert _windows_fa_version(3, None) == 3
+    if not torch.cuda.is_available():  # FA2 becomes FA3 on Hopper only
+        assert _windows_fa_version(2, None) == 2

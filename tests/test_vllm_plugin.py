@@ -463,16 +463,21 @@ def test_the_active_line_goes_through_vllms_logger():
     handler.emit = records.append
     vllm_logger = logging.getLogger("vllm")
     level = vllm_logger.level
+    # what the windows attend with: FlashAttention 3 on Hopper, also inside an engine
+    # with a TurboQuant cache (tq_chunked.attention._windows_fa_version)
+    attention = vllm_plugin._attention_name(128)
+    if not torch.cuda.is_available():
+        assert attention == "no CUDA device"
     vllm_logger.addHandler(handler)
     vllm_logger.setLevel(logging.INFO)  # vLLM's default level
     try:
-        vllm_plugin._log_active.__wrapped__(log, 12288, 128 << 20)
+        vllm_plugin._log_active.__wrapped__(log, 12288, 128 << 20, attention)
     finally:
         vllm_logger.removeHandler(handler)
         vllm_logger.setLevel(level)
     assert [r.getMessage() for r in records] == [
         f"tq_chunked {__version__} active: prefill attention batched and windowed "
-        "(windows of 12288 tokens), workspace 128.0 MiB per ubatch"
+        f"(windows of 12288 tokens, {attention}), workspace 128.0 MiB per ubatch"
     ]
 
 

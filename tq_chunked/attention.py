@@ -17,7 +17,9 @@ sum is not a number the weight 0 (flash_fwd_combine_kernel.h), which would turn 
 answer into a finite, wrong one.
 
 Back ends (``resolve_backend`` picks the first available for "auto"):
-  "flash"  vLLM's flash_attn_varlen_func (FlashAttention-3 on Hopper, FA2 elsewhere)
+  "flash"  vLLM's flash_attn_varlen_func (FlashAttention-3 on Hopper, FA2 elsewhere;
+           also inside an engine with a TurboQuant cache, where vLLM picks FA2 for its
+           own layers: _windows_fa_version)
   "triton" the kernel in this file (also runs on CPU under TRITON_INTERPRET=1)
   "torch"  float32 PyTorch, one sequence at a time: the CPU reference
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -286,6 +289,7 @@ def vllm_flash(head_dim: int):
         version = fa_utils.get_flash_attn_version(head_size=head_dim)
     except TypeError:  # releases without the head_size argument
         version = fa_utils.get_flash_attn_version()
+    version = _windows_fa_version(version, fa_utils)
     if version not in (2, 3):
         log.debug(
             "tq_chunked: back end 'flash' unavailable: vLLM picks FlashAttention %s "
@@ -295,6 +299,38 @@ def vllm_flash(head_dim: int):
         )
         return None
     return fn, version
+
+
+FA_VERSION_ENV = "TQ_CHUNKED_FA_VERSION"
+
+
+def _windows_fa_version(version, fa_utils) -> int | None:
+    """The FlashAttention version the windows use, from vLLM's pick ``version``.
+
+    Inside an engine with a TurboQuant cache vLLM's pick is 2 everywhere: its argument
+    parsing sets ``attention_config.flash_attn_version = 2`` for any ``turboquant_*``
+    cache, because FlashAttention-3's boundary-layer code asserts a
+    ``FlashAttentionImpl``. That concerns which layer classes vLLM builds, not a call of
+    the varlen kernel over this project's own buffers, so on Hopper, where vLLM's build
+    has FA3, the windows take FA3, as they do outside an engine (every GPU test and
+    benchmark here ran on it). ``TQ_CHUNKED_FA_VERSION=2`` (or 3) names the version
+    instead; another value is an error.
+    """
+    env = os.environ.get(FA_VERSION_ENV, "")
+    if env:
+        if env not in ("2", "3"):
+            raise ValueError(f"{FA_VERSION_ENV}: expected 2 or 3, got {env!r}")
+        return int(env)
+    supported = getattr(fa_utils, "is_fa_version_supported", None)
+    if (
+        version == 2
+        and supported is not None
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability()[0] == 9
+        and supported(3)
+    ):
+        return 3
+    return version
 
 
 def _flash_attention(call, q, k, v, scale, out, splits=1):

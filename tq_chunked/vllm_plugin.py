@@ -45,6 +45,7 @@ import os
 import torch
 
 from . import __version__
+from .attention import vllm_flash
 from .vllm_backend import (
     CONTINUATION_PARAMS,
     PREFILL_PARAMS,
@@ -240,7 +241,11 @@ def plan_patches(tqa, window):
         original_init(self, *args, **kwargs)
         chunked.reserve(self, impl_cls)  # before vLLM locks its manager
         if any(chunked.served(self, impl_cls, reaches_here)):
-            _log_active(log, *builder_workspace_bytes(self, chunked.window))
+            _log_active(
+                log,
+                *builder_workspace_bytes(self, chunked.window),
+                _attention_name(self.kv_cache_spec.head_size),
+            )
 
     plan.append((builder_cls, "__init__", builder_init))
 
@@ -281,13 +286,25 @@ def plan_patches(tqa, window):
     return plan
 
 
+def _attention_name(head_size) -> str:
+    """What the windows attend with on this GPU: the log names it, because inside an
+    engine with a TurboQuant cache it is not what vLLM's own layers use (FA2)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    found = vllm_flash(head_size)
+    if found is None:
+        return "the project's Triton kernel (no FlashAttention from vLLM)"
+    return f"FlashAttention {found[1]}"
+
+
 @functools.cache
-def _log_active(log, window, nbytes):
+def _log_active(log, window, nbytes, attention="?"):
     log.info(
         "tq_chunked %s active: prefill attention batched and windowed "
-        "(windows of %d tokens), workspace %.1f MiB per ubatch",
+        "(windows of %d tokens, %s), workspace %.1f MiB per ubatch",
         __version__,
         window,
+        attention,
         nbytes / 2**20,
     )
 
