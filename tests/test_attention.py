@@ -1,6 +1,8 @@
 """Varlen partial attention back ends against float64: outputs and log-sum-exp, with
 empty query and key segments, causal and not."""
 
+import types
+
 import pytest
 import torch
 from conftest import DEVICE
@@ -104,3 +106,8 @@ def test_windows_fa_version_env_names_it(monkeypatch):
     assert _windows_fa_version(3, None) == 3
     if not torch.cuda.is_available():  # FA2 becomes FA3 on Hopper only
         assert _windows_fa_version(2, None) == 2
+    # a version vLLM's build cannot run is refused by name, not tried
+    no_fa3 = types.SimpleNamespace(is_fa_version_supported=lambda v: v == 2)
+    monkeypatch.setenv("TQ_CHUNKED_FA_VERSION", "3")
+    with pytest.raises(ValueError, match="TQ_CHUNKED_FA_VERSION=3: vLLM's"):
+        _windows_fa_version(2, no_fa3)

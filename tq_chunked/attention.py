@@ -317,11 +317,16 @@ def _windows_fa_version(version, fa_utils) -> int | None:
     instead; another value is an error.
     """
     env = os.environ.get(FA_VERSION_ENV, "")
+    supported = getattr(fa_utils, "is_fa_version_supported", None)
     if env:
         if env not in ("2", "3"):
             raise ValueError(f"{FA_VERSION_ENV}: expected 2 or 3, got {env!r}")
+        if supported is not None and not supported(int(env)):
+            raise ValueError(
+                f"{FA_VERSION_ENV}={env}: vLLM's FlashAttention {env} does not run on "
+                "this GPU (or was not built)"
+            )
         return int(env)
-    supported = getattr(fa_utils, "is_fa_version_supported", None)
     if (
         version == 2
         and supported is not None
