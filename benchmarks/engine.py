@@ -480,6 +480,7 @@ def parent(args):
             rc = "timeout"
         lines = log.splitlines()
         res = next((json.loads(x[7:]) for x in lines if x.startswith("RESULT ")), None)
+        lines = [x[-300:] for x in lines if not x.startswith("RESULT ")]
         if res is None:
             res = {"config": cfg, "errors": [f"engine did not finish (rc {rc})"]}
         res["rc"] = rc
