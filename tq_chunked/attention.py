@@ -308,13 +308,14 @@ def _windows_fa_version(version, fa_utils) -> int | None:
     """The FlashAttention version the windows use, from vLLM's pick ``version``.
 
     Inside an engine with a TurboQuant cache vLLM's pick is 2 everywhere: its argument
-    parsing sets ``attention_config.flash_attn_version = 2`` for any ``turboquant_*``
-    cache, because FlashAttention-3's boundary-layer code asserts a
-    ``FlashAttentionImpl``. That concerns which layer classes vLLM builds, not a call of
-    the varlen kernel over this project's own buffers, so on Hopper, where vLLM's build
+    parsing (0.20.0 to 0.33.0 at least) sets ``attention_config.flash_attn_version = 2``
+    for any ``turboquant_*`` cache, its comment says because FA3's boundary layers
+    assert ``FlashAttentionImpl``. That concerns vLLM's own attention layers, not a call
+    of the varlen kernel over this project's buffers, so on Hopper, where vLLM's build
     has FA3, the windows take FA3, as they do outside an engine (every GPU test and
-    benchmark here ran on it). ``TQ_CHUNKED_FA_VERSION=2`` (or 3) names the version
-    instead; another value is an error.
+    benchmark here ran on it; in the engine FA2 windows took 1.26x the time to first
+    token of a 60000-token prompt, benchmarks/NOTES.md §28). ``TQ_CHUNKED_FA_VERSION=2``
+    (or 3) names the version instead; another value is an error.
     """
     env = os.environ.get(FA_VERSION_ENV, "")
     supported = getattr(fa_utils, "is_fa_version_supported", None)

@@ -45,7 +45,7 @@ import os
 import torch
 
 from . import __version__
-from .attention import vllm_flash
+from .attention import resolve_backend, vllm_flash
 from .vllm_backend import (
     CONTINUATION_PARAMS,
     PREFILL_PARAMS,
@@ -291,10 +291,10 @@ def _attention_name(head_size) -> str:
     engine with a TurboQuant cache it is not what vLLM's own layers use (FA2)."""
     if not torch.cuda.is_available():
         return "no CUDA device"
-    found = vllm_flash(head_size)
-    if found is None:
-        return "the project's Triton kernel (no FlashAttention from vLLM)"
-    return f"FlashAttention {found[1]}"
+    device = torch.device("cuda", torch.cuda.current_device())
+    if resolve_backend("auto", device, head_size) == "flash":
+        return f"FlashAttention {vllm_flash(head_size)[1]}"
+    return "the project's Triton kernel (no FlashAttention from vLLM at this head size)"
 
 
 @functools.cache
