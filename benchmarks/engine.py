@@ -480,14 +480,15 @@ def parent(args):
             rc = "timeout"
         lines = log.splitlines()
         res = next((json.loads(x[7:]) for x in lines if x.startswith("RESULT ")), None)
-        lines = [x[-300:] for x in lines if not x.startswith("RESULT ")]
+        lines = [x for x in lines if not x.startswith("RESULT ")]
         if res is None:
             res = {"config": cfg, "errors": [f"engine did not finish (rc {rc})"]}
         res["rc"] = rc
         res["wall_s"] = time.perf_counter() - t0
-        res["plugin_log"] = [x for x in lines if "tq_chunked" in x][:20]
-        res["log_errors"] = [x for x in lines if "Error" in x or "error" in x][-15:]
-        res["log_tail"] = lines[-40:]
+        res["plugin_log"] = [x[-600:] for x in lines if "tq_chunked" in x][:20]
+        errs = [x for x in lines if "Error" in x or "error" in x]
+        res["log_errors"] = [x[-300:] for x in errs[-15:]]
+        res["log_tail"] = [x[-300:] for x in lines[-40:]]
         results.append(res)
         cells = []
         for w in args.workloads.split(","):
@@ -664,7 +665,8 @@ def main(argv=None):
         ),
         help="comma-separated on:<preset>, off:<preset>, bf16:auto; on-fa2:<preset> is "
         "the plugin with its windows on FlashAttention 2 (TQ_CHUNKED_FA_VERSION=2), "
-        "what vLLM picks for a TurboQuant model's layers",
+        "what vLLM picks for a TurboQuant model's own layers; the other configurations "
+        "run without TQ_CHUNKED_FA_VERSION, whatever this shell exports",
     )
     ap.add_argument("--workloads", default="mixed-46460,shared-prefix,long-prompt")
     ap.add_argument("--layers", type=int, default=16)

@@ -2,14 +2,14 @@
 # Builds .engine-carry-<version>/ (git-ignored) for benchmarks/engine.py on the H200
 # machine: a real vLLM wheel's Python sources, the compiled pieces a Llama engine with a
 # TurboQuant cache runs there, and wheels of the packages the offline `LLM` path imports
-# that the machine's image lacks. One device call carries at most 64 MiB, so it is one
-# xz-compressed tar cut into parts of 60 MiB: part1/, part2/, ... Each call carries one
+# that the machine's image lacks. One device call carries at most 64 MiB, checkout
+# included (5 MiB), so it is one xz-compressed tar cut into parts of 58 MiB (PART_MB):
+# part1/, part2/, ... (0.21.0: 3 parts, 173 MiB in all). Each call carries one
 # part; benchmarks/engine_setup.sh gathers them in /tmp there and unpacks the last.
 #
 #   bash benchmarks/make_engine_carry.sh 0.21.0     # a few minutes (xz)
-#   PART_MB=58 bash benchmarks/make_engine_carry.sh 0.21.0
-#       # 3 parts instead of 5 0.21.0 (a call carries the checkout too, 5 MiB); PART_MB=36
-#       # leaves room for .gpu-carry (22 MiB) beside each part
+#   PART_MB=36 bash benchmarks/make_engine_carry.sh 0.21.0
+#       # 5 parts, each with room for .gpu-carry (22 MiB) beside it in a call
 #
 # Compiled pieces kept (the rest of the wheel's .so files are left out):
 #   _C / _C_stable_libtorch  vLLM's ops (the custom ops of the model's layers, the
@@ -60,7 +60,7 @@ done
 ls "$work"/whl/pydantic_core-"$want"-* >/dev/null
 rm -rf "$out" && mkdir -p "$out"
 tar cf - -C "$work" vllm whl | xz -6 -T2 > "$work/carry.tar.xz"
-( cd "$work" && split -b "${PART_MB:-60}M" -d -a 1 carry.tar.xz chunk. )
+( cd "$work" && split -b "${PART_MB:-58}M" -d -a 1 carry.tar.xz chunk. )
 n=0
 for f in "$work"/chunk.?; do
   n=$((n + 1)); mkdir -p "$out/part$n"; mv "$f" "$out/part$n/chunk"

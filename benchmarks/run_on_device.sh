@@ -191,16 +191,17 @@ for mode in "$@"; do
         [ -d "$c" ] && carry "$c" timeout 90 python3 benchmarks/vllm_forward.py "$OUT" 2>&1 | grep -v "^INFO\|^WARNING"
       done ;;
     engine-stage)
-      bash benchmarks/engine_setup.sh ".engine-carry-$ENGINE_VLLM/part$PART" ;;
+      bash benchmarks/engine_setup.sh ".engine-carry-$ENGINE_VLLM/part${PART:?engine-stage needs PART=k}" ;;
     engine)
-      # the last part if carried, else the release already unpacked by an earlier call
+      # the last part if carried, else the release already unpacked by an earlier call;
+      # ENGINE_TIMEOUT leaves the call's unpacking and rendering room under 10 minutes
       part=".engine-carry-$ENGINE_VLLM/part${PART:-0}"; [ -d "$part" ] || part=$ENGINE_VLLM
-      ( source benchmarks/engine_setup.sh "$part" \
-        && timeout "${ENGINE_TIMEOUT:-580}" python3 benchmarks/engine.py ${ENGINE_ARGS:-} \
-          --out "$OUT/engine-$ENGINE_VLLM${ENGINE_TAG:+-$ENGINE_TAG}.json" 2>&1 \
-        | grep -v "^INFO\|^WARNING\|^(EngineCore\|^DEBUG" | tail -60
-        python3 benchmarks/engine.py --render "$OUT/engine-$ENGINE_VLLM${ENGINE_TAG:+-$ENGINE_TAG}.json" \
-          > "$OUT/engine-$ENGINE_VLLM${ENGINE_TAG:+-$ENGINE_TAG}.md" ) ;;
+      res="$OUT/engine-$ENGINE_VLLM${ENGINE_TAG:+-$ENGINE_TAG}"
+      ( source benchmarks/engine_setup.sh "$part"
+        [ -e "/tmp/tq-engine/$ENGINE_VLLM/ready" ] || exit 1
+        timeout "${ENGINE_TIMEOUT:-540}" python3 benchmarks/engine.py ${ENGINE_ARGS:-} \
+          --out "$res.json" 2>&1 | grep -v "^INFO\|^WARNING\|^(EngineCore\|^DEBUG" | tail -60
+        [ ! -e "$res.json" ] || python3 benchmarks/engine.py --render "$res.json" > "$res.md" ) ;;
     *) echo "unknown mode $mode" >&2; exit 2 ;;
   esac
 done

@@ -104,10 +104,33 @@ def test_windows_fa_version_env_names_it(monkeypatch):
         _windows_fa_version(3, None)
     monkeypatch.delenv("TQ_CHUNKED_FA_VERSION")
     assert _windows_fa_version(3, None) == 3
-    if not torch.cuda.is_available():  # FA2 becomes FA3 on Hopper only
-        assert _windows_fa_version(2, None) == 2
     # a version vLLM's build cannot run is refused by name, not tried
     no_fa3 = types.SimpleNamespace(is_fa_version_supported=lambda v: v == 2)
     monkeypatch.setenv("TQ_CHUNKED_FA_VERSION", "3")
     with pytest.raises(ValueError, match="TQ_CHUNKED_FA_VERSION=3: vLLM's"):
         _windows_fa_version(2, no_fa3)
+
+
+@pytest.mark.parametrize(
+    "capability, fa3_built, expected",
+    [
+        ((9, 0), True, 3),  # Hopper: FA2 (vLLM's TurboQuant setting) becomes FA3
+        ((9, 0), False, 2),  # no FA3 in vLLM's build
+        ((8, 0), True, 2),  # Ampere: FA2 stands
+        ((10, 0), True, 2),  # Blackwell: FA2 stands (FA3 does not run there)
+    ],
+)
+def test_windows_fa_version_on_hopper_only(
+    monkeypatch, capability, fa3_built, expected
+):
+    """The upgrade from vLLM's FA2 setting happens on Hopper where vLLM's build has FA3,
+    and nowhere else. The device is described to the function (this machine may have
+    none): what vLLM's fa_utils answers, what torch.cuda reports."""
+    from tq_chunked.attention import _windows_fa_version
+
+    monkeypatch.delenv("TQ_CHUNKED_FA_VERSION", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    fa = types.SimpleNamespace(is_fa_version_supported=lambda v: v == 2 or fa3_built)
+    assert _windows_fa_version(2, fa) == expected
+    assert _windows_fa_version(3, fa) == 3  # a pick other than 2 stands

@@ -15,6 +15,7 @@ Skipped where no engine can start: no GPU, or a vLLM without its engine's depend
 (benchmarks/engine_setup.sh puts a complete one on PYTHONPATH on the H200 machine).
 """
 
+import hashlib
 import importlib.util
 import json
 import subprocess
@@ -25,6 +26,9 @@ import pytest
 import torch
 
 ENGINE = Path(__file__).resolve().parents[1] / "benchmarks" / "engine.py"
+OLD_WORKLOADS_SHA256 = (
+    "6f79a746d08da526d39cde14061b279f6b60799a57aa5eda94bf12f6c0ab6ef4"
+)
 MAX_DLOGPROB = 0.07  # about one bf16 step of a logprob near -10; see the test
 
 
@@ -130,6 +134,11 @@ def test_engine_new_workloads_hit_whole_blocks():
     # a repeat more (--profile) leaves the first ones unchanged
     assert mod.workloads(3)["short-hits"][:2] == wl["short-hits"]
     assert mod.workloads(3)["shared-prefix"][:2] == wl["shared-prefix"]
+    # the older workloads' prompts are those of the 2026-12-01 runs (engine.py at
+    # 978a956 gives this digest for workloads(2))
+    old = {k: wl[k] for k in sorted(("shared-prefix", "long-prompt", "mixed-46460"))}
+    digest = hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()
+    assert digest == OLD_WORKLOADS_SHA256
 
 
 @pytest.mark.parametrize(

@@ -307,18 +307,29 @@ FA_VERSION_ENV = "TQ_CHUNKED_FA_VERSION"
 def _windows_fa_version(version, fa_utils) -> int | None:
     """The FlashAttention version the windows use, from vLLM's pick ``version``.
 
-    Inside an engine with a TurboQuant cache vLLM's pick is 2 everywhere: its argument
-    parsing (0.20.0 to 0.33.0 at least) sets ``attention_config.flash_attn_version = 2``
-    for any ``turboquant_*`` cache, its comment says because FA3's boundary layers
-    assert ``FlashAttentionImpl``. That concerns vLLM's own attention layers, not a call
-    of the varlen kernel over this project's buffers, so on Hopper, where vLLM's build
-    has FA3, the windows take FA3, as they do outside an engine (every GPU test and
-    benchmark here ran on it; in the engine FA2 windows took 1.26x the time to first
-    token of a 60000-token prompt, benchmarks/NOTES.md §28). ``TQ_CHUNKED_FA_VERSION=2``
-    (or 3) names the version instead; another value is an error.
+    vLLM's pick depends on where it is asked. Its argument parsing (0.20.0 to 0.33.0 at
+    least) sets ``attention_config.flash_attn_version = 2`` for any ``turboquant_*``
+    cache (its comment: FA3's boundary layers assert ``FlashAttentionImpl``), and
+    ``get_flash_attn_version`` returns that setting wherever a vLLM config is current:
+    model loading and the metadata builders' construction, but (0.20.0's worker) not the
+    forward pass, where it returns FA3 on Hopper. ``vllm_flash`` keeps its first answer
+    for the process, so the windows' version hung on which came first. The setting
+    concerns vLLM's own attention layers, not a call of the varlen kernel over this
+    project's buffers: on Hopper, where vLLM's build has FA3, the windows take FA3
+    wherever they are first asked, as in every GPU test and benchmark here (FA2 windows
+    took 1.26x the time to first token of a 60000-token prompt in vLLM 0.21.0's
+    engine, benchmarks/NOTES.md §28). ``TQ_CHUNKED_FA_VERSION=2`` (or 3) names the
+    version instead; another value, or one vLLM's build cannot run, is an error.
     """
     env = os.environ.get(FA_VERSION_ENV, "")
     supported = getattr(fa_utils, "is_fa_version_supported", None)
+    if supported is None:  # releases whose fa_utils imports it inside functions only
+        try:
+            from vllm.vllm_flash_attn.flash_attn_interface import (
+                is_fa_version_supported as supported,
+            )
+        except ImportError:
+            log.debug("tq_chunked: vLLM tells no FlashAttention version's support")
     if env:
         if env not in ("2", "3"):
             raise ValueError(f"{FA_VERSION_ENV}: expected 2 or 3, got {env!r}")
