@@ -33,11 +33,16 @@ it is locked), peak GPU memory above the steady state during the workloads and w
 left allocated, the first token's top-20 logprobs of every request (the answers), the
 plugin's log lines and any error. With ``--profile``, one more repeat of each
 workload's batch runs under the PyTorch profiler: the GPU kernels' own time in that
-batch, in all and in attention and KV-cache kernels (``ATTENTION_KERNELS``), and its
-largest kernels.
+batch, in all and in attention and KV-cache kernels (``ATTENTION_KERNELS``), its
+largest kernels, the GPU's busy time against the batch's span (first kernel's start to
+last kernel's end: the difference is time the GPU waited for the host) and the CUDA
+runtime calls that wait or allocate (``RUNTIME_CALLS``).
 
     python3 benchmarks/engine.py --out $OUT/engine.json            # the default grid
     python3 benchmarks/engine.py --configs off:turboquant_3bit_nc,on:turboquant_3bit_nc
+    # vLLM's FA2 for a TurboQuant model's own layers, kept and undone (0.4.6's default)
+    python3 benchmarks/engine.py --profile --workloads long-prompt \
+        --configs bf16:auto,on-keep-fa2:turboquant_3bit_nc,on:turboquant_3bit_nc
     # vLLM 0.21-0.23's locked-workspace crash: max_num_seqs bounds the decode batches
     # vLLM warms up, and so the workspace it locks (4.09 MiB at 8 on this model)
     python3 benchmarks/engine.py --workloads shared-prefix,long-prompt \
@@ -239,8 +244,38 @@ def kernel_summary(kernels, top=8):
     }
 
 
+# CUDA runtime calls that wait for the GPU or allocate, counted in a profiled batch
+RUNTIME_CALLS = (
+    "cudaLaunchKernel",  # a witness: runtime calls were recorded at all
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpy",
+    "cudaMalloc",
+    "cudaHostAlloc",
+    "cudaFree",
+)
+
+
+def busy_ms(intervals):
+    """(busy, span) in ms of (start us, end us) kernel intervals: the time at least one
+    kernel runs, and first start to last end. span - busy is the GPU's idle time in the
+    batch: where the host, not the GPU, sets the pace."""
+    busy, end, first = 0.0, float("-inf"), None
+    for a, b in sorted(intervals):
+        first = a if first is None else first
+        if a > end:
+            busy += b - a
+        elif b > end:
+            busy += b - end
+        end = max(end, b)
+    return busy / 1e3, (end - first) / 1e3 if first is not None else 0.0
+
+
 def _profiled(llm, prompts):
-    """One batch under the PyTorch profiler: kernel_summary of its GPU kernels."""
+    """One batch under the PyTorch profiler: kernel_summary of its GPU kernels, the
+    GPU's busy time and span, and the CUDA runtime calls of RUNTIME_CALLS by name."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -252,7 +287,16 @@ def _profiled(llm, prompts):
             us = e.self_cuda_time_total
         if us > 0:
             kernels.append((e.key, us / 1e3, e.count))
-    return kernel_summary(kernels)
+    summary = kernel_summary(kernels)
+    spans, calls = [], dict.fromkeys(RUNTIME_CALLS, 0)
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            spans.append((e.time_range.start, e.time_range.end))
+        elif e.name in calls:
+            calls[e.name] += 1
+    summary["gpu_busy_ms"], summary["gpu_span_ms"] = busy_ms(spans)
+    summary["runtime_calls"] = calls
+    return summary
 
 
 def child(args):
@@ -260,10 +304,10 @@ def child(args):
 
     result = {"config": args.config, "errors": []}
     mode, kv = args.config.split("@")[0].split(":")
-    if mode not in ("on", "on-fa2", "off", "bf16"):
+    if mode not in ("on", "on-fa2", "on-keep-fa2", "off", "bf16"):
         raise SystemExit(
-            "--config: expected on:<preset>, on-fa2:<preset>, off:<preset> or "
-            f"bf16:auto, got {args.config}"
+            "--config: expected on:<preset>, on-fa2:<preset>, on-keep-fa2:<preset>, "
+            f"off:<preset> or bf16:auto, got {args.config}"
         )
     model_dir = tempfile.mkdtemp(prefix="tq-engine-model-")
     cfg = dict(LLAMA3_8B, num_hidden_layers=args.layers)
@@ -297,6 +341,10 @@ def child(args):
     result["block_size"] = cache.block_size
     result["cudagraphs"] = not args.eager
     result["max_num_seqs"] = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+    # vLLM sets 2 for a TurboQuant cache; the plugin gives back what was asked (None)
+    result["flash_attn_version"] = getattr(
+        llm.llm_engine.vllm_config.attention_config, "flash_attn_version", "?"
+    )
     result["workspace"] = _workspace_state()
     result["params"] = llm.apply_model(_redraw_weights)[0]
     try:
@@ -440,8 +488,11 @@ def parent(args):
             env["TQ_CHUNKED_DISABLE"] = "1"
         else:
             env.pop("TQ_CHUNKED_DISABLE", None)
+        env.pop("TQ_CHUNKED_KEEP_FA2", None)
         if cfg.startswith("on-fa2:"):  # windows on FA2, vLLM's pick for TurboQuant
             env["TQ_CHUNKED_FA_VERSION"] = "2"
+        if cfg.startswith("on-keep-fa2:"):  # vLLM's own layers kept on FA2 (0.4.5)
+            env["TQ_CHUNKED_KEEP_FA2"] = "1"
         # on:<preset>@<workload>[+<workload>]: that configuration on those workloads
         only = cfg.split("@")[1].replace("+", ",") if "@" in cfg else args.workloads
         cmd = [
@@ -583,16 +634,35 @@ def _profile_rows(res, names):
                 rows = [
                     "",
                     "| configuration | workload | GPU kernels ms (one batch, profiler) "
-                    "| attention + KV cache ms | largest kernels (ms) |",
-                    "|---|---|---|---|---|",
+                    "| attention + KV cache ms | GPU busy / span ms | syncs, "
+                    "allocations | largest kernels (ms) |",
+                    "|---|---|---|---|---|---|---|",
                 ]
             if "error" in prof:
-                rows.append(f"| {r['config']} | {w} | - | - | {prof['error'][:120]} |")
+                rows.append(
+                    f"| {r['config']} | {w} | - | - | - | - | {prof['error'][:120]} |"
+                )
                 continue
             top = "; ".join(f"{n[:48]} {ms:.1f}" for n, ms, _ in prof["top"][:4])
+            busy = (
+                f"{prof['gpu_busy_ms']:.1f} / {prof['gpu_span_ms']:.1f}"
+                if "gpu_busy_ms" in prof
+                else "-"
+            )
+            calls = prof.get("runtime_calls", {})
+            waits = (
+                ", ".join(
+                    f"{n} {c}"
+                    for n, c in calls.items()
+                    if c and n != "cudaLaunchKernel"
+                )
+                or "none"
+                if calls.get("cudaLaunchKernel")
+                else "not recorded"
+            )
             rows.append(
                 f"| {r['config']} | {w} | {prof['total_ms']:.1f} "
-                f"| {prof['attention_ms']:.1f} | {top} |"
+                f"| {prof['attention_ms']:.1f} | {busy} | {waits} | {top} |"
             )
     return rows
 
@@ -664,9 +734,10 @@ def main(argv=None):
             + ["bf16:auto"]
         ),
         help="comma-separated on:<preset>, off:<preset>, bf16:auto; on-fa2:<preset> is "
-        "the plugin with its windows on FlashAttention 2 (TQ_CHUNKED_FA_VERSION=2), "
-        "what vLLM picks for a TurboQuant model's own layers; the other configurations "
-        "run without TQ_CHUNKED_FA_VERSION, whatever this shell exports",
+        "the plugin with its windows on FlashAttention 2 (TQ_CHUNKED_FA_VERSION=2); "
+        "on-keep-fa2:<preset> the plugin with vLLM's FA2 setting for a TurboQuant "
+        "model's own layers kept (TQ_CHUNKED_KEEP_FA2=1, as 0.4.5 ran); the other "
+        "configurations run without those two variables, whatever this shell exports",
     )
     ap.add_argument("--workloads", default="mixed-46460,shared-prefix,long-prompt")
     ap.add_argument("--layers", type=int, default=16)

@@ -161,3 +161,19 @@ def test_kernel_summary_counts_attention_by_name(name, attention):
     assert s["total_ms"] == 7.0
     assert s["attention_ms"] == (2.0 if attention else 0.0)
     assert s["top"][0] == ["other_gemm", 5.0, 1]
+
+
+@pytest.mark.parametrize(
+    "intervals, busy, span",
+    [
+        ([], 0.0, 0.0),
+        ([(0, 1000)], 1.0, 1.0),
+        ([(0, 1000), (3000, 4000)], 2.0, 4.0),  # a 2 ms gap: the GPU waits
+        ([(0, 2000), (500, 1500), (1000, 3000)], 3.0, 3.0),  # overlapping streams
+        ([(3000, 4000), (0, 1000), (900, 1200)], 2.2, 4.0),  # any order
+    ],
+)
+def test_busy_ms_is_the_union_of_kernel_intervals(intervals, busy, span):
+    mod = _load_engine()
+    got = mod.busy_ms(intervals)
+    assert got == pytest.approx((busy, span))

@@ -481,6 +481,88 @@ def test_the_active_line_goes_through_vllms_logger():
     ]
 
 
+# vLLM's real EngineArgs.create_engine_config, run in a fresh process (EngineArgs loads
+# vLLM's plugins, which would patch this process for the tests after) on vLLM's own CPU
+# platform: a CPU-only machine cannot infer a device otherwise. The GPU's capability is
+# the one thing given: _is_hopper's answer.
+_ENGINE_CONFIG_CASES = r"""
+import json, os, sys
+import vllm.platforms as platforms
+from vllm.platforms.cpu import CpuPlatform
+platforms._current_platform = CpuPlatform()
+from tq_chunked import vllm_plugin
+vllm_plugin._is_hopper = lambda: {hopper}
+assert vllm_plugin.register()
+from vllm.engine.arg_utils import EngineArgs
+out = []
+for cache, asked, keep in {cases}:
+    os.environ["TQ_CHUNKED_KEEP_FA2"] = keep
+    kwargs = dict(model=sys.argv[1], kv_cache_dtype=cache, load_format="dummy",
+                  skip_tokenizer_init=True)
+    if asked is not None:
+        kwargs["attention_config"] = {{"flash_attn_version": asked}}
+    config = EngineArgs(**kwargs).create_engine_config()
+    out.append(config.attention_config.flash_attn_version)
+print("VERSIONS " + json.dumps(out))
+"""
+_TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 1024,
+    "num_hidden_layers": 6,
+    "torch_dtype": "bfloat16",
+}
+
+
+@needs_vllm
+@pytest.mark.parametrize("hopper", [True, False], ids=["hopper", "other-gpu"])
+def test_vllms_fa2_setting_for_turboquant_is_undone_on_hopper(tmp_path, hopper):
+    """A turboquant_* cache makes vLLM set flash_attn_version = 2. With the plugin, on
+    Hopper, the engine config gets back what was asked (None: vLLM's default; 3), unless
+    TQ_CHUNKED_KEEP_FA2=1; FA2 asked for stays FA2, another cache is untouched, and
+    elsewhere vLLM's setting stands. Plugin run only (the vendored change does not
+    touch vLLM's argument parsing)."""
+    if VENDORED:
+        pytest.skip("the plugin is off in the vendored run")
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(_TINY_LLAMA))
+    tq = "turboquant_3bit_nc"
+    cases = [  # (cache, asked, TQ_CHUNKED_KEEP_FA2) -> expected on Hopper, elsewhere
+        ((tq, None, ""), (None, 2)),
+        ((tq, 3, "0"), (3, 2)),
+        ((tq, None, "1"), (2, 2)),
+        ((tq, 2, ""), (2, 2)),
+        (("auto", None, ""), (None, None)),
+        (("turboquant_k8v4", None, ""), (None, 2)),
+    ]
+    code = _ENGINE_CONFIG_CASES.format(hopper=hopper, cases=[c for c, _ in cases])
+    env = dict(os.environ)
+    env.pop("TQ_CHUNKED_DISABLE", None)
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = [x for x in r.stdout.splitlines() if x.startswith("VERSIONS ")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    got = json.loads(lines[-1].split(" ", 1)[1])
+    assert got == [e[0 if hopper else 1] for _, e in cases]
+    # the log says what was done, each time
+    said = "restored to" if hopper else "kept at 2 (not a Hopper GPU"
+    assert said in r.stdout + r.stderr
+
+
 # A prefix-cache hit shorter than a first chunk in the same batch: the first chunk (400
 # tokens) is the longest request, so vLLM's max_query_len == max_seq_len fast path runs
 # and attends every request to its raw K/V only (vllm-project/vllm issue 46460).

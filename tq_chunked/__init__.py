@@ -9,7 +9,7 @@ from .chunked import (
 from .format import PRESETS, TQConfig, hadamard, lloyd_max_centroids
 from .workspace import default_window, workspace_bytes
 
-__version__ = "0.4.5"
+__version__ = "0.4.6"
 __all__ = [
     "continuation_prefill",
     "continuation_prefill_varlen",

@@ -30,6 +30,17 @@ A vLLM whose classes have another shape is left untouched, with one warning: the
 plugin patches everything or nothing. ``TQ_CHUNKED_DISABLE=1`` turns it off;
 ``TQ_CHUNKED_WINDOW=N`` sets the window (key rows per window).
 
+With the backend patched, one more change, in the process that builds vLLM's engine
+config (``EngineArgs.create_engine_config``): vLLM sets ``flash_attn_version = 2`` for
+every ``turboquant_*`` cache, so the model's unquantized layers (TurboQuant leaves the
+first two and the last two as they are) run FlashAttention 2. The failure that setting
+avoided (FA3's metadata builder asserting that every layer is a ``FlashAttentionImpl``)
+is gone in every release the plugin patches (vLLM PR 40092: FA3's builder skips other
+backends' layers). On Hopper the plugin gives the config back the version that was
+asked for (vLLM's default, FA3, unless the user named one), and logs it;
+``TQ_CHUNKED_KEEP_FA2=1`` keeps vLLM's FA2. Measured in vLLM 0.21.0's engine, FA2 there
+cost 13 % of a 60000-token prompt's time to first token (benchmarks/NOTES.md §28).
+
 What the replaced methods and the reservation do is ``vllm_backend.py``'s
 ``ChunkedPrefill``, which the vendored change (``python -m tq_chunked.vendor``) calls
 from vLLM's own code: this module only decides what to patch and wraps it.
@@ -309,6 +320,84 @@ def _log_active(log, window, nbytes, attention="?"):
     )
 
 
+KEEP_FA2_ENV = "TQ_CHUNKED_KEEP_FA2"
+
+
+def _keep_fa2() -> bool:
+    """TQ_CHUNKED_KEEP_FA2: "1" keeps vLLM's FA2 setting; unset, "" or "0" does not."""
+    raw = os.environ.get(KEEP_FA2_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{KEEP_FA2_ENV}: expected 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def _is_hopper() -> bool:
+    """Whether vLLM's platform is an sm 9.x NVIDIA GPU. Asked through vLLM's platform,
+    which reads it without initializing CUDA in this process (the engine's front end,
+    before it starts its workers)."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda():
+            return False
+        capability = current_platform.get_device_capability()
+    except Exception:  # no driver, no GPU: not a Hopper GPU
+        return False
+    return capability is not None and capability.major == 9
+
+
+def restore_flash_attn_version(engine_args, config, hopper: bool) -> str | None:
+    """Undo vLLM's ``flash_attn_version = 2`` for a ``turboquant_*`` cache in the
+    engine ``config`` that ``engine_args.create_engine_config()`` returned: on Hopper
+    (``hopper``) the config gets back the version the arguments asked for (None: vLLM's
+    default, FA3 where its build has it). Returns what was done, for the log, or None
+    where vLLM's setting is not that override (another cache, or FA2 asked for)."""
+    cache_dtype = str(getattr(config.cache_config, "cache_dtype", ""))
+    attention = getattr(config, "attention_config", None)
+    if not cache_dtype.startswith("turboquant_") or attention is None:
+        return None
+    asked = getattr(
+        getattr(engine_args, "attention_config", None), "flash_attn_version", None
+    )
+    if attention.flash_attn_version != 2 or asked == 2:
+        return None
+    if not hopper:
+        return "kept at 2 (not a Hopper GPU, where FA3 in these engines is untested)"
+    if _keep_fa2():
+        return f"kept at 2 ({KEEP_FA2_ENV}=1)"
+    attention.flash_attn_version = asked
+    return (
+        f"restored to {asked if asked is not None else 'vLLM default (FA3)'}: the "
+        f"model's unquantized layers run FlashAttention 3 as with any other cache; "
+        f"{KEEP_FA2_ENV}=1 keeps FA2"
+    )
+
+
+def plan_engine_patch(arg_utils) -> list:
+    """[(EngineArgs, "create_engine_config", wrapper)], or [] where vLLM's EngineArgs
+    has no such method or is patched already."""
+    cls = getattr(arg_utils, "EngineArgs", None)
+    original = getattr(cls, "create_engine_config", None)
+    if original is None or getattr(original, PATCH_MARK, False):
+        return []
+    log = _logger()
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        config = original(self, *args, **kwargs)
+        done = restore_flash_attn_version(self, config, _is_hopper())
+        if done is not None:
+            log.info(
+                "tq_chunked %s: vLLM's flash_attn_version=2 for TurboQuant caches %s",
+                __version__,
+                done,
+            )
+        return config
+
+    setattr(create_engine_config, PATCH_MARK, True)
+    return [(cls, "create_engine_config", create_engine_config)]
+
+
 def register() -> bool:
     """The ``vllm.general_plugins`` entry point. Returns whether vLLM is patched."""
     log = _logger()
@@ -323,6 +412,7 @@ def register() -> bool:
         )
         return False
     window = window_from_env()
+    _keep_fa2()  # a bad value is refused here, before anything is patched
     try:
         plan = plan_patches(tqa, window)
     except UnsupportedVllm as e:
@@ -333,6 +423,12 @@ def register() -> bool:
             e,
         )
         return False
+    try:
+        from vllm.engine import arg_utils
+    except ImportError as e:  # not where an engine config is built
+        log.debug("tq_chunked: vLLM's EngineArgs not importable (%s)", e)
+    else:
+        plan += plan_engine_patch(arg_utils)
     for owner, name, value in plan:  # all checks passed: apply everything
         setattr(owner, name, value)
     return is_patched(tqa)
