@@ -692,7 +692,7 @@ def markdown(data) -> str:
             elif "error" in rec:
                 cells.append("crashed")
             else:
-                t = warm_median(rec["ttft_s"])
+                t = _ttft(r, w)
                 n = rec["prefill_tok_s"] * rec["ttft_median_s"]  # new tokens
                 cells.append(f"{t * 1e3:.1f} ({n / t:.0f})")
                 if "decode_ms_per_step" in rec:

@@ -309,7 +309,7 @@ def _attention_name(head_size) -> str:
 
 
 @functools.cache
-def _log_active(log, window, nbytes, attention="?"):
+def _log_active(log, window, nbytes, attention):
     log.info(
         "tq_chunked %s active: prefill attention batched and windowed "
         "(windows of %d tokens, %s), workspace %.1f MiB per ubatch",
