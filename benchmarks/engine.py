@@ -245,8 +245,8 @@ def kernel_summary(kernels, top=8):
 
 
 # CUDA runtime calls that wait for the GPU or allocate, counted in a profiled batch
+# (exact names: cudaMemcpy is the synchronous copy, not cudaMemcpyAsync)
 RUNTIME_CALLS = (
-    "cudaLaunchKernel",  # a witness: runtime calls were recorded at all
     "cudaStreamSynchronize",
     "cudaDeviceSynchronize",
     "cudaEventSynchronize",
@@ -288,14 +288,18 @@ def _profiled(llm, prompts):
         if us > 0:
             kernels.append((e.key, us / 1e3, e.count))
     summary = kernel_summary(kernels)
-    spans, calls = [], dict.fromkeys(RUNTIME_CALLS, 0)
+    spans, calls, runtime = [], dict.fromkeys(RUNTIME_CALLS, 0), 0
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
-            spans.append((e.time_range.start, e.time_range.end))
-        elif e.name in calls:
-            calls[e.name] += 1
+            if not getattr(e, "is_user_annotation", False):  # kernels, copies, sets
+                spans.append((e.time_range.start, e.time_range.end))
+        elif e.name.startswith("cuda"):
+            runtime += 1
+            if e.name in calls:
+                calls[e.name] += 1
     summary["gpu_busy_ms"], summary["gpu_span_ms"] = busy_ms(spans)
     summary["runtime_calls"] = calls
+    summary["runtime_events"] = runtime  # 0: the profiler recorded no runtime call
     return summary
 
 
@@ -650,6 +654,8 @@ def _profile_rows(res, names):
                 else "-"
             )
             calls = prof.get("runtime_calls", {})
+            # files before runtime_events: cudaLaunchKernel was the witness
+            recorded = prof.get("runtime_events", calls.get("cudaLaunchKernel"))
             waits = (
                 ", ".join(
                     f"{n} {c}"
@@ -657,7 +663,7 @@ def _profile_rows(res, names):
                     if c and n != "cudaLaunchKernel"
                 )
                 or "none"
-                if calls.get("cudaLaunchKernel")
+                if recorded
                 else "not recorded"
             )
             rows.append(

@@ -559,8 +559,57 @@ def test_vllms_fa2_setting_for_turboquant_is_undone_on_hopper(tmp_path, hopper):
     got = json.loads(lines[-1].split(" ", 1)[1])
     assert got == [e[0 if hopper else 1] for _, e in cases]
     # the log says what was done, each time
-    said = "restored to" if hopper else "kept at 2 (not a Hopper GPU"
+    said = "undone for the model's" if hopper else "kept at 2 (not a Hopper GPU"
     assert said in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "true"])
+def test_a_bad_keep_fa2_value_is_refused_by_name(monkeypatch, value):
+    from tq_chunked import vllm_plugin
+
+    monkeypatch.setenv("TQ_CHUNKED_KEEP_FA2", value)
+    with pytest.raises(ValueError, match="TQ_CHUNKED_KEEP_FA2: expected 0 or 1"):
+        vllm_plugin._keep_fa2()
+
+
+class _Platform:
+    """What _is_hopper asks of vLLM's platform: stands in for a GPU this machine has
+    not got."""
+
+    def __init__(self, cuda, capability):
+        self.cuda, self.capability = cuda, capability
+
+    def is_cuda(self):
+        return self.cuda
+
+    def get_device_capability(self):
+        if isinstance(self.capability, Exception):
+            raise self.capability
+        return self.capability
+
+
+@needs_vllm
+@pytest.mark.parametrize(
+    "cuda, capability, hopper",
+    [
+        (True, (9, 0), True),
+        (True, (8, 0), False),
+        (True, (10, 0), False),
+        (True, None, False),  # vLLM could not tell
+        (True, RuntimeError("NVML: driver not loaded"), False),
+        (False, (9, 0), False),  # ROCm, XPU, CPU
+    ],
+)
+def test_is_hopper_asks_vllms_platform(monkeypatch, cuda, capability, hopper):
+    import vllm.platforms as platforms
+    from vllm.platforms.interface import DeviceCapability
+
+    from tq_chunked import vllm_plugin
+
+    if isinstance(capability, tuple):
+        capability = DeviceCapability(*capability)
+    monkeypatch.setattr(platforms, "_current_platform", _Platform(cuda, capability))
+    assert vllm_plugin._is_hopper() is hopper
 
 
 # A prefix-cache hit shorter than a first chunk in the same batch: the first chunk (400

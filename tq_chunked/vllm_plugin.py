@@ -346,12 +346,17 @@ def _is_hopper() -> bool:
     return capability is not None and capability.major == 9
 
 
-def restore_flash_attn_version(engine_args, config, hopper: bool) -> str | None:
+def restore_flash_attn_version(engine_args, config, is_hopper) -> str | None:
     """Undo vLLM's ``flash_attn_version = 2`` for a ``turboquant_*`` cache in the
     engine ``config`` that ``engine_args.create_engine_config()`` returned: on Hopper
-    (``hopper``) the config gets back the version the arguments asked for (None: vLLM's
-    default, FA3 where its build has it). Returns what was done, for the log, or None
-    where vLLM's setting is not that override (another cache, or FA2 asked for)."""
+    (``is_hopper()``, asked last, only for such a config) the config gets back the
+    version the arguments asked for (None: vLLM's default, FA3 where its build has it).
+    Returns what was done, for the log, or None where vLLM's setting is not that
+    override (another cache, UltraQuant's included, or FA2 asked for).
+
+    vLLM's per-model adjustments made while it built the config saw 2 and are not run
+    again (0.33's for Gemma 4's mixed head sizes, which picks FA4 for an unset
+    version)."""
     cache_dtype = str(getattr(config.cache_config, "cache_dtype", ""))
     attention = getattr(config, "attention_config", None)
     if not cache_dtype.startswith("turboquant_") or attention is None:
@@ -361,14 +366,18 @@ def restore_flash_attn_version(engine_args, config, hopper: bool) -> str | None:
     )
     if attention.flash_attn_version != 2 or asked == 2:
         return None
-    if not hopper:
-        return "kept at 2 (not a Hopper GPU, where FA3 in these engines is untested)"
     if _keep_fa2():
         return f"kept at 2 ({KEEP_FA2_ENV}=1)"
+    if not is_hopper():
+        return "kept at 2 (not a Hopper GPU, where this is untested)"
     attention.flash_attn_version = asked
+    restored = (
+        "unset again (vLLM's default: FA3 where its build has it)"
+        if asked is None
+        else f"{asked} again, as asked"
+    )
     return (
-        f"restored to {asked if asked is not None else 'vLLM default (FA3)'}: the "
-        f"model's unquantized layers run FlashAttention 3 as with any other cache; "
+        f"undone for the model's unquantized layers: the version is {restored}; "
         f"{KEEP_FA2_ENV}=1 keeps FA2"
     )
 
@@ -385,7 +394,7 @@ def plan_engine_patch(arg_utils) -> list:
     @functools.wraps(original)
     def create_engine_config(self, *args, **kwargs):
         config = original(self, *args, **kwargs)
-        done = restore_flash_attn_version(self, config, _is_hopper())
+        done = restore_flash_attn_version(self, config, _is_hopper)
         if done is not None:
             log.info(
                 "tq_chunked %s: vLLM's flash_attn_version=2 for TurboQuant caches %s",
