@@ -177,3 +177,40 @@ def test_busy_ms_is_the_union_of_kernel_intervals(intervals, busy, span):
     mod = _load_engine()
     got = mod.busy_ms(intervals)
     assert got == pytest.approx((busy, span))
+
+
+def _load_occupancy():
+    path = ENGINE.parent / "occupancy.py"
+    spec = importlib.util.spec_from_file_location("tq_occupancy_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(
+    "requests, shape, blocks",
+    [
+        # one window: 8 kv heads x ceil(512 x 4 / 128) query tiles
+        ([(8192, 512)], "llama3-8b", [128]),
+        # 70b-tp8: 1 kv head, a group of 8: ceil(128 x 8 / 128) = 8 tiles a request
+        ([(1024, 128)] * 3, "70b-tp8", [24]),
+        # a first chunk and a hit share a window: tiles per sequence, not per row
+        ([(0, 100), (2048, 30)], "llama3-8b", [8 * (4 + 1)]),
+    ],
+)
+def test_occupancy_counts_query_tiles_per_kv_head(requests, shape, blocks):
+    from tq_chunked.testing import Workload
+
+    mod = _load_occupancy()
+    assert mod.call_blocks(Workload("w", shape, requests)) == blocks
+
+
+def test_occupancy_finds_the_decode_like_batches_below_one_block_per_sm():
+    """benchmarks/NOTES.md §31: every attention call of the serving grid's two
+    decode-like batches runs fewer blocks than the H200 has SMs."""
+    mod = _load_occupancy()
+    grid = {(w.name, w.shape): w for w in mod.serving_workloads()}
+    short = mod.call_blocks(grid[("64 hits q16 1K-8K", "llama3-8b")])
+    mid = mod.call_blocks(grid[("8 hits q64-128 4K-32K", "llama3-8b")])
+    assert len(short) == 11 and max(short) < 132
+    assert len(mid) == 5 and max(mid) < 132
