@@ -36,7 +36,10 @@ workload's batch runs under the PyTorch profiler: the GPU kernels' own time in t
 batch, in all and in attention and KV-cache kernels (``ATTENTION_KERNELS``), its
 largest kernels, the GPU's busy time against the batch's span (first kernel's start to
 last kernel's end: the difference is time the GPU waited for the host) and the CUDA
-runtime calls that wait or allocate (``RUNTIME_CALLS``).
+runtime calls that wait or allocate (``RUNTIME_CALLS``). With ``--host-profile``, one
+more under cProfile: the batch's Python time by area (tq_chunked, vLLM's scheduler and
+KV-cache manager, its model runner, ...: ``HOST_AREAS``), for host time the GPU's span
+does not show.
 
     python3 benchmarks/engine.py --out $OUT/engine.json            # the default grid
     python3 benchmarks/engine.py --configs off:turboquant_3bit_nc,on:turboquant_3bit_nc
@@ -303,6 +306,55 @@ def _profiled(llm, prompts):
     return summary
 
 
+# Where a profiled batch's Python time is spent, by the file its functions are in:
+# the first pattern found in a function's file names its area.
+HOST_AREAS = (
+    ("tq_chunked", "tq_chunked"),
+    ("/vllm/v1/core/", "vLLM scheduler, KV-cache manager"),
+    ("/vllm/v1/worker/", "vLLM model runner"),
+    ("/vllm/v1/attention/", "vLLM attention backends"),
+    ("/vllm/v1/engine/", "vLLM engine"),
+    ("/vllm/", "vLLM, other"),
+    ("/triton/", "Triton"),
+    ("/torch/", "torch (Python)"),
+    ("~", "built-ins and C calls"),
+)
+
+
+def host_summary(stats, top=15):
+    """{"total_s", "by_area": {area: s}, "top": [[function, own s, with callees s,
+    calls]]} from a ``pstats.Stats``: each function's own time, summed by HOST_AREAS."""
+    by_area, rows, total = {}, [], 0.0
+    for (file, line, func), (_, calls, own, cum, _) in stats.stats.items():
+        total += own
+        area = next((a for pat, a in HOST_AREAS if pat in file), "other")
+        by_area[area] = by_area.get(area, 0.0) + own
+        where = func if file == "~" else f"{file.rsplit('/', 2)[-1]}:{line}({func})"
+        rows.append([where[:120], own, cum, calls])
+    rows.sort(key=lambda r: -r[1])
+    return {
+        "total_s": total,
+        "by_area": dict(sorted(by_area.items(), key=lambda kv: -kv[1])),
+        "top": rows[:top],
+    }
+
+
+def _host_profiled(llm, prompts):
+    """One batch under cProfile (every Python function of the engine, which runs in
+    this process): host_summary of it. cProfile slows Python code down, so the
+    shares, not the seconds, are the figure."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        _generate(llm, prompts)
+    finally:
+        prof.disable()
+    return host_summary(pstats.Stats(prof))
+
+
 def child(args):
     import torch
 
@@ -357,8 +409,9 @@ def child(args):
         result["plugin_patched"] = bool(plug.is_patched())
     except Exception as e:  # noqa: BLE001 - reported, not hidden
         result["plugin_patched"] = f"{type(e).__name__}: {e}"
-    # --profile: one more repeat of each workload, run under the profiler
-    wl = workloads(args.repeats + args.profile, args.long_tokens)
+    # --profile, --host-profile: one more repeat of each workload each, under the
+    # PyTorch profiler, then under cProfile
+    wl = workloads(args.repeats + args.profile + args.host_profile, args.long_tokens)
     names = args.workloads.split(",")
     result["workloads"] = {}
     torch.cuda.synchronize()
@@ -389,14 +442,20 @@ def child(args):
                 new = [p[:-1024] + p[-1024:][::-1] for p in rep["batch"]]
                 dt, _ = _generate(llm, new, max_tokens=65)
                 rec["decode_ms_per_step"] = 1e3 * (dt - rec["ttft_median_s"]) / 64
-            if args.profile:
-                rep = wl[name][-1]
+            extra = iter(wl[name][args.repeats :])
+            for on, key, run in (
+                (args.profile, "profile", _profiled),
+                (args.host_profile, "host_profile", _host_profiled),
+            ):
+                if not on:
+                    continue
+                rep = next(extra)
                 if rep["warm"]:
                     _generate(llm, rep["warm"])
                 try:
-                    rec["profile"] = _profiled(llm, rep["batch"])
+                    rec[key] = run(llm, rep["batch"])
                 except Exception as e:  # noqa: BLE001 - reported beside the times
-                    rec["profile"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+                    rec[key] = {"error": f"{type(e).__name__}: {e}"[:500]}
             print(
                 f"[{args.config}] {name}: ttft {rec['ttft_median_s'] * 1e3:.1f} ms",
                 flush=True,
@@ -522,6 +581,8 @@ def parent(args):
             cmd.append("--eager")
         if args.profile:
             cmd.append("--profile")
+        if args.host_profile:
+            cmd.append("--host-profile")
         t0 = time.perf_counter()
         try:
             p = subprocess.run(
@@ -573,6 +634,9 @@ def parent(args):
                 )
             elif prof:
                 print(f"    {w}: profile {prof['error'][:200]}", flush=True)
+            host = rec.get("host_profile", {})
+            if host:
+                print(f"    {w}: host {_host_cell(host)}", flush=True)
         with open(
             args.out, "w"
         ) as f:  # after every configuration: a timeout keeps the rest
@@ -673,6 +737,36 @@ def _profile_rows(res, names):
     return rows
 
 
+def _host_cell(host) -> str:
+    """A host_summary in one line: total, then each area's share (over 3 %)."""
+    if "error" in host:
+        return host["error"][:120]
+    total = host["total_s"] or 1.0
+    shares = ", ".join(
+        f"{a} {s / total:.0%}" for a, s in host["by_area"].items() if s / total > 0.03
+    )
+    return f"{host['total_s'] * 1e3:.0f} ms under cProfile: {shares}"
+
+
+def _host_rows(res, names):
+    """--host-profile: each batch's Python time by area."""
+    rows = []
+    for r in res:
+        for w in names:
+            host = r.get("workloads", {}).get(w, {}).get("host_profile")
+            if not host:
+                continue
+            if not rows:
+                rows = [
+                    "",
+                    "| configuration | workload | Python time of one batch, by area "
+                    "(cProfile; shares, not seconds, are the figure) |",
+                    "|---|---|---|",
+                ]
+            rows.append(f"| {r['config']} | {w} | {_host_cell(host)} |")
+    return rows
+
+
 def markdown(data) -> str:
     """The results of one run as Markdown: a row per configuration, then the answers."""
     res = data["results"]
@@ -713,6 +807,7 @@ def markdown(data) -> str:
         cells += [f"{held:.0f}" if held is not None else "-", err]
         rows.append("| " + " | ".join(cells) + " |")
     rows += _ratio_rows(res, names) + _profile_rows(res, names)
+    rows += _host_rows(res, names)
     rows += [
         "",
         "| answers compared (first token, top-20 logprobs) | requests | top-1 agree "
@@ -767,6 +862,13 @@ def main(argv=None):
         action="store_true",
         help="one more repeat of each workload's batch under the PyTorch profiler: "
         "its GPU kernel time, in all and in attention and KV-cache kernels",
+    )
+    ap.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="one more repeat of each workload's batch under cProfile: its Python "
+        "time by area (tq_chunked, vLLM's scheduler, model runner, ...) and its "
+        "largest functions",
     )
     ap.add_argument(
         "--timeout", type=float, default=300.0, help="seconds per configuration"

@@ -214,3 +214,28 @@ def test_occupancy_finds_the_decode_like_batches_below_one_block_per_sm():
     mid = mod.call_blocks(grid[("8 hits q64-128 4K-32K", "llama3-8b")])
     assert len(short) == 11 and max(short) < 132
     assert len(mid) == 5 and max(mid) < 132
+
+
+def test_host_summary_sums_each_functions_own_time_by_area():
+    """A real cProfile of this project's plan (tq_chunked) beside a built-in: the
+    areas' times add up to the total, and tq_chunked's own functions are found."""
+    import cProfile
+    import pstats
+
+    from tq_chunked.plan import plan
+
+    mod = _load_engine()
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(20):
+        plan((0, 16, 48), (1000 + i, 2000 + i), 4096, torch.device("cpu"))
+    sorted(range(10000), key=lambda x: -x)
+    prof.disable()
+    s = mod.host_summary(pstats.Stats(prof), top=5)
+    assert s["total_s"] > 0
+    assert sum(s["by_area"].values()) == pytest.approx(s["total_s"])
+    assert s["by_area"].get("tq_chunked", 0) > 0
+    assert len(s["top"]) == 5
+    assert [r[1] for r in s["top"]] == sorted((r[1] for r in s["top"]), reverse=True)
+    cell = mod._host_cell(s)
+    assert cell.startswith(f"{s['total_s'] * 1e3:.0f} ms under cProfile: ")
