@@ -99,6 +99,8 @@ def test_windows_fa_version_env_names_it(monkeypatch):
 
     monkeypatch.setenv("TQ_CHUNKED_FA_VERSION", "2")
     assert _windows_fa_version(3, None) == 2
+    monkeypatch.setenv("TQ_CHUNKED_FA_VERSION", " 2\n")  # as the other variables
+    assert _windows_fa_version(3, None) == 2
     monkeypatch.setenv("TQ_CHUNKED_FA_VERSION", "4")
     with pytest.raises(ValueError, match="TQ_CHUNKED_FA_VERSION: expected 2 or 3"):
         _windows_fa_version(3, None)

@@ -321,7 +321,7 @@ def _windows_fa_version(version, fa_utils) -> int | None:
     engine, benchmarks/NOTES.md §28). ``TQ_CHUNKED_FA_VERSION=2`` (or 3) names the
     version instead; another value, or one vLLM's build cannot run, is an error.
     """
-    env = os.environ.get(FA_VERSION_ENV, "")
+    env = os.environ.get(FA_VERSION_ENV, "").strip()
     supported = getattr(fa_utils, "is_fa_version_supported", None)
     if supported is None:  # releases whose fa_utils imports it inside functions only
         try:
