@@ -690,50 +690,53 @@ def _ratio_rows(res, names):
     return rows
 
 
+def _per_batch(res, names, key):
+    """(configuration, workload, record[key]) for each batch whose record has one."""
+    return [
+        (r["config"], w, rec[key])
+        for r in res
+        for w in names
+        if (rec := r.get("workloads", {}).get(w, {})).get(key)
+    ]
+
+
 def _profile_rows(res, names):
     """--profile: each batch's GPU kernel time, and its largest kernels."""
-    rows = []
-    for r in res:
-        for w in names:
-            prof = r.get("workloads", {}).get(w, {}).get("profile")
-            if not prof:
-                continue
-            if not rows:
-                rows = [
-                    "",
-                    "| configuration | workload | GPU kernels ms (one batch, profiler) "
-                    "| attention + KV cache ms | GPU busy / span ms | syncs, "
-                    "allocations | largest kernels (ms) |",
-                    "|---|---|---|---|---|---|---|",
-                ]
-            if "error" in prof:
-                rows.append(
-                    f"| {r['config']} | {w} | - | - | - | - | {prof['error'][:120]} |"
-                )
-                continue
-            top = "; ".join(f"{n[:48]} {ms:.1f}" for n, ms, _ in prof["top"][:4])
-            busy = (
-                f"{prof['gpu_busy_ms']:.1f} / {prof['gpu_span_ms']:.1f}"
-                if "gpu_busy_ms" in prof
-                else "-"
+    found = _per_batch(res, names, "profile")
+    if not found:
+        return []
+    rows = [
+        "",
+        "| configuration | workload | GPU kernels ms (one batch, profiler) "
+        "| attention + KV cache ms | GPU busy / span ms | syncs, "
+        "allocations | largest kernels (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for config, w, prof in found:
+        if "error" in prof:
+            rows.append(f"| {config} | {w} | - | - | - | - | {prof['error'][:120]} |")
+            continue
+        top = "; ".join(f"{n[:48]} {ms:.1f}" for n, ms, _ in prof["top"][:4])
+        busy = (
+            f"{prof['gpu_busy_ms']:.1f} / {prof['gpu_span_ms']:.1f}"
+            if "gpu_busy_ms" in prof
+            else "-"
+        )
+        calls = prof.get("runtime_calls", {})
+        # files before runtime_events: cudaLaunchKernel was the witness
+        recorded = prof.get("runtime_events", calls.get("cudaLaunchKernel"))
+        waits = (
+            ", ".join(
+                f"{n} {c}" for n, c in calls.items() if c and n != "cudaLaunchKernel"
             )
-            calls = prof.get("runtime_calls", {})
-            # files before runtime_events: cudaLaunchKernel was the witness
-            recorded = prof.get("runtime_events", calls.get("cudaLaunchKernel"))
-            waits = (
-                ", ".join(
-                    f"{n} {c}"
-                    for n, c in calls.items()
-                    if c and n != "cudaLaunchKernel"
-                )
-                or "none"
-                if recorded
-                else "not recorded"
-            )
-            rows.append(
-                f"| {r['config']} | {w} | {prof['total_ms']:.1f} "
-                f"| {prof['attention_ms']:.1f} | {busy} | {waits} | {top} |"
-            )
+            or "none"
+            if recorded
+            else "not recorded"
+        )
+        rows.append(
+            f"| {config} | {w} | {prof['total_ms']:.1f} "
+            f"| {prof['attention_ms']:.1f} | {busy} | {waits} | {top} |"
+        )
     return rows
 
 
@@ -750,21 +753,15 @@ def _host_cell(host) -> str:
 
 def _host_rows(res, names):
     """--host-profile: each batch's Python time by area."""
-    rows = []
-    for r in res:
-        for w in names:
-            host = r.get("workloads", {}).get(w, {}).get("host_profile")
-            if not host:
-                continue
-            if not rows:
-                rows = [
-                    "",
-                    "| configuration | workload | Python time of one batch, by area "
-                    "(cProfile; shares, not seconds, are the figure) |",
-                    "|---|---|---|",
-                ]
-            rows.append(f"| {r['config']} | {w} | {_host_cell(host)} |")
-    return rows
+    found = _per_batch(res, names, "host_profile")
+    if not found:
+        return []
+    return [
+        "",
+        "| configuration | workload | Python time of one batch, by area "
+        "(cProfile; shares, not seconds, are the figure) |",
+        "|---|---|---|",
+    ] + [f"| {config} | {w} | {_host_cell(host)} |" for config, w, host in found]
 
 
 def markdown(data) -> str:
