@@ -379,6 +379,14 @@ def _cpu_flash_attn_varlen(
     return out
 
 
+def _plugin_on_env():
+    """This process's environment for a child that loads vLLM's plugins, the plugin's
+    off switch left out."""
+    env = dict(os.environ)
+    env.pop("TQ_CHUNKED_DISABLE", None)
+    return env
+
+
 def _entry_point_registered():
     from importlib.metadata import entry_points
 
@@ -407,8 +415,7 @@ def test_load_general_plugins_applies_the_patch_and_the_switch_turns_it_off():
         (("1", "UNPATCHED"),) if VENDORED else ((None, "PATCHED"), ("1", "UNPATCHED"))
     )
     for disable, expect in cases:
-        env = dict(os.environ)
-        env.pop("TQ_CHUNKED_DISABLE", None)
+        env = _plugin_on_env()
         if disable:
             env["TQ_CHUNKED_DISABLE"] = disable
         r = subprocess.run(
@@ -434,11 +441,9 @@ def test_the_docs_is_patched_snippet_runs_as_written():
     with open(os.path.join(ROOT, "docs", "integration.md")) as f:
         blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
     [code] = [b for b in blocks if "is_patched" in b]
-    env = dict(os.environ)
-    env.pop("TQ_CHUNKED_DISABLE", None)
     r = subprocess.run(
         [sys.executable, "-c", code],
-        env=env,
+        env=_plugin_on_env(),
         capture_output=True,
         text=True,
         timeout=600,
@@ -545,11 +550,9 @@ def test_vllms_fa2_setting_for_turboquant_is_undone_on_hopper(tmp_path, hopper):
         (("turboquant_k8v4", None, ""), (None, 2)),
     ]
     code = _ENGINE_CONFIG_CASES.format(hopper=hopper, cases=[c for c, _ in cases])
-    env = dict(os.environ)
-    env.pop("TQ_CHUNKED_DISABLE", None)
     r = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path)],
-        env=env,
+        env=_plugin_on_env(),
         capture_output=True,
         text=True,
         timeout=900,

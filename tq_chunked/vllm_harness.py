@@ -95,13 +95,18 @@ def cpu_test_env(root: str, **extra: str) -> dict[str, str]:
     project's Triton kernels in Triton's interpreter, and ``CUDA_VISIBLE_DEVICES``
     empty, under which vLLM hands its modules the real Triton (without a GPU driver it
     hands them a placeholder, under which UltraQuant's module cannot be imported);
-    neither the plugin's off switch nor the vendored tests' marker is inherited.
-    ``extra`` is added last."""
+    neither the plugin's switches (off, window, FA2 kept) nor the vendored tests'
+    marker is inherited. ``extra`` is added last."""
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join(
         [p for p in (extra.pop("PYTHONPATH", ""), root) if p]
     )
-    for name in ("TQ_CHUNKED_DISABLE", "TQ_CHUNKED_VENDORED", "TQ_CHUNKED_WINDOW"):
+    for name in (
+        "TQ_CHUNKED_DISABLE",
+        "TQ_CHUNKED_VENDORED",
+        "TQ_CHUNKED_WINDOW",
+        "TQ_CHUNKED_KEEP_FA2",
+    ):
         env.pop(name, None)
     env.update(extra)
     return env
