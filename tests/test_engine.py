@@ -46,8 +46,10 @@ def _engine_importable() -> str | None:
     return None
 
 
-def _load_engine():
-    spec = importlib.util.spec_from_file_location("tq_engine_bench", ENGINE)
+def _load_benchmark(name="engine"):
+    """benchmarks/<name>.py as a module (benchmarks/ is not a package)."""
+    path = ENGINE.parent / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"tq_{name}_bench", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -107,7 +109,7 @@ def test_prefix_hit_in_engine_matches_plugin_off(tmp_path):
 def test_engine_workloads_are_reproducible():
     """The prompts every engine sees come from one seeded generator (CPU, no engine)."""
     pytest.importorskip("numpy")
-    mod = _load_engine()
+    mod = _load_benchmark()
     a, b = mod.workloads(2), mod.workloads(2)
     assert a == b
     assert [len(p) for p in a["mixed-46460"][0]["batch"]] == [4096] + [2560] * 4
@@ -118,7 +120,7 @@ def test_engine_new_workloads_hit_whole_blocks():
     all of it cached), the batch adds the stated new tokens, and adding them left the
     older workloads' prompts as they were (their own generator)."""
     pytest.importorskip("numpy")
-    mod = _load_engine()
+    mod = _load_benchmark()
     wl = mod.workloads(2)
     for name, n, lo, hi, q in (
         ("short-hits", 64, 1024, 8192, 16),
@@ -156,7 +158,7 @@ def test_engine_new_workloads_hit_whole_blocks():
     ],
 )
 def test_kernel_summary_counts_attention_by_name(name, attention):
-    mod = _load_engine()
+    mod = _load_benchmark()
     s = mod.kernel_summary([(name, 2.0, 3), ("other_gemm", 5.0, 1)])
     assert s["total_ms"] == 7.0
     assert s["attention_ms"] == (2.0 if attention else 0.0)
@@ -174,17 +176,9 @@ def test_kernel_summary_counts_attention_by_name(name, attention):
     ],
 )
 def test_busy_ms_is_the_union_of_kernel_intervals(intervals, busy, span):
-    mod = _load_engine()
+    mod = _load_benchmark()
     got = mod.busy_ms(intervals)
     assert got == pytest.approx((busy, span))
-
-
-def _load_occupancy():
-    path = ENGINE.parent / "occupancy.py"
-    spec = importlib.util.spec_from_file_location("tq_occupancy_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize(
@@ -201,14 +195,14 @@ def _load_occupancy():
 def test_occupancy_counts_query_tiles_per_kv_head(requests, shape, blocks):
     from tq_chunked.testing import Workload
 
-    mod = _load_occupancy()
+    mod = _load_benchmark("occupancy")
     assert mod.call_blocks(Workload("w", shape, requests)) == blocks
 
 
 def test_occupancy_finds_the_decode_like_batches_below_one_block_per_sm():
     """benchmarks/NOTES.md §31: every attention call of the serving grid's two
     decode-like batches runs fewer blocks than the H200 has SMs."""
-    mod = _load_occupancy()
+    mod = _load_benchmark("occupancy")
     grid = {(w.name, w.shape): w for w in mod.serving_workloads()}
     short = mod.call_blocks(grid[("64 hits q16 1K-8K", "llama3-8b")])
     mid = mod.call_blocks(grid[("8 hits q64-128 4K-32K", "llama3-8b")])
@@ -224,7 +218,7 @@ def test_host_summary_sums_each_functions_own_time_by_area():
 
     from tq_chunked.plan import plan
 
-    mod = _load_engine()
+    mod = _load_benchmark()
     prof = cProfile.Profile()
     prof.enable()
     for i in range(20):
