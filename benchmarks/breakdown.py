@@ -22,10 +22,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tq_chunked import continuation_prefill_varlen, default_window, workspace_bytes
-from tq_chunked.bench_engine import _spin_cycles_per_ms, measure
-from tq_chunked.chunked import schedule
-from tq_chunked.plan import LongRequest
-from tq_chunked.testing import SHAPES, build_batch, serving_workloads, stack_workloads
+from tq_chunked.runtime.chunked import schedule
+from tq_chunked.runtime.plan import LongRequest
+from tq_chunked.tools.bench_engine import _spin_cycles_per_ms, measure
+from tq_chunked.tools.testing import (
+    SHAPES,
+    build_batch,
+    serving_workloads,
+    stack_workloads,
+)
 
 STAGES = [
     ("fill", "_fill_kernel"),

@@ -26,9 +26,9 @@ import torch
 import triton.testing
 from fill_bandwidth import HK, TOKENS, copy_rate
 
-from tq_chunked.dequant import FILL, fill_window, split_rotation
-from tq_chunked.format import TQConfig, hadamard, lloyd_max_centroids
-from tq_chunked.plan import cached_window, plan
+from tq_chunked.runtime.dequant import FILL, fill_window, split_rotation
+from tq_chunked.runtime.format import TQConfig, hadamard, lloyd_max_centroids
+from tq_chunked.runtime.plan import cached_window, plan
 
 CASES = [
     ("turboquant_3bit_nc", 128),

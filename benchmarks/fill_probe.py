@@ -25,7 +25,7 @@ import triton.testing
 from fill_bandwidth import copy_rate
 from fill_configs import case_inputs
 
-from tq_chunked.dequant import FILL, fill_window, launch_fill
+from tq_chunked.runtime.dequant import FILL, fill_window, launch_fill
 
 CASES = [
     ("turboquant_3bit_nc", 128),

@@ -1,5 +1,5 @@
-"""The fused prototype (tq_chunked/fused.py) beside the window path and the floor, on
-the serving grid's decode-like batches (GPU).
+"""The fused prototype (tq_chunked/experimental/fused.py) beside the window path and
+the floor, on the serving grid's decode-like batches (GPU).
 
     python benchmarks/fused_probe.py [OUT_DIR] [--workloads "64 hits,8 hits q64"]
     ncu --kernel-name regex:_cached_attention python benchmarks/fused_probe.py --ncu
@@ -25,9 +25,12 @@ from breakdown import floor_of, profile_ms
 from tqdm import tqdm
 
 from tq_chunked import continuation_prefill_varlen, default_window, workspace_bytes
-from tq_chunked.fused import cached_attention, fused_continuation_prefill_varlen
-from tq_chunked.reference import oracle_continuation_prefill
-from tq_chunked.testing import (
+from tq_chunked.experimental.fused import (
+    cached_attention,
+    fused_continuation_prefill_varlen,
+)
+from tq_chunked.tools.reference import oracle_continuation_prefill
+from tq_chunked.tools.testing import (
     SHAPES,
     build_batch,
     crossover_workloads,

@@ -17,15 +17,16 @@ import time
 
 import torch
 
-from tq_chunked import continuation_prefill_varlen, dequant, workspace_bytes
-from tq_chunked._utils import check_overlaps
-from tq_chunked.attention import varlen_attention
-from tq_chunked.chunked import schedule
-from tq_chunked.dequant import fill_window, split_rotation
-from tq_chunked.format import TQConfig
-from tq_chunked.plan import LongRequest
-from tq_chunked.testing import build_batch
-from tq_chunked.workspace import carve, default_window
+from tq_chunked import continuation_prefill_varlen, workspace_bytes
+from tq_chunked.runtime import dequant
+from tq_chunked.runtime._utils import check_overlaps
+from tq_chunked.runtime.attention import varlen_attention
+from tq_chunked.runtime.chunked import schedule
+from tq_chunked.runtime.dequant import fill_window, split_rotation
+from tq_chunked.runtime.format import TQConfig
+from tq_chunked.runtime.plan import LongRequest
+from tq_chunked.runtime.workspace import carve, default_window
+from tq_chunked.tools.testing import build_batch
 
 
 def host_us(fn, n=200):

@@ -4,8 +4,9 @@ call so that the machine's host noise falls on both alike.
 
     python benchmarks/launcher_ab.py OUT_DIR EARLIER/_utils.py
 
-EARLIER/_utils.py: the earlier version's tq_chunked/_utils.py (e.g. from `git archive`),
-whose Launcher is loaded beside this one and swapped in for the fill and the merge.
+EARLIER/_utils.py: the earlier version's tq_chunked/runtime/_utils.py (e.g. from
+`git archive`), whose Launcher is loaded beside this one and swapped in for the fill
+and the merge.
 Writes OUT_DIR/launcher-ab.json and prints a table.
 """
 
@@ -19,8 +20,8 @@ import time
 import torch
 from host_profile import CASES, plugin_call  # benchmarks/, this script's folder
 
-from tq_chunked import dequant, merge
-from tq_chunked._utils import Launcher
+from tq_chunked.runtime import dequant, merge
+from tq_chunked.runtime._utils import Launcher
 
 
 def load_earlier(path):

@@ -21,10 +21,10 @@ import statistics
 
 import torch
 
-from tq_chunked.chunked import schedule
-from tq_chunked.plan import LongRequest
-from tq_chunked.testing import SHAPES, serving_workloads
-from tq_chunked.workspace import DEFAULT_WORKSPACE_BYTES, default_window
+from tq_chunked.runtime.chunked import schedule
+from tq_chunked.runtime.plan import LongRequest
+from tq_chunked.runtime.workspace import DEFAULT_WORKSPACE_BYTES, default_window
+from tq_chunked.tools.testing import SHAPES, serving_workloads
 
 BLOCK_SIZE = 16  # the serving grid's cache block size
 

@@ -19,13 +19,13 @@ import sys
 
 import torch
 
-from tq_chunked.attention import varlen_attention
-from tq_chunked.chunked import schedule
-from tq_chunked.dequant import fill_window, split_rotation
-from tq_chunked.format import TQConfig
-from tq_chunked.plan import LongRequest
-from tq_chunked.testing import SHAPES, build_batch, serving_workloads
-from tq_chunked.workspace import carve
+from tq_chunked.runtime.attention import varlen_attention
+from tq_chunked.runtime.chunked import schedule
+from tq_chunked.runtime.dequant import fill_window, split_rotation
+from tq_chunked.runtime.format import TQConfig
+from tq_chunked.runtime.plan import LongRequest
+from tq_chunked.runtime.workspace import carve
+from tq_chunked.tools.testing import SHAPES, build_batch, serving_workloads
 
 NAMES = [
     "16 hits q256 1K-8K",

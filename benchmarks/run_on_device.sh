@@ -166,7 +166,7 @@ for mode in "$@"; do
         | tee "$OUT/before/host-profile.txt" | grep -E "==|us$" ;;
     launcher)
       carry .gpu-carry timeout 200 python3 benchmarks/launcher_ab.py "$OUT" \
-        ".bench-old/$BEFORE/tq_chunked/_utils.py" 2>&1 | tee "$OUT/launcher-ab.txt" ;;
+        ".bench-old/$BEFORE/tq_chunked/runtime/_utils.py" 2>&1 | tee "$OUT/launcher-ab.txt" ;;
     checks)
       carry .gpu-carry timeout 300 python3 benchmarks/soak.py 300 2>&1 | tee "$OUT/soak.log" | tail -3
       carry .gpu-carry timeout 60 compute-sanitizer --tool memcheck python3 benchmarks/sanitize.py 2>&1 \
@@ -175,14 +175,14 @@ for mode in "$@"; do
         | tee "$OUT/sanitizer-racecheck.log" | tail -2 ;;
     serving|stack)
       # BENCH_WORKLOADS: name prefixes, comma-separated (default: the whole grid)
-      carry .gpu-carry timeout "${BENCH_TIMEOUT:-420}" python3 -m tq_chunked.bench --"$mode" \
+      carry .gpu-carry timeout "${BENCH_TIMEOUT:-420}" python3 -m tq_chunked.tools.bench --"$mode" \
         --repeats "${REPEATS:-3}" --baseline-source "$BASELINE_SOURCE" \
         --methods baseline,floor,tq_chunked ${BENCH_WORKLOADS:+--workloads "$BENCH_WORKLOADS"} \
         ${BENCH_ARGS:-} --out "$OUT" 2>&1 | grep -E "^\||geomean|error|Error|wrote" | tail -40 ;;
     serving-before|stack-before)
       # the earlier version's tq_chunked beside the floor, in $OUT/before
       mkdir -p "$OUT/before"
-      before .gpu-carry timeout "${BENCH_TIMEOUT:-420}" python3 -m tq_chunked.bench --"${mode%-before}" \
+      before .gpu-carry timeout "${BENCH_TIMEOUT:-420}" python3 -m tq_chunked.tools.bench --"${mode%-before}" \
         --repeats "${REPEATS:-3}" --methods floor,tq_chunked \
         ${BENCH_WORKLOADS:+--workloads "$BENCH_WORKLOADS"} --out "$OUT/before" 2>&1 \
         | grep -E "^\||geomean|error|Error|wrote" | tail -40 ;;

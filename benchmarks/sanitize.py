@@ -11,7 +11,7 @@ requests, strided inputs, the un-rotation on tensor cores and the merges.
 import torch
 
 from tq_chunked import continuation_prefill_varlen
-from tq_chunked.testing import build_batch
+from tq_chunked.tools.testing import build_batch
 
 
 def main():

@@ -8,10 +8,11 @@ shared memory, and the SASS instructions per cache slot, by kind (no device time
     python benchmarks/sass_report.py --fused ROWS,POSITIONS,WARPS [--preset P]
         [--head-dim D] [--group G]
 
-With --fused, the fused kernel (tq_chunked/fused.py, one request of 16 query tokens,
-G query heads per kv head) at that launch: registers, shared memory, and its main
-loop's SASS instructions x warps / positions per iteration = warp instructions per
-decoded slot-row (a tile of ROWS rows decodes each slot once; benchmarks/NOTES.md §27).
+With --fused, the fused kernel (tq_chunked/experimental/fused.py, one request of 16
+query tokens, G query heads per kv head) at that launch: registers, shared memory, and
+its main loop's SASS instructions x warps / positions per iteration = warp
+instructions per decoded slot-row (a tile of ROWS rows decodes each slot once;
+benchmarks/NOTES.md §27).
 
 The fill's arguments are the ones ``fill_window`` passes for the case (recorded from a
 call on CPU tensors, the launch itself replaced), compiled by Triton for sm_90 with the
@@ -38,9 +39,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import tq_chunked.dequant as dq
-from tq_chunked.format import TQConfig, hadamard, lloyd_max_centroids
-from tq_chunked.plan import cached_window, plan
+import tq_chunked.runtime.dequant as dq
+from tq_chunked.runtime.format import TQConfig, hadamard, lloyd_max_centroids
+from tq_chunked.runtime.plan import cached_window, plan
 
 
 def record_fill(preset, d, hk, chunk, config, write="both"):
@@ -149,8 +150,8 @@ def sass_of(cubin: bytes) -> str:
 def record_fused(preset, d, group, launch):
     """(kernel, args, options) of ``fused.cached_attention``'s launch for one request
     of 16 query tokens over 600 cached, at launch (rows, positions, warps)."""
-    import tq_chunked.fused as fz
-    from tq_chunked.testing import make_batch
+    import tq_chunked.experimental.fused as fz
+    from tq_chunked.tools.testing import make_batch
 
     seen = {}
 

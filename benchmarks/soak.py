@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tq_chunked import PRESETS, continuation_prefill_varlen
-from tq_chunked.reference import (
+from tq_chunked.tools.reference import (
     full_buffer_continuation_prefill,
     oracle_continuation_prefill,
 )
-from tq_chunked.testing import build_batch
+from tq_chunked.tools.testing import build_batch
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 300
 seen = {"n": 0, "worst": 0.0, "mem": []}

@@ -29,8 +29,8 @@ import torch
 import vllm
 import vllm.v1.attention.backends.turboquant_attn as tqa
 
-from tq_chunked.format import TQConfig
-from tq_chunked.reference import (
+from tq_chunked.runtime.format import TQConfig
+from tq_chunked.tools.reference import (
     full_buffer_continuation_prefill,
     oracle_continuation_prefill,
 )

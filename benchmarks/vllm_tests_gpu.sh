@@ -39,7 +39,7 @@ fi
 export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
 vllm_dir=$(python3 -c "import importlib.util as u; print(u.find_spec('vllm').submodule_search_locations[0])")
 tree=$(mktemp -d /tmp/vllm-vendored-XXXXXX)
-python3 -c "import sys; from tq_chunked.vllm_harness import symlink_farm; symlink_farm(*sys.argv[1:])" \
+python3 -c "import sys; from tq_chunked.tools.vllm_harness import symlink_farm; symlink_farm(*sys.argv[1:])" \
   "$vllm_dir" "$tree" "$src/tests" || exit 1
 cp "$src/pyproject.toml" "$tree/"
 python3 -m tq_chunked.vendor "$tree" > "$OUT/vendor.diff" || { cat "$OUT/vendor.diff"; exit 1; }

@@ -1,6 +1,6 @@
 """Pytest settings of the suite: the device it runs on, whether Triton kernels can run,
 the gpu marker. The inputs the tests build (random caches and batches, comparisons)
-are in tq_chunked/testing.py, shared with the demo and the benchmarks.
+are in tq_chunked/tools/testing.py, shared with the demo and the benchmarks.
 
 Every random input comes from a seeded generator; the seed is part of each test's id
 (or of hypothesis's reported example), so a failure repeats exactly.
@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tq_chunked import testing
+from tq_chunked.tools import testing
 
 # CPU runs execute the Triton kernels in the interpreter; GPU runs on the device.
 DEVICE = testing.DEVICE

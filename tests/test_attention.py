@@ -7,14 +7,14 @@ import pytest
 import torch
 from conftest import DEVICE
 
-from tq_chunked.attention import (
+from tq_chunked.runtime.attention import (
     BACKENDS,
     backend_available,
     make_call,
     resolve_backend,
     varlen_attention,
 )
-from tq_chunked.testing import rel_err
+from tq_chunked.tools.testing import rel_err
 
 AVAILABLE = [b for b in BACKENDS if backend_available(b, torch.device(DEVICE), 128)[0]]
 
@@ -95,7 +95,7 @@ def test_auto_never_picks_an_unavailable_back_end_and_named_ones_are_checked():
 def test_windows_fa_version_env_names_it(monkeypatch):
     """TQ_CHUNKED_FA_VERSION overrides the FlashAttention version the windows use; any
     value but 2 or 3 is refused by name. Without it, a pick other than 2 stands."""
-    from tq_chunked.attention import _windows_fa_version
+    from tq_chunked.runtime.attention import _windows_fa_version
 
     monkeypatch.setenv("TQ_CHUNKED_FA_VERSION", "2")
     assert _windows_fa_version(3, None) == 2
@@ -128,7 +128,7 @@ def test_windows_fa_version_on_hopper_only(
     """The upgrade from vLLM's FA2 setting happens on Hopper where vLLM's build has FA3,
     and nowhere else. The device is described to the function (this machine may have
     none): what vLLM's fa_utils answers, what torch.cuda reports."""
-    from tq_chunked.attention import _windows_fa_version
+    from tq_chunked.runtime.attention import _windows_fa_version
 
     monkeypatch.delenv("TQ_CHUNKED_FA_VERSION", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -1,5 +1,5 @@
-"""tq_chunked.baseline: vLLM's prefill as installed, or another release's compiled into
-the installed runtime (``tq-chunked bench --baseline-source``).
+"""tq_chunked.tools.baseline: vLLM's prefill as installed, or another release's
+compiled into the installed runtime (``tq-chunked bench --baseline-source``).
 
 Two parts. Without vLLM: the compiler on a small stand-in source and a stand-in
 installed module (which methods are taken, where each name comes from, what is
@@ -24,8 +24,8 @@ import types
 import pytest
 import torch
 
-from tq_chunked import baseline
-from tq_chunked.baseline import BaselineError
+from tq_chunked.tools import baseline
+from tq_chunked.tools.baseline import BaselineError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -249,8 +249,8 @@ def test_a_release_source_answers_first_chunks_in_the_installed_runtime(monkeypa
     from test_vllm_plugin import _impl_and_layer, _metadata, _plain_config
     from vllm.v1.worker import workspace
 
-    from tq_chunked.reference import oracle_continuation_prefill
-    from tq_chunked.testing import make_batch, rel_err
+    from tq_chunked.tools.reference import oracle_continuation_prefill
+    from tq_chunked.tools.testing import make_batch, rel_err
 
     monkeypatch.setattr(tqa, "get_current_vllm_config", lambda: _plain_config())
     monkeypatch.setattr(tqa, "get_flash_attn_version", lambda *a, **k: None)

@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tq_chunked import continuation_prefill_varlen
-from tq_chunked.dequant import fill_window
-from tq_chunked.format import PRESETS, TQConfig
-from tq_chunked.fused import fused_continuation_prefill_varlen
-from tq_chunked.plan import plan
-from tq_chunked.testing import build_batch, make_batch
+from tq_chunked.experimental.fused import fused_continuation_prefill_varlen
+from tq_chunked.runtime.dequant import fill_window
+from tq_chunked.runtime.format import PRESETS, TQConfig
+from tq_chunked.runtime.plan import plan
+from tq_chunked.tools.testing import build_batch, make_batch
 
 pytestmark = pytest.mark.skipif(
     not TRITON_OK or torch.cuda.is_available(),

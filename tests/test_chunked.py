@@ -7,12 +7,12 @@ import torch
 from conftest import DEVICE, TRITON_OK
 
 from tq_chunked import PRESETS, continuation_prefill, workspace_bytes
-from tq_chunked.format import MAX_HEAD_DIM
-from tq_chunked.reference import (
+from tq_chunked.runtime.format import MAX_HEAD_DIM
+from tq_chunked.tools.reference import (
     full_buffer_continuation_prefill,
     oracle_continuation_prefill,
 )
-from tq_chunked.testing import make_case, rel_err
+from tq_chunked.tools.testing import make_case, rel_err
 
 BACKEND = "triton" if TRITON_OK else "torch"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tq_chunked import bench, bench_engine, cli, demo, testing
+from tq_chunked.tools import bench, bench_engine, cli, demo, testing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,7 +41,7 @@ def test_help_lists_the_commands():
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
     r = subprocess.run(
-        [sys.executable, "-m", "tq_chunked.cli", "--help"],
+        [sys.executable, "-m", "tq_chunked.tools.cli", "--help"],
         capture_output=True,
         text=True,
         env=env,
@@ -356,7 +356,14 @@ def test_render_of_a_file_it_cannot_read_is_one_line(content, reason, tmp_path, 
 def test_render_of_a_missing_file_from_the_command_line():
     """The installed command: one line on stderr, status 1, no traceback."""
     r = subprocess.run(
-        [sys.executable, "-m", "tq_chunked.cli", "bench", "--render", "missing.json"],
+        [
+            sys.executable,
+            "-m",
+            "tq_chunked.tools.cli",
+            "bench",
+            "--render",
+            "missing.json",
+        ],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -381,7 +388,11 @@ def test_bench_help_points_at_nothing_outside_the_repository():
 
 @pytest.mark.parametrize(
     "path",
-    ["tq_chunked/bench.py", "tq_chunked/bench_engine.py", "tq_chunked/baseline.py"]
+    [
+        "tq_chunked/tools/bench.py",
+        "tq_chunked/tools/bench_engine.py",
+        "tq_chunked/tools/baseline.py",
+    ]
     + sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("benchmarks/*.py")),
 )
 def test_the_benchmarks_need_no_module_outside_the_repository(path):
@@ -390,12 +401,12 @@ def test_the_benchmarks_need_no_module_outside_the_repository(path):
 
 
 def test_bench_and_bench_engine_do_not_import_each_other_at_module_level():
-    """Shapes and workloads live in tq_chunked/testing.py: bench imports bench_engine
-    only for the engine modes, bench_engine never imports bench."""
+    """Shapes and workloads live in tq_chunked/tools/testing.py: bench imports
+    bench_engine only for the engine modes, bench_engine never imports bench."""
     import ast
 
     def imports(module):
-        tree = ast.parse((ROOT / "tq_chunked" / f"{module}.py").read_text())
+        tree = ast.parse((ROOT / "tq_chunked" / "tools" / f"{module}.py").read_text())
         top = [n for n in tree.body if isinstance(n, ast.ImportFrom)]
         every = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         return {n.module for n in top}, {n.module for n in every}

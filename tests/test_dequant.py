@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import TRITON_OK
 
-from tq_chunked.dequant import (
+from tq_chunked.runtime.dequant import (
     GAP_ROW,
     SPLIT_BLOCK,
     fill_window,
@@ -15,9 +15,9 @@ from tq_chunked.dequant import (
     split_flags,
     split_rotation,
 )
-from tq_chunked.format import PRESETS, TQConfig, dequantize_reference, hadamard
-from tq_chunked.plan import LongRequest, plan
-from tq_chunked.testing import DEVICE, make_batch, random_rotation
+from tq_chunked.runtime.format import PRESETS, TQConfig, dequantize_reference, hadamard
+from tq_chunked.runtime.plan import LongRequest, plan
+from tq_chunked.tools.testing import DEVICE, make_batch, random_rotation
 
 pytestmark = pytest.mark.skipif(
     not TRITON_OK, reason="Triton needs a GPU or TRITON_INTERPRET=1"

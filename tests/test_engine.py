@@ -193,7 +193,7 @@ def test_busy_ms_is_the_union_of_kernel_intervals(intervals, busy, span):
     ],
 )
 def test_occupancy_counts_query_tiles_per_kv_head(requests, shape, blocks):
-    from tq_chunked.testing import Workload
+    from tq_chunked.tools.testing import Workload
 
     mod = _load_benchmark("occupancy")
     assert mod.call_blocks(Workload("w", shape, requests)) == blocks
@@ -216,7 +216,7 @@ def test_host_summary_sums_each_functions_own_time_by_area():
     import cProfile
     import pstats
 
-    from tq_chunked.plan import plan
+    from tq_chunked.runtime.plan import plan
 
     mod = _load_benchmark()
     prof = cProfile.Profile()

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tq_chunked.format import (
+from tq_chunked.runtime.format import (
     PRESETS,
     TQConfig,
     dequantize_reference,

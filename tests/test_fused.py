@@ -1,23 +1,23 @@
-"""The fused prototype (tq_chunked/fused.py) against the float64 oracle and the full
-path: every request within the full path's error, every row written, a bad block id
-NaN in its request alone."""
+"""The fused prototype (tq_chunked/experimental/fused.py) against the float64 oracle
+and the full path: every request within the full path's error, every row written, a
+bad block id NaN in its request alone."""
 
 import pytest
 import torch
 from conftest import TRITON_OK
 
-from tq_chunked.dequant import halves_ok
-from tq_chunked.format import TQConfig, dequantize_reference
-from tq_chunked.fused import (
+from tq_chunked.experimental.fused import (
     cached_attention,
     combine_splits,
     fused_continuation_prefill_varlen,
 )
-from tq_chunked.reference import (
+from tq_chunked.runtime.dequant import halves_ok
+from tq_chunked.runtime.format import TQConfig, dequantize_reference
+from tq_chunked.tools.reference import (
     full_buffer_continuation_prefill,
     oracle_continuation_prefill,
 )
-from tq_chunked.testing import make_batch, rel_err
+from tq_chunked.tools.testing import make_batch, rel_err
 
 pytestmark = pytest.mark.skipif(
     not TRITON_OK, reason="the fused kernel is Triton only: a GPU or TRITON_INTERPRET=1"

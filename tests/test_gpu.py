@@ -22,14 +22,14 @@ from tq_chunked import (
     default_window,
     workspace_bytes,
 )
-from tq_chunked.attention import BACKENDS, backend_available
-from tq_chunked.format import TQConfig, encode_reference, unpack_bits
-from tq_chunked.reference import (
+from tq_chunked.runtime.attention import BACKENDS, backend_available
+from tq_chunked.runtime.format import TQConfig, encode_reference, unpack_bits
+from tq_chunked.tools.reference import (
     full_buffer_continuation_prefill,
     oracle_continuation_prefill,
 )
-from tq_chunked.testing import build_batch, build_case, make_batch, rel_err
-from tq_chunked.vllm_harness import (
+from tq_chunked.tools.testing import build_batch, build_case, make_batch, rel_err
+from tq_chunked.tools.vllm_harness import (
     build_vllm_tq,
     vllm_available,
     vllm_continuation_prefill,
@@ -423,9 +423,9 @@ def test_unrotation_on_tensor_cores_is_within_half_an_fp16_ulp(
 def test_kernels_launch_through_the_direct_launcher():
     """After the first launch of a specialization, the compiled kernel is called
     directly."""
-    from tq_chunked._utils import Launcher
-    from tq_chunked.dequant import launch_fill
-    from tq_chunked.merge import launch_merge
+    from tq_chunked.runtime._utils import Launcher
+    from tq_chunked.runtime.dequant import launch_fill
+    from tq_chunked.runtime.merge import launch_merge
 
     b = build_batch(
         "turboquant_3bit_nc",

@@ -16,8 +16,8 @@ import pytest
 import torch
 import triton
 
-from tq_chunked import dequant, merge
-from tq_chunked._utils import Launcher
+from tq_chunked.runtime import dequant, merge
+from tq_chunked.runtime._utils import Launcher
 
 native = pytest.importorskip(
     "triton._C.libtriton",

@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import DEVICE, TRITON_OK
 
-from tq_chunked.merge import merge_attn_states
-from tq_chunked.testing import rel_err
+from tq_chunked.runtime.merge import merge_attn_states
+from tq_chunked.tools.testing import rel_err
 
 IMPLS = ["torch"] + (["triton"] if TRITON_OK else [])
 INF, NAN = float("inf"), float("nan")

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tq_chunked import continuation_prefill_varlen, workspace_bytes
-from tq_chunked.format import TQConfig
-from tq_chunked.reference import oracle_continuation_prefill
-from tq_chunked.testing import make_batch, strided
+from tq_chunked.runtime.format import TQConfig
+from tq_chunked.tools.reference import oracle_continuation_prefill
+from tq_chunked.tools.testing import make_batch, strided
 
 BACKEND = "triton" if TRITON_OK else "torch"
 NAN, INF = float("nan"), float("inf")

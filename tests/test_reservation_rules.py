@@ -5,7 +5,7 @@ test_vllm_plugin.py (UltraQuant) and in vLLM's own tests (test_vllm_upstream.py)
 
 import pytest
 
-from tq_chunked.vllm_backend import PREFILL_METHODS, reaches_here, runs_windowed
+from tq_chunked.runtime.vllm_backend import PREFILL_METHODS, reaches_here, runs_windowed
 
 
 class Impl:  # stands for vLLM's TurboQuantAttentionImpl, as patched or vendored

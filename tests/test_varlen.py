@@ -15,14 +15,9 @@ from tq_chunked import (
     continuation_prefill_varlen,
     workspace_bytes,
 )
-from tq_chunked.chunked import schedule
-from tq_chunked.plan import LongRequest, plan
-from tq_chunked.reference import (
-    full_buffer_continuation_prefill,
-    oracle_continuation_prefill,
-)
-from tq_chunked.testing import make_batch, rel_err, strided
-from tq_chunked.workspace import (
+from tq_chunked.runtime.chunked import schedule
+from tq_chunked.runtime.plan import LongRequest, plan
+from tq_chunked.runtime.workspace import (
     DEFAULT_WORKSPACE_BYTES,
     FIT_ROWS,
     default_window,
@@ -30,6 +25,11 @@ from tq_chunked.workspace import (
     layout_bytes,
     long_window,
 )
+from tq_chunked.tools.reference import (
+    full_buffer_continuation_prefill,
+    oracle_continuation_prefill,
+)
+from tq_chunked.tools.testing import make_batch, rel_err, strided
 
 BACKEND = "triton" if TRITON_OK else "torch"
 MIXED = [(150, 65), (0, 24), (40, 8), (0, 0), (90, 1), (130, 0), (17, 70), (33, 33)]
@@ -244,7 +244,7 @@ def test_return_lse_matches_float64(dtype, budget):
     }[budget]
     out, lse = run_batch(batch, 64, return_lse=True, max_workspace_bytes=max_bytes)
     assert lse.shape == (4, batch.query.shape[0]) and lse.dtype == torch.float32
-    from tq_chunked.format import TQConfig, dequantize_reference
+    from tq_chunked.runtime.format import TQConfig, dequantize_reference
 
     for r in range(3):
         q, kc, _, cache, bt, cached = batch.request(r)
@@ -300,7 +300,7 @@ def test_requests_that_fit_share_causal_windows_and_long_ones_run_alone():
 def test_a_batch_of_short_hits_is_one_fill_and_one_attention_call_without_merges(
     monkeypatch,
 ):
-    import tq_chunked.chunked as chunked
+    import tq_chunked.runtime.chunked as chunked
 
     counts = {}
     for name in ("fill_window", "varlen_attention", "merge_attn_states"):

@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from tq_chunked import vendor
+from tq_chunked.tools.vllm_harness import cpu_test_env, symlink_farm
 from tq_chunked.vendor import (
     NEW_TEST,
     STATE,
@@ -46,7 +47,6 @@ from tq_chunked.vendor import (
     VLLM_TEST,
     VendorError,
 )
-from tq_chunked.vllm_harness import cpu_test_env, symlink_farm
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -57,18 +57,8 @@ ENVS = {
 CI_ENVS = ("vllm-0.33.0",)
 # tests/test_vllm_plugin.py's WINDOW (its vendored mode checks the module read this one)
 WINDOW = "64"
-RUNTIME_MODULES = {
-    "__init__.py",
-    "attention.py",
-    "chunked.py",
-    "dequant.py",
-    "format.py",
-    "merge.py",
-    "plan.py",
-    "_utils.py",
-    "vllm_backend.py",
-    "workspace.py",
-}
+# What vLLM gets: the runtime directory, whole.
+RUNTIME_MODULES = {p.name for p in (ROOT / "tq_chunked" / "runtime").glob("*.py")}
 IMPL, BUILDER = "TurboQuantAttentionImpl", "TurboQuantMetadataBuilder"
 RESERVE = f"{STATE}.reserve(self, {IMPL})"
 
@@ -279,15 +269,15 @@ def test_the_package_copy_is_the_runtime_modules_importing_nothing_by_the_name()
     # Same code as this checkout's, header and imports aside (none of these is
     # rewritten today).
     for name, text in files.items():
-        assert text.endswith((ROOT / "tq_chunked" / name).read_text())
+        assert text.endswith((ROOT / "tq_chunked" / "runtime" / name).read_text())
 
 
 def test_imports_of_the_package_by_name_are_made_relative_or_refused():
     text = (
-        "from tq_chunked.format import TQConfig\n"
-        "from tq_chunked import workspace\n"
+        "from tq_chunked.runtime.format import TQConfig\n"
+        "from tq_chunked.runtime import workspace\n"
         "def f():\n"
-        "    import tq_chunked.plan as plan\n"
+        "    import tq_chunked.runtime.plan as plan\n"
         "    from .merge import merge_attn_states\n"
     )
     assert vendor.rewrite_imports("m", text) == (
@@ -298,9 +288,12 @@ def test_imports_of_the_package_by_name_are_made_relative_or_refused():
         "    from .merge import merge_attn_states\n"
     )
     with pytest.raises(
-        VendorError, match="m.py:2: 'import tq_chunked.plan' binds the name tq_chunked"
+        VendorError,
+        match="m.py:2: 'import tq_chunked.runtime.plan' binds the name tq_chunked",
     ):
-        vendor.rewrite_imports("m", "x = 1\nimport tq_chunked.plan\n")
+        vendor.rewrite_imports("m", "x = 1\nimport tq_chunked.runtime.plan\n")
+    with pytest.raises(VendorError, match="imports tq_chunked outside its runtime"):
+        vendor.check_imports("m", "from tq_chunked.tools import testing\n", {"m"})
     with pytest.raises(
         VendorError, match="imports einops, which vLLM does not depend on"
     ):

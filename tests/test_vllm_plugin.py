@@ -40,7 +40,7 @@ import types
 import pytest
 import torch
 
-from tq_chunked.vllm_harness import cpu_test_env
+from tq_chunked.tools.vllm_harness import cpu_test_env
 from tq_chunked.vllm_plugin import UnsupportedVllm, plan_patches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -238,7 +238,7 @@ def _head_major(tqa):
 
 def _batch(layer, preset, requests, seed):
     """A batch written with vLLM's own centroids and rotation (the layer's)."""
-    from tq_chunked.testing import make_batch
+    from tq_chunked.tools.testing import make_batch
 
     b = make_batch(
         requests,
@@ -252,7 +252,7 @@ def _batch(layer, preset, requests, seed):
     )
     # make_batch draws a random rotation and this project's centroids: rewrite the cache
     # with the layer's, as vLLM's store would.
-    from tq_chunked.format import TQConfig, encode_reference
+    from tq_chunked.runtime.format import TQConfig, encode_reference
 
     cfg = TQConfig.from_preset(preset, D)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -302,11 +302,11 @@ def _metadata(tqa, b):
 def _errors(out, b, only=None):
     """Per request with query tokens (or request ``only`` alone): (error of out, error
     of the full-buffer path), both relative to the float64 oracle."""
-    from tq_chunked.reference import (
+    from tq_chunked.tools.reference import (
         full_buffer_continuation_prefill,
         oracle_continuation_prefill,
     )
-    from tq_chunked.testing import rel_err
+    from tq_chunked.tools.testing import rel_err
 
     res = []
     for r in range(len(b.seq_lens)):
@@ -469,7 +469,7 @@ def test_the_active_line_goes_through_vllms_logger():
     vllm_logger = logging.getLogger("vllm")
     level = vllm_logger.level
     # what the windows attend with: FlashAttention 3 on Hopper, also inside an engine
-    # with a TurboQuant cache (tq_chunked.attention._windows_fa_version)
+    # with a TurboQuant cache (tq_chunked.runtime.attention._windows_fa_version)
     attention = vllm_plugin._attention_name(128)
     if not torch.cuda.is_available():
         assert attention == "no CUDA device"

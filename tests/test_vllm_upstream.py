@@ -47,8 +47,8 @@ from pathlib import Path
 
 import pytest
 
+from tq_chunked.tools.vllm_harness import cpu_test_env, symlink_farm
 from tq_chunked.vendor import NEW_TEST, VENDORED_DIR, VLLM_TEST
-from tq_chunked.vllm_harness import cpu_test_env, symlink_farm
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_VLLM = importlib.util.find_spec("vllm") is not None

@@ -1,13 +1,23 @@
 """tq_chunked: windowed continuation prefill over a TurboQuant-compressed paged KV
-cache."""
+cache.
 
-from .chunked import (
+    tq_chunked/runtime/   what vLLM runs (and vendors): the public API below
+    tq_chunked/vllm_plugin.py   the vLLM plugin that patches it in
+    tq_chunked/vendor/    python -m tq_chunked.vendor: the same change into vLLM's tree
+    tq_chunked/tools/     demo, bench, baselines, the reference paths, test inputs
+"""
+
+from .runtime import (
+    PRESETS,
+    TQConfig,
     check_block_tables,
     continuation_prefill,
     continuation_prefill_varlen,
+    default_window,
+    hadamard,
+    lloyd_max_centroids,
+    workspace_bytes,
 )
-from .format import PRESETS, TQConfig, hadamard, lloyd_max_centroids
-from .workspace import default_window, workspace_bytes
 
 __version__ = "0.4.6"
 __all__ = [

@@ -56,8 +56,8 @@ import os
 import torch
 
 from . import __version__
-from .attention import resolve_backend, vllm_flash
-from .vllm_backend import (
+from .runtime.attention import resolve_backend, vllm_flash
+from .runtime.vllm_backend import (
     CONTINUATION_PARAMS,
     PREFILL_PARAMS,
     ChunkedPrefill,

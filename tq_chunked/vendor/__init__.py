@@ -5,8 +5,8 @@ vLLM source tree as a change vLLM's maintainers can review and merge
 VLLM_SOURCE_DIR holds the ``vllm/`` package (a vLLM git checkout, or a site-packages
 directory). The tool
 
-1. copies the modules vLLM needs at runtime to ``vllm/v1/attention/ops/tq_chunked/``
-   (``package``);
+1. copies the runtime, the directory ``tq_chunked/runtime/``, to
+   ``vllm/v1/attention/ops/tq_chunked/`` (``package``);
 2. edits ``vllm/v1/attention/backends/turboquant_attn.py`` so that vLLM's own methods
    call ``vllm_backend.ChunkedPrefill`` (the object the runtime plugin calls too), and
    nothing else in the file (``edits``: one function per edit site, found with

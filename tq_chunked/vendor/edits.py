@@ -21,7 +21,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-from ..vllm_backend import CONTINUATION_PARAMS, PREFILL_PARAMS
+from ..runtime.vllm_backend import CONTINUATION_PARAMS, PREFILL_PARAMS
 from .paths import BACKEND_MODULE, LINE, STATE, VENDORED, VENDORED_DIR, VendorError
 from .source import (
     Edit,

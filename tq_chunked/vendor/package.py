@@ -1,11 +1,11 @@
-"""Step 1: the copy of tq_chunked's runtime modules that vLLM imports as
+"""Step 1: the copy of tq_chunked's runtime that vLLM imports as
 ``vllm.v1.attention.ops.tq_chunked``.
 
-The modules are ``vllm_backend`` and the package ``__init__`` with whatever they import
-(found by reading the imports, never the benchmark, demo, CLI or harness modules); each
-import of the top-level ``tq_chunked`` name is made relative, and every import of the
-copied code is checked: relative to a copied module, the standard library, torch,
-triton or vllm.
+The runtime is one directory, ``tq_chunked/runtime/``: every module in it is copied,
+and nothing else (the plugin, the tools, the vendor tool and the kernel prototype live
+outside it). Each import of the runtime by its full name is made relative, and every
+import of the copied code is checked: relative to a copied module, the standard
+library, torch, triton or vllm.
 """
 
 from __future__ import annotations
@@ -17,30 +17,15 @@ import textwrap
 from pathlib import Path
 
 from .. import __version__
-from .paths import BACKEND_MODULE, LINE, PACKAGE, VendorError
+from .paths import LINE, PACKAGE, VendorError
 
-# What vLLM imports: the package itself, and the module turboquant_attn.py calls. The
-# modules to copy are these and whatever they import, found by reading the imports.
-ROOTS = ("__init__", BACKEND_MODULE)
-# Modules that are tools around tq_chunked, not part of what vLLM runs: if a runtime
-# module ever imports one of them, the tool refuses rather than ship it.
-NOT_FOR_VLLM = frozenset(
-    {
-        "baseline",
-        "bench",
-        "bench_engine",
-        "cli",
-        "demo",
-        "reference",
-        "testing",
-        "vllm_harness",
-        "vllm_plugin",
-    }
-)
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+# What vLLM runs: this directory, whole.
+RUNTIME = f"{PACKAGE}.runtime"
+RUNTIME_DIR = PACKAGE_DIR / "runtime"
 # What the copied code may import besides itself: the standard library and what vLLM
 # depends on already.
 THIRD_PARTY = frozenset({"torch", "triton", "vllm"})
-SOURCE_DIR = Path(__file__).resolve().parent.parent
 
 
 def header(origin: str) -> str:
@@ -66,41 +51,11 @@ def header(origin: str) -> str:
     )
 
 
-def package_deps(name: str, tree: ast.Module, available: set[str]) -> set[str]:
-    """The package modules ``name`` imports (relative or as ``tq_chunked.x``),
-    anywhere in it (imports inside functions too)."""
-    deps = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            module = node.module or ""
-            if node.level > 1:
-                raise VendorError(
-                    f"{PACKAGE}/{name}.py:{node.lineno}: an import from above the "
-                    f"package (level {node.level}); the package is flat"
-                )
-            if node.level == 0 and module != PACKAGE:
-                if module.startswith(PACKAGE + "."):
-                    deps.add(module.split(".")[1])
-                continue
-            sub = module if node.level == 1 else None
-            if sub:
-                deps.add(sub.split(".")[0])
-            else:  # from . import x: a module, or a name the package __init__ defines
-                deps.update(
-                    a.name if a.name in available else "__init__" for a in node.names
-                )
-        elif isinstance(node, ast.Import):
-            for a in node.names:
-                if a.name.startswith(PACKAGE + "."):
-                    deps.add(a.name.split(".")[1])
-    return deps
-
-
 def _rewrite_from(lines, node, where):
     i = node.lineno - 1
     pattern = re.compile(r"from\s+" + re.escape(node.module) + r"(?=\s)")
     head, tail = lines[i][: node.col_offset], lines[i][node.col_offset :]
-    relative = "from ." + node.module[len(PACKAGE) + 1 :]
+    relative = "from ." + node.module[len(RUNTIME) + 1 :]
     new_tail, n = pattern.subn(relative, tail, count=1)
     if n != 1:
         raise VendorError(
@@ -113,7 +68,7 @@ def _rewrite_import(lines, node, where):
     if (
         len(node.names) != 1
         or node.names[0].asname is None
-        or node.names[0].name.count(".") != 1
+        or node.names[0].name.count(".") != RUNTIME.count(".") + 1
         or node.lineno != node.end_lineno
     ):
         names = ", ".join(a.name for a in node.names)
@@ -126,31 +81,36 @@ def _rewrite_import(lines, node, where):
     line = lines[i]
     lines[i] = (
         line[: node.col_offset]
-        + f"from . import {a.name.split('.')[1]} as {a.asname}"
+        + f"from . import {a.name.rsplit('.', 1)[1]} as {a.asname}"
         + line[node.end_col_offset :]
     )
 
 
 def rewrite_imports(name: str, text: str) -> str:
-    """``text`` with every import of the top-level ``tq_chunked`` name made relative
-    (``from tq_chunked.x import y`` -> ``from .x import y``; ``import tq_chunked.x as
-    y`` -> ``from . import x as y``). An import that would bind the name
-    ``tq_chunked`` itself cannot be made relative and is refused."""
+    """``text`` with every import of the runtime by its full name made relative
+    (``from tq_chunked.runtime.x import y`` -> ``from .x import y``; ``import
+    tq_chunked.runtime.x as y`` -> ``from . import x as y``). An import that would
+    bind the name ``tq_chunked`` itself cannot be made relative and is refused; one of
+    tq_chunked outside the runtime is left for ``check_imports`` to refuse."""
     lines = text.splitlines(keepends=True)
     nodes = sorted(ast.walk(ast.parse(text)), key=lambda n: -getattr(n, "lineno", 0))
     for node in nodes:
-        where = f"{PACKAGE}/{name}.py:{getattr(node, 'lineno', '?')}"
+        where = f"{_origin(name)}:{getattr(node, 'lineno', '?')}"
         if (
             isinstance(node, ast.ImportFrom)
             and node.level == 0
-            and (node.module == PACKAGE or node.module.startswith(PACKAGE + "."))
+            and (node.module == RUNTIME or node.module.startswith(RUNTIME + "."))
         ):
             _rewrite_from(lines, node, where)
         elif isinstance(node, ast.Import) and any(
-            a.name == PACKAGE or a.name.startswith(PACKAGE + ".") for a in node.names
+            a.name == RUNTIME or a.name.startswith(RUNTIME + ".") for a in node.names
         ):
             _rewrite_import(lines, node, where)
     return "".join(lines)
+
+
+def _origin(name: str) -> str:
+    return f"{PACKAGE}/runtime/{name}.py"
 
 
 def _imported_tops(node) -> list[str]:
@@ -177,7 +137,7 @@ def check_imports(name: str, text: str, copied: set[str]) -> None:
     or of the standard library, torch, triton or vllm; no import by name of
     tq_chunked."""
     for node in ast.walk(ast.parse(text)):
-        where = f"{PACKAGE}/{name}.py:{getattr(node, 'lineno', '?')}"
+        where = f"{_origin(name)}:{getattr(node, 'lineno', '?')}"
         if isinstance(node, ast.ImportFrom) and node.level:
             if node.module and node.module.split(".")[0] not in copied:
                 raise VendorError(
@@ -187,7 +147,8 @@ def check_imports(name: str, text: str, copied: set[str]) -> None:
         for top in _imported_tops(node):
             if top == PACKAGE:
                 raise VendorError(
-                    f"{where}: still imports {PACKAGE} by name after the rewrite"
+                    f"{where}: imports {PACKAGE} outside its runtime; the runtime "
+                    f"({PACKAGE}/runtime/) is what vLLM gets, nothing else"
                 )
             if top not in THIRD_PARTY and top not in sys.stdlib_module_names:
                 raise VendorError(
@@ -195,34 +156,17 @@ def check_imports(name: str, text: str, copied: set[str]) -> None:
                 )
 
 
-def package_files(source_dir: Path | None = None) -> dict[str, str]:
-    """{file name: text} of the vendored package: the modules vLLM needs at runtime,
-    their imports rewritten and checked, each under a header saying where it comes
-    from."""
-    source_dir = source_dir or SOURCE_DIR
-    available = {p.stem for p in source_dir.glob("*.py")}
-    texts: dict[str, str] = {}
-    todo = list(ROOTS)
-    while todo:
-        name = todo.pop()
-        if name in texts:
-            continue
-        if name not in available:
-            raise VendorError(
-                f"{PACKAGE}/{name}.py is imported by the runtime modules but does not "
-                "exist"
-            )
-        texts[name] = (source_dir / f"{name}.py").read_text()
-        todo.extend(package_deps(name, ast.parse(texts[name]), available))
-    stray = sorted(NOT_FOR_VLLM & texts.keys())
-    if stray:
-        raise VendorError(
-            f"the runtime modules import {', '.join(m + '.py' for m in stray)}, which "
-            "are not for vLLM (benchmarks, demo, CLI, harness, plugin, test helpers)"
-        )
+def package_files(runtime_dir: Path | None = None) -> dict[str, str]:
+    """{file name: text} of the vendored package: every module of the runtime
+    directory, its imports rewritten and checked, each under a header saying where it
+    comes from."""
+    runtime_dir = runtime_dir or RUNTIME_DIR
+    texts = {p.stem: p.read_text() for p in sorted(runtime_dir.glob("*.py"))}
+    if "__init__" not in texts:
+        raise VendorError(f"{runtime_dir} has no __init__.py: it is not the runtime")
     files = {}
-    for name, text in sorted(texts.items()):
+    for name, text in texts.items():
         text = rewrite_imports(name, text)
         check_imports(name, text, set(texts))
-        files[f"{name}.py"] = header(f"{PACKAGE}/{name}.py") + text
+        files[f"{name}.py"] = header(_origin(name)) + text
     return files

@@ -15,18 +15,18 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from .package import SOURCE_DIR, header
+from .package import PACKAGE_DIR, header
 from .paths import NEW_TEST, PACKAGE, VendorError
 from .source import Edit, apply_edits, first_line
 
-UPSTREAM_DIR = SOURCE_DIR / "upstream_tests"
+UPSTREAM_DIR = PACKAGE_DIR / "upstream_tests"
 RESERVATION = UPSTREAM_DIR / "turboquant_reservation.py"
 RESERVATION_CLASS = "TestTurboQuantWorkspaceReservation"
 SPDX = "# SPDX-"
 
 
 def _origin(path: Path) -> str:
-    return f"{PACKAGE}/{path.relative_to(SOURCE_DIR).as_posix()}"
+    return f"{PACKAGE}/{path.relative_to(PACKAGE_DIR).as_posix()}"
 
 
 def new_test_text() -> str:

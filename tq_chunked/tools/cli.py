@@ -27,7 +27,7 @@ def make_parser():
 
 
 def _version():
-    from . import __version__
+    from .. import __version__
 
     return __version__
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from ._utils import as_int, check_tensor
-from .attention import make_call, resolve_backend, varlen_attention
-from .dequant import fill_window
-from .format import dequantize_reference, resolve_config
-from .plan import cached_window
+from ..runtime._utils import as_int, check_tensor
+from ..runtime.attention import make_call, resolve_backend, varlen_attention
+from ..runtime.dequant import fill_window
+from ..runtime.format import dequantize_reference, resolve_config
+from ..runtime.plan import cached_window
 
 
 def full_buffer_continuation_prefill(

@@ -57,11 +57,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import interpreting
-from .attention import make_call, resolve_backend, varlen_attention
-from .dequant import _fp16_at, _unpack, fp8_e4b15_for, halves_ok
-from .format import resolve_config
-from .merge import merge_attn_states
+from ..runtime._utils import interpreting
+from ..runtime.attention import make_call, resolve_backend, varlen_attention
+from ..runtime.dequant import _fp16_at, _unpack, fp8_e4b15_for, halves_ok
+from ..runtime.format import resolve_config
+from ..runtime.merge import merge_attn_states
 
 
 @triton.jit

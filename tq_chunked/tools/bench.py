@@ -2,7 +2,7 @@
 
 Methods (each where available): baseline (vLLM's own _continuation_prefill with its
 FlashAttention: the installed release's, or with --baseline-source another release's,
-run in the installed one by tq_chunked/baseline.py), vllm-<version> (the installed
+run in the installed one by tq_chunked/tools/baseline.py), vllm-<version> (the installed
 release's, beside a --baseline-source baseline), full (this project's full-buffer
 path), and chunked-<backend> per attention back end (-w<W>: another window). vLLM's
 methods run on a GPU, with vLLM installed.
@@ -28,11 +28,11 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from . import PRESETS, continuation_prefill, workspace_bytes
-from .attention import backend_available
+from .. import PRESETS, continuation_prefill, workspace_bytes
+from ..runtime.attention import backend_available
+from ..runtime.workspace import default_window
 from .reference import full_buffer_continuation_prefill
 from .testing import SHAPE_NOTES, SHAPES, build_case
-from .workspace import default_window
 
 K = 1024
 BLOCK_SIZE = 16  # cache block size of every case (vLLM's default)
@@ -167,7 +167,8 @@ class CaseData:
 
 def methods_for(device, windows, baseline):
     """Name -> (callable(case, cached_len), memory reset hook(case) or None, window or
-    None). ``baseline``: a tq_chunked.baseline.Baseline, or None for no vLLM methods."""
+    None). ``baseline``: a tq_chunked.tools.baseline.Baseline, or None for no vLLM
+    methods."""
     ms = {}
     if baseline is not None:
         from .baseline import continuation_prefill as vllm_call
@@ -215,8 +216,9 @@ def methods_for(device, windows, baseline):
 
 
 def run(args, baseline=None) -> dict:
-    """The grid's result (JSON-ready). ``baseline``: a tq_chunked.baseline.Baseline
-    (on a GPU with vLLM), or None: this project's paths only."""
+    """The grid's result (JSON-ready). ``baseline``: a
+    tq_chunked.tools.baseline.Baseline (on a GPU with vLLM), or None: this project's
+    paths only."""
     device = torch.device(
         "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     )
@@ -603,7 +605,7 @@ def make_parser(prog="tq-chunked bench"):
         help="the baseline is vLLM's own prefill: by default the installed release's; "
         "with this, another release's, from its "
         "vllm/v1/attention/backends/turboquant_attn.py at PATH, run in the installed "
-        "vLLM (needs a GPU and vLLM; see tq_chunked/baseline.py)",
+        "vLLM (needs a GPU and vLLM; see tq_chunked/tools/baseline.py)",
     )
     p.add_argument(
         "--out",
@@ -705,8 +707,8 @@ def output_stem(result, args):
 
 
 def load_baseline(args, prog):
-    """The baseline the run compares with (tq_chunked.baseline.Baseline), or None when
-    vLLM's methods cannot or should not run here. Exits with an error naming
+    """The baseline the run compares with (tq_chunked.tools.baseline.Baseline), or None
+    when vLLM's methods cannot or should not run here. Exits with an error naming
     --baseline-source when it was given and cannot be used."""
     from .vllm_harness import vllm_available
 
@@ -889,4 +891,4 @@ def main(argv=None, prog="tq-chunked bench"):
 
 
 if __name__ == "__main__":
-    main(prog="python -m tq_chunked.bench")
+    main(prog="python -m tq_chunked.tools.bench")

@@ -5,7 +5,7 @@ benchmark, and the places the CPU tests run vLLM in (``cpu_test_env``,
 Builds vLLM's own ``TurboQuantAttentionImpl`` and a layer carrying the buffers vLLM
 derives (centroids, Pi), fills a paged cache with vLLM's own store kernel, and exposes
 vLLM's ``_continuation_prefill`` as installed (another release's methods:
-``tq_chunked.baseline``).
+``tq_chunked.tools.baseline``).
 """
 
 from __future__ import annotations

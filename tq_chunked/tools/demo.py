@@ -27,13 +27,13 @@ import time
 
 import torch
 
-from . import continuation_prefill, workspace_bytes
-from .chunked import schedule
-from .format import PRESETS, TQConfig
-from .plan import LongRequest
+from .. import continuation_prefill, workspace_bytes
+from ..runtime.chunked import schedule
+from ..runtime.format import PRESETS, TQConfig
+from ..runtime.plan import LongRequest
+from ..runtime.workspace import default_window
 from .reference import full_buffer_continuation_prefill, oracle_continuation_prefill
 from .testing import build_case, rel_err
-from .workspace import default_window
 
 BLOCK_SIZE = 16  # tokens per cache block, vLLM's default
 # On a CPU the default window (K + V of 127 MiB: 130048 tokens at Hk 2, D 128) would
@@ -284,4 +284,4 @@ def main(argv=None, prog="tq-chunked demo"):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(prog="python -m tq_chunked.demo"))
+    raise SystemExit(main(prog="python -m tq_chunked.tools.demo"))

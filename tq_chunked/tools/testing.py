@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .format import TQConfig, encode_reference, hadamard, lloyd_max_centroids
+from ..runtime.format import TQConfig, encode_reference, hadamard, lloyd_max_centroids
 
 # The device the test builders default to: the GPU where there is one.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -23,7 +23,7 @@ over repeats (median reported):
 
 Methods: ``baseline``: vLLM's ``_prefill_attention`` with its own
 ``_continuation_prefill``, the installed release's or, with ``--baseline-source``,
-another release's (tq_chunked/baseline.py), the ratios' reference; ``floor``: one
+another release's (tq_chunked/tools/baseline.py), the ratios' reference; ``floor``: one
 FlashAttention varlen call per layer over fp16/bf16 K/V of the same lengths (causal, no
 dequantization): what a BF16 cache costs; ``tq_chunked``: one
 ``continuation_prefill_varlen`` call per layer with the host copies of the lengths and
@@ -46,7 +46,8 @@ import types
 import torch
 from tqdm import tqdm
 
-from . import continuation_prefill_varlen, workspace_bytes
+from .. import continuation_prefill_varlen, workspace_bytes
+from ..runtime.workspace import default_window
 from .testing import (
     LAYER_GEMMS,
     SHAPES,
@@ -55,7 +56,6 @@ from .testing import (
     serving_workloads,
     stack_workloads,
 )
-from .workspace import default_window
 
 K = 1024
 LAYERS = 32
@@ -155,7 +155,7 @@ def method_floor(layers: Layers, max_bytes=8 << 30):
     holds)."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    from .attention import vllm_flash
+    from ..runtime.attention import vllm_flash
 
     version = vllm_flash(layers.d)[1]
     dev = layers.block_table.device
@@ -256,7 +256,7 @@ def method_tq_chunked(layers: Layers):
 def method_baseline(baseline):
     """The baseline's ``_prefill_attention`` (its per-request loop, calling its own
     ``_continuation_prefill``), on an impl of its own: the installed release's forward
-    keeps its own methods. ``baseline``: a tq_chunked.baseline.Baseline."""
+    keeps its own methods. ``baseline``: a tq_chunked.tools.baseline.Baseline."""
 
     def make(layers: Layers):
         from .vllm_harness import build_vllm_tq
@@ -321,8 +321,8 @@ def method_patched(layers: Layers):
     second impl, so the unpatched one stays as it is)."""
     import vllm.v1.attention.backends.turboquant_attn as tqa
 
+    from ..vllm_plugin import plan_patches
     from .vllm_harness import build_vllm_tq
-    from .vllm_plugin import plan_patches
 
     impl = build_vllm_tq(
         layers.tq.impl.kv_cache_dtype, layers.hq, layers.hk, layers.d
@@ -547,10 +547,10 @@ def _oracle_errors(inputs: Layers, outs):
 
 def methods_available(baseline):
     """Name -> method (a function of Layers returning the per-layer calls) of what can
-    run here; ``baseline``: a tq_chunked.baseline.Baseline."""
+    run here; ``baseline``: a tq_chunked.tools.baseline.Baseline."""
     import vllm
 
-    from .attention import backend_available
+    from ..runtime.attention import backend_available
 
     ms = {BASELINE: method_baseline(baseline)}
     if backend_available("flash", torch.device("cuda"), 128)[0]:
