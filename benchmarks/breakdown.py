@@ -22,8 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tq_chunked import continuation_prefill_varlen, default_window, workspace_bytes
-from tq_chunked.runtime.chunked import schedule
-from tq_chunked.runtime.plan import LongRequest
+from tq_chunked.runtime.plan import LongRequest, make_plan
 from tq_chunked.tools.bench_engine import _spin_cycles_per_ms, measure
 from tq_chunked.tools.testing import (
     SHAPES,
@@ -160,18 +159,19 @@ def main():
                 workspace=ws,
                 check_block_table=False,
             )
-            steps, _, _, _ = schedule(
+            p = make_plan(
                 tuple(b["query_start_loc"]),
                 tuple(b["seq_lens"]),
-                w,
-                hq,
-                hk,
-                d,
-                dtype,
-                128 << 20,
-                torch.device("cuda"),
-                torch.cuda.current_stream(),
+                window=w,
+                num_q_heads=hq,
+                num_kv_heads=hk,
+                head_dim=d,
+                dtype=dtype,
+                budget=128 << 20,
+                device=torch.device("cuda"),
+                stream=torch.cuda.current_stream(),
             )
+            steps = p.steps
             count = sum(
                 len(s.windows) if isinstance(s, LongRequest) else 1 for s in steps
             )

@@ -28,7 +28,7 @@ from fill_bandwidth import HK, TOKENS, copy_rate
 
 from tq_chunked.runtime.dequant import FILL, fill_window, split_rotation
 from tq_chunked.runtime.format import TQConfig, hadamard, lloyd_max_centroids
-from tq_chunked.runtime.plan import cached_window, plan
+from tq_chunked.runtime.plan import cached_window, windows
 
 CASES = [
     ("turboquant_3bit_nc", 128),
@@ -97,8 +97,7 @@ def serving_window(device):
     qsl = [0]
     for _, q in reqs:
         qsl.append(qsl[-1] + q)
-    p = plan(tuple(qsl), tuple(c + q for c, q in reqs), 65536, device)
-    w = p.steps[0]
+    w = windows(tuple(qsl), tuple(c + q for c, q in reqs), 65536, device)[0]
     return reqs, qsl, w
 
 

@@ -21,11 +21,10 @@ from tq_chunked import continuation_prefill_varlen, workspace_bytes
 from tq_chunked.runtime import dequant
 from tq_chunked.runtime._utils import check_overlaps
 from tq_chunked.runtime.attention import varlen_attention
-from tq_chunked.runtime.chunked import schedule
 from tq_chunked.runtime.dequant import fill_window, split_rotation
 from tq_chunked.runtime.format import TQConfig
-from tq_chunked.runtime.plan import LongRequest
-from tq_chunked.runtime.workspace import carve, default_window
+from tq_chunked.runtime.plan import LongRequest, default_window, make_plan
+from tq_chunked.runtime.workspace import carve
 from tq_chunked.tools.testing import build_batch
 
 
@@ -99,18 +98,20 @@ def profile_case(name, requests):
     """Print the host-time profile of one case (see the module's doc)."""
     launcher = dequant.launch_fill
     b, ws, window, call = plugin_call(requests)
-    steps, _, cap, _ = schedule(
+    p = make_plan(
         tuple(b["query_start_loc"]),
         tuple(b["seq_lens"]),
-        window,
-        32,
-        8,
-        128,
-        torch.float16,
-        128 << 20,
-        torch.device("cuda"),
-        torch.cuda.current_stream(),
+        window=window,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype=torch.float16,
+        budget=128 << 20,
+        device=torch.device("cuda"),
+        stream=torch.cuda.current_stream(),
     )
+    steps = p.steps
+    cap = p.capacity
     windows = [
         w for s in steps for w in (s.windows if isinstance(s, LongRequest) else (s,))
     ]
@@ -121,7 +122,7 @@ def profile_case(name, requests):
     )
     cfg = TQConfig.from_preset("turboquant_3bit_nc", 128)
     w = windows[0]
-    bufs = carve(ws, "batch", 0, 32, 8, 128, cap, torch.float16, True)
+    bufs = carve(ws, ("batch", 0, 32, 8, 128, cap, torch.float16))
     out = torch.empty_like(b["query"])
     q, o = b["query"][w.q0 : w.q1], out[w.q0 : w.q1]
     parts = split_rotation(b["kwargs"]["rotation"], bufs.rot_parts, bufs.rot_flags)
@@ -148,17 +149,16 @@ def profile_case(name, requests):
     finally:
         dequant.launch_fill = launcher
     pieces = {
-        "schedule (cached)": lambda: schedule(
+        "plan (once per step)": lambda: make_plan(
             tuple(b["query_start_loc"]),
             tuple(b["seq_lens"]),
-            window,
-            32,
-            8,
-            128,
-            torch.float16,
-            128 << 20,
-            torch.device("cuda"),
-            torch.cuda.current_stream(),
+            window=window,
+            num_q_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            dtype=torch.float16,
+            budget=128 << 20,
+            device=torch.device("cuda"),
         ),
         "overlap checks": lambda: check_overlaps(
             [("out", out), ("lse", None), ("workspace", ws)],
@@ -172,8 +172,8 @@ def profile_case(name, requests):
                 ("centroids", b["kwargs"]["centroids"]),
             ],
         ),
-        "carve (kept)": lambda: carve(
-            ws, "batch", 0, 32, 8, 128, cap, torch.float16, True
+        "carve (once per step)": lambda: carve(
+            ws, ("batch", 0, 32, 8, 128, cap, torch.float16)
         ),
         "torch.empty_like(query)": lambda: torch.empty_like(b["query"]),
         "fill_window (launcher)": fill,

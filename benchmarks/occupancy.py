@@ -21,9 +21,8 @@ import statistics
 
 import torch
 
-from tq_chunked.runtime.chunked import schedule
-from tq_chunked.runtime.plan import LongRequest
-from tq_chunked.runtime.workspace import DEFAULT_WORKSPACE_BYTES, default_window
+from tq_chunked.runtime.plan import LongRequest, default_window, make_plan
+from tq_chunked.runtime.workspace import DEFAULT_WORKSPACE_BYTES
 from tq_chunked.tools.testing import SHAPES, serving_workloads
 
 BLOCK_SIZE = 16  # the serving grid's cache block size
@@ -39,17 +38,19 @@ def call_blocks(workload, tile=128) -> list[int]:
         qsl.append(qsl[-1] + q)
     lens = tuple(c + q for c, q in workload.requests)
     dtype = torch.bfloat16 if workload.dtype == "bfloat16" else torch.float16
-    steps, groups, _, _ = schedule(
+    p = make_plan(
         tuple(qsl),
         lens,
-        default_window(hk, d, BLOCK_SIZE),
-        hq,
-        hk,
-        d,
-        dtype,
-        DEFAULT_WORKSPACE_BYTES,
-        torch.device("cpu"),
+        window=default_window(hk, d, BLOCK_SIZE),
+        num_q_heads=hq,
+        num_kv_heads=hk,
+        head_dim=d,
+        dtype=dtype,
+        budget=DEFAULT_WORKSPACE_BYTES,
+        device=torch.device("cpu"),
     )
+    steps = p.steps
+    groups = tuple(s.kv_heads if isinstance(s, LongRequest) else hk for s in p.steps)
     blocks = []
     for step, hk_g in zip(steps, groups):
         # a long request runs its windows once per group of hk_g kv heads

@@ -20,10 +20,9 @@ import sys
 import torch
 
 from tq_chunked.runtime.attention import varlen_attention
-from tq_chunked.runtime.chunked import schedule
 from tq_chunked.runtime.dequant import fill_window, split_rotation
 from tq_chunked.runtime.format import TQConfig
-from tq_chunked.runtime.plan import LongRequest
+from tq_chunked.runtime.plan import LongRequest, make_plan
 from tq_chunked.runtime.workspace import carve
 from tq_chunked.tools.testing import SHAPES, build_batch, serving_workloads
 
@@ -58,31 +57,27 @@ def probe(w, window):
     dtype = getattr(torch, w.dtype)
     b = build_batch(w.preset, w.requests, hq, hk, d, 16, dtype, "cuda")
     cfg = TQConfig.from_preset(w.preset, d)
-    steps, _, cap, need = schedule(
+    p = make_plan(
         tuple(b["query_start_loc"]),
         tuple(b["seq_lens"]),
-        window,
-        hq,
-        hk,
-        d,
-        dtype,
-        1 << 40,
-        torch.device("cuda"),
-        torch.cuda.current_stream(),
+        window=window,
+        num_q_heads=hq,
+        num_kv_heads=hk,
+        head_dim=d,
+        dtype=dtype,
+        budget=1 << 40,
+        device=torch.device("cuda"),
+        stream=torch.cuda.current_stream(),
     )
+    steps = p.steps
+    cap = p.capacity
+    need = p.workspace_bytes
     if any(isinstance(s, LongRequest) for s in steps):
         return None
     bufs = [
         carve(
             torch.empty(need, dtype=torch.uint8, device="cuda"),
-            "batch",
-            0,
-            hq,
-            hk,
-            d,
-            cap,
-            dtype,
-            False,
+            ("batch", 0, hq, hk, d, cap, dtype),
         )
         for _ in range(2)
     ]

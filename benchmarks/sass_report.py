@@ -41,7 +41,7 @@ from triton.compiler import ASTSource
 
 import tq_chunked.runtime.dequant as dq
 from tq_chunked.runtime.format import TQConfig, hadamard, lloyd_max_centroids
-from tq_chunked.runtime.plan import cached_window, plan
+from tq_chunked.runtime.plan import cached_window, windows
 
 
 def record_fill(preset, d, hk, chunk, config, write="both"):
@@ -58,7 +58,7 @@ def record_fill(preset, d, hk, chunk, config, write="both"):
     k = torch.zeros(512, hk, d, dtype=torch.float16)
     v = torch.zeros_like(k)
     if chunk:  # a batch window: two requests with new tokens
-        w = plan((0, 16, 32), (100, 116), 1024, torch.device("cpu")).steps[0]
+        w = windows((0, 16, 32), (100, 116), 1024, torch.device("cpu"))[0]
         bt = bt.repeat(2, 1)
     else:
         w = cached_window(0, 0, 512, torch.device("cpu"))

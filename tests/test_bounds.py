@@ -18,7 +18,7 @@ from tq_chunked import continuation_prefill_varlen
 from tq_chunked.experimental.fused import fused_continuation_prefill_varlen
 from tq_chunked.runtime.dequant import fill_window
 from tq_chunked.runtime.format import PRESETS, TQConfig
-from tq_chunked.runtime.plan import plan
+from tq_chunked.runtime.plan import windows
 from tq_chunked.tools.testing import build_batch, make_batch
 
 pytestmark = pytest.mark.skipif(
@@ -170,7 +170,7 @@ def test_the_fills_record_of_a_bad_block_id_stays_inside_its_tensors():
     batch = make_batch([(64, 1), (48, 1)], "turboquant_3bit_nc", seed=7)
     batch.block_table[1, 1] = -3
     cfg = TQConfig.from_preset("turboquant_3bit_nc", 64)
-    w = plan((0, 1, 2), (65, 49), 400, torch.device("cpu")).steps[0]
+    w = windows((0, 1, 2), (65, 49), 400, torch.device("cpu"))[0]
     k = torch.full((w.rows, 2, 64), float("nan"), dtype=torch.float16)
     v = torch.full_like(k, float("nan"))
     err = torch.full((1,), 2**63 - 1, dtype=torch.int64)

@@ -16,7 +16,7 @@ from tq_chunked.runtime.dequant import (
     split_rotation,
 )
 from tq_chunked.runtime.format import PRESETS, TQConfig, dequantize_reference, hadamard
-from tq_chunked.runtime.plan import LongRequest, plan
+from tq_chunked.runtime.plan import LongRequest, windows
 from tq_chunked.tools.testing import DEVICE, make_batch, random_rotation
 
 pytestmark = pytest.mark.skipif(
@@ -31,7 +31,7 @@ SERVED = [
 
 
 def windows_of(batch, capacity):
-    p = plan(
+    steps = windows(
         tuple(batch.query_start_loc),
         tuple(batch.seq_lens),
         capacity,
@@ -39,7 +39,7 @@ def windows_of(batch, capacity):
     )
     return [
         w
-        for s in p.steps
+        for s in steps
         for w in (s.windows if isinstance(s, LongRequest) else (s,))
         if w.rows
     ]

@@ -216,13 +216,13 @@ def test_host_summary_sums_each_functions_own_time_by_area():
     import cProfile
     import pstats
 
-    from tq_chunked.runtime.plan import plan
+    from tq_chunked.runtime.plan import windows
 
     mod = _load_benchmark()
     prof = cProfile.Profile()
     prof.enable()
     for i in range(20):
-        plan((0, 16, 48), (1000 + i, 2000 + i), 4096, torch.device("cpu"))
+        windows((0, 16, 48), (1000 + i, 2000 + i), 4096, torch.device("cpu"))
     sorted(range(10000), key=lambda x: -x)
     prof.disable()
     s = mod.host_summary(pstats.Stats(prof), top=5)

@@ -17,6 +17,7 @@ from test_promises import (
 
 from tq_chunked import (
     PRESETS,
+    ContinuationPrefill,
     continuation_prefill,
     continuation_prefill_varlen,
     default_window,
@@ -173,9 +174,10 @@ def test_long_requests_and_kv_head_groups_with_flash_attention(budget, dtype):
 
 @pytest.mark.parametrize("check", [True, False])
 def test_no_host_device_synchronization(check):
-    """With the host copies of the lengths, a call, the planning of new lengths and the
-    block-id check included, never synchronizes (torch's sync debug mode), and in steady
-    state calls no CUDA runtime function that synchronizes or allocates (profiler)."""
+    """With the host copies of the lengths, a call (which plans its step, then runs
+    it), the block-id check included, never synchronizes (torch's sync debug mode), and
+    in steady state calls no CUDA runtime function that synchronizes or allocates
+    (profiler)."""
     b = build_batch(
         "turboquant_3bit_nc",
         [(20000, 300), (0, 64), (9000, 16), (500, 40)],
@@ -213,8 +215,8 @@ def test_no_host_device_synchronization(check):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        call(b["seq_lens"])  # a plan from the cache
-        # a new plan: one more cached token each
+        call(b["seq_lens"])
+        # other lengths: one more cached token each
         out = call([s + 1 if s > 64 else s for s in b["seq_lens"]])
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -241,6 +243,110 @@ def test_no_host_device_synchronization(check):
         if "Synchronize" in n or "Malloc" in n or n in ("cudaMemcpy", "cudaFree")
     ]
     assert not forbidden, forbidden
+
+
+def _runtime_calls(fn, times):
+    """The CUDA runtime functions ``fn`` calls over ``times`` calls (profiler)."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(
+        activities=[
+            torch.profiler.ProfilerActivity.CPU,
+            torch.profiler.ProfilerActivity.CUDA,
+        ]
+    ) as prof:
+        for _ in range(times):
+            fn()
+        torch.cuda.synchronize()
+    return [
+        e.name
+        for e in prof.events()
+        if e.name.startswith("cuda") and e.name != "cudaDeviceSynchronize"
+    ]
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_step_is_planned_without_a_sync_and_run_per_layer_without_sync_or_malloc(
+    check,
+):
+    """The engine's path: ``ContinuationPrefill.plan`` once per step never
+    synchronizes (sync debug mode), ``Step.run`` per layer neither synchronizes nor
+    allocates device memory (profiler: no cudaMalloc, no synchronizing call, and the
+    allocator's reserved bytes unchanged), and every layer's answer is the one call's
+    (``continuation_prefill_varlen``) bit for bit."""
+    b = build_batch(
+        "turboquant_3bit_nc",
+        [(20000, 300), (0, 64), (9000, 16), (500, 40)],
+        32,
+        8,
+        128,
+        16,
+        torch.float16,
+        "cuda",
+        seed=3,
+    )
+    kw = b["kwargs"]
+    prefill = ContinuationPrefill(
+        32,
+        8,
+        128,
+        preset="turboquant_3bit_nc",
+        block_size=16,
+        window=8192,
+        check_block_table=check,
+    )
+    ws = torch.empty(prefill.workspace_bytes(420), dtype=torch.uint8, device="cuda")
+    layer = (b["query"], b["key"], b["value"], b["kv_cache"])
+    out = torch.empty_like(b["query"])
+    plan = lambda lens: prefill.plan(
+        b["block_table"],
+        query_start_loc_cpu=b["query_start_loc"],
+        seq_lens_cpu=lens,
+        workspace=ws,
+    )
+    run = lambda step: step.run(
+        *layer,
+        centroids=kw["centroids"],
+        rotation=kw["rotation"],
+        scale=kw["scale"],
+        out=out,
+    )
+    run(plan(b["seq_lens"]))  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step = plan(b["seq_lens"])
+        run(step)
+        other = plan([s + 1 if s > 64 else s for s in b["seq_lens"]])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = continuation_prefill_varlen(
+        *layer,
+        b["block_table"],
+        None,
+        None,
+        **kw,
+        query_start_loc_cpu=b["query_start_loc"],
+        seq_lens_cpu=b["seq_lens"],
+        window=8192,
+        workspace=torch.empty_like(ws),
+        check_block_table=check,
+    )
+    run(step)
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    reserved = torch.cuda.memory_reserved()
+    runtime = _runtime_calls(lambda: run(step), 4)
+    assert torch.cuda.memory_reserved() == reserved
+    print(check, sorted(set(runtime)))
+    forbidden = [
+        n
+        for n in runtime
+        if "Synchronize" in n or "Malloc" in n or n in ("cudaMemcpy", "cudaFree")
+    ]
+    assert not forbidden, forbidden
+    run(other)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all() and not torch.equal(out, ref)
 
 
 def test_a_bad_block_id_is_reported_at_the_next_call_and_its_request_is_nan():

@@ -264,13 +264,19 @@ def test_what_the_call_writes_may_not_share_memory_with_what_it_reads_or_writes(
     rot16 = small.kwargs["rotation"].half().repeat(8, 8)
     big = torch.zeros(n * hq * d * 4 + ws_bytes, dtype=torch.uint8, device=DEVICE)
     out_big = _as_bytes_of(big, torch.float16, (n, hq, d))
+
+    def inside_big(t):  # a copy of t laid over the first bytes of a large workspace
+        x = _as_bytes_of(big, t.dtype, tuple(t.shape))
+        x.copy_(t)
+        return x
+
     override, names = {
         "workspace over kv_cache": (
-            dict(workspace=small.kv_cache.reshape(-1)[:ws_bytes]),
+            dict(kv_cache=inside_big(small.kv_cache), workspace=big),
             ("workspace", "kv_cache"),
         ),
         "workspace over query": (
-            dict(workspace=small.query.reshape(-1).view(torch.uint8)),
+            dict(query=inside_big(small.query), workspace=big),
             ("workspace", "query"),
         ),
         "out over kv_cache": (

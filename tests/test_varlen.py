@@ -15,16 +15,16 @@ from tq_chunked import (
     continuation_prefill_varlen,
     workspace_bytes,
 )
-from tq_chunked.runtime.chunked import schedule
-from tq_chunked.runtime.plan import LongRequest, plan
-from tq_chunked.runtime.workspace import (
-    DEFAULT_WORKSPACE_BYTES,
+from tq_chunked.runtime.plan import (
     FIT_ROWS,
+    LongRequest,
     default_window,
     fit_window,
-    layout_bytes,
     long_window,
+    make_plan,
+    windows,
 )
+from tq_chunked.runtime.workspace import DEFAULT_WORKSPACE_BYTES, layout_bytes
 from tq_chunked.tools.reference import (
     full_buffer_continuation_prefill,
     oracle_continuation_prefill,
@@ -77,12 +77,30 @@ def run_batch(batch, window, backend=BACKEND, **kw):
     return res
 
 
+def schedule(qsl, lens, window, hq, hk, d, dtype, budget, device):
+    """(steps, kv heads at once per step, batch window capacity, workspace bytes) of
+    plan.make_plan for these lengths and head shape."""
+    p = make_plan(
+        tuple(qsl),
+        tuple(lens),
+        window=window,
+        num_q_heads=hq,
+        num_kv_heads=hk,
+        head_dim=d,
+        dtype=dtype,
+        budget=budget,
+        device=device,
+    )
+    groups = tuple(s.kv_heads if isinstance(s, LongRequest) else hk for s in p.steps)
+    return p.steps, groups, p.capacity, p.workspace_bytes
+
+
 def schedule_of(batch, window, budget, dtype=torch.float16):
-    """chunked.schedule for the batch's lengths and head shape (Hq, Hk, D)."""
+    """``schedule`` for the batch's lengths and head shape (Hq, Hk, D)."""
     n, hq, d = batch.query.shape
     return schedule(
-        tuple(batch.query_start_loc),
-        tuple(batch.seq_lens),
+        batch.query_start_loc,
+        batch.seq_lens,
         window,
         hq,
         batch.key.shape[1],
@@ -282,9 +300,9 @@ def test_return_lse_matches_float64(dtype, budget):
 
 def test_requests_that_fit_share_causal_windows_and_long_ones_run_alone():
     qsl, lens = (0, 64, 128, 192, 256, 320), (300, 64 + 500, 64 + 70, 64 + 2000, 64)
-    p = plan(qsl, lens, 1600, torch.device("cpu"))
-    assert [type(s).__name__ for s in p.steps] == ["Window", "LongRequest", "Window"]
-    first, long, last = p.steps
+    steps = windows(qsl, lens, 1600, torch.device("cpu"))
+    assert [type(s).__name__ for s in steps] == ["Window", "LongRequest", "Window"]
+    first, long, last = steps
     # 300 + 564 + 134 keys, 256 zero rows between two
     assert first.requests == (0, 1, 2) and first.causal
     assert first.cu_k_host == (0, 300, 556, 1120, 1376, 1510)
@@ -300,7 +318,7 @@ def test_requests_that_fit_share_causal_windows_and_long_ones_run_alone():
 def test_a_batch_of_short_hits_is_one_fill_and_one_attention_call_without_merges(
     monkeypatch,
 ):
-    import tq_chunked.runtime.chunked as chunked
+    import tq_chunked.runtime.prefill as chunked
 
     counts = {}
     for name in ("fill_window", "varlen_attention", "merge_attn_states"):
@@ -722,8 +740,7 @@ def test_a_bad_block_id_is_named_by_its_row_in_the_batch_before_anything_runs():
 
 
 def test_requests_without_query_tokens_take_no_window():
-    p = plan((0, 40, 40, 80, 80), (140, 50, 140, 0), 1000, torch.device(DEVICE))
-    (w,) = p.steps
+    (w,) = windows((0, 40, 40, 80, 80), (140, 50, 140, 0), 1000, torch.device(DEVICE))
     assert w.requests == (0, 2) and w.nseg == 3  # and the gap between them
 
 

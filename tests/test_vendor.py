@@ -195,13 +195,11 @@ def test_the_tool_rewires_each_release_and_touches_nothing_else(name):
         expected.add(f"{BUILDER}._reserve_workspace")
     elif uses_manager:
         expected.add(f"{BUILDER}.__init__")
-    if not host_copies:
-        expected.add(f"{BUILDER}.build")
+    expected.add(f"{BUILDER}.build")
     assert changed == expected
     for key in changed:
         assert _signature_and_docstring(old[key]) == _signature_and_docstring(new[key])
-        # build: the host copies (below)
-        assert STATE in ast.unparse(new[key]) or key == f"{BUILDER}.build"
+        assert STATE in ast.unparse(new[key])
     # The methods: one call each (the whole body, or, where the body serves the
     # struct-of-arrays layout, an early return before it, the body unchanged).
     calls = {
@@ -237,11 +235,15 @@ def test_the_tool_rewires_each_release_and_touches_nothing_else(name):
         )
     elif uses_manager:
         assert ast.unparse(new[f"{BUILDER}.__init__"].body[-1]) == RESERVE
-    if not host_copies:
-        assert [ast.unparse(s) for s in new[f"{BUILDER}.build"].body[-2:]] == [
-            "attach_host_lengths(metadata, common_attn_metadata, self.vllm_config)",
-            "return metadata",
-        ]
+    # build: the metadata kept, the host copies attached where it has none (0.20.x),
+    # the step planned, the metadata returned
+    attach = "attach_host_lengths(metadata, common_attn_metadata, self.vllm_config)"
+    build = [ast.unparse(s) for s in new[f"{BUILDER}.build"].body]
+    assert build[-2:] == [
+        f"{STATE}.plan_step(self, metadata, {IMPL})",
+        "return metadata",
+    ]
+    assert (build[-3] == attach) == (not host_copies)
     assert all(
         len(line) <= vendor.LINE
         for line in new_text.splitlines()

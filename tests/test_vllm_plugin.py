@@ -137,6 +137,7 @@ def _plain_config(max_model_len=1 << 20, max_num_batched_tokens=8192, num_heads=
             get_num_attention_heads=lambda parallel_config: num_heads,
         ),
         parallel_config=ns(decode_context_parallel_size=1),
+        cache_config=ns(cache_dtype=PRESET),
         speculative_config=None,
         scheduler_config=ns(
             max_num_seqs=4,

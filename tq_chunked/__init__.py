@@ -9,6 +9,8 @@ cache.
 
 from .runtime import (
     PRESETS,
+    ContinuationPrefill,
+    Step,
     TQConfig,
     check_block_tables,
     continuation_prefill,
@@ -21,6 +23,8 @@ from .runtime import (
 
 __version__ = "0.4.6"
 __all__ = [
+    "ContinuationPrefill",
+    "Step",
     "continuation_prefill",
     "continuation_prefill_varlen",
     "check_block_tables",

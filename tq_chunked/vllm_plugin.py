@@ -3,9 +3,11 @@ vLLM starts (entry point group ``vllm.general_plugins``).
 
 What it changes, detected by feature, never by version string:
 
-* ``TurboQuantAttentionImpl._prefill_attention`` -> one ``continuation_prefill_varlen``
-  call per layer for the whole prefill part of the batch: first chunks, short and long
-  prefix-cache hits together (vLLM loops over requests in Python, replays its decode
+* ``TurboQuantMetadataBuilder.build`` plans the step's prefill part once
+  (``ContinuationPrefill.plan``) and attaches it to the metadata;
+  ``TurboQuantAttentionImpl._prefill_attention`` runs it, one call per layer for the
+  whole prefill part of the batch: first chunks, short and long prefix-cache hits
+  together (vLLM loops over requests in Python, replays its decode
   kernel once per query token for continuations of up to 128 tokens, and, when the
   longest request is a first chunk, attends every request to its raw K/V only, which
   drops a shorter request's cached prefix: vllm-project/vllm issue 46460). Decodes are
@@ -260,19 +262,22 @@ def plan_patches(tqa, window):
 
     plan.append((builder_cls, "__init__", builder_init))
 
+    # build: vLLM's host copies of the lengths where its metadata has none (0.20.x),
+    # then the step's prefill planned once, for every layer to run
     host_copies = "query_start_loc_cpu" in getattr(meta_cls, "__dataclass_fields__", {})
-    if not host_copies:  # 0.20.x
-        original_build = builder_cls.build
+    original_build = builder_cls.build
 
-        @functools.wraps(original_build)
-        def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
-            meta = original_build(
-                self, common_prefix_len, common_attn_metadata, *args, **kwargs
-            )
+    @functools.wraps(original_build)
+    def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
+        meta = original_build(
+            self, common_prefix_len, common_attn_metadata, *args, **kwargs
+        )
+        if not host_copies:
             attach_host_lengths(meta, common_attn_metadata, self.vllm_config)
-            return meta
+        chunked.plan_step(self, meta, impl_cls)
+        return meta
 
-        plan.append((builder_cls, "build", build))
+    plan.append((builder_cls, "build", build))
 
     original_reserve = getattr(builder_cls, "_reserve_workspace", None)
     if chunked.workspaces.uses_manager and original_reserve is not None:

@@ -3,15 +3,19 @@ paged KV cache. This directory is what vLLM vendors (``python -m tq_chunked.vend
 as ``vllm.v1.attention.ops.tq_chunked``; it imports only itself, the standard library,
 torch, triton and (inside functions) vllm."""
 
-from .chunked import (
+from .format import PRESETS, TQConfig, hadamard, lloyd_max_centroids
+from .plan import default_window, workspace_bytes
+from .prefill import (
+    ContinuationPrefill,
+    Step,
     check_block_tables,
     continuation_prefill,
     continuation_prefill_varlen,
 )
-from .format import PRESETS, TQConfig, hadamard, lloyd_max_centroids
-from .workspace import default_window, workspace_bytes
 
 __all__ = [
+    "ContinuationPrefill",
+    "Step",
     "continuation_prefill",
     "continuation_prefill_varlen",
     "check_block_tables",

@@ -77,9 +77,12 @@ def as_int(name, value, minimum=None, maximum=None):
     return value
 
 
-def check_tensor(name, t, ndim, dtypes=None, device=None, unit_last=False):
+def check_tensor(
+    name, t, ndim, dtypes=None, device=None, unit_last=False, device_of="the query"
+):
     """A ValueError naming the argument unless ``t`` is a tensor of that rank, dtype
-    and device (and, with unit_last, unit stride over its last dimension)."""
+    and device (``device_of``'s: what fixed it, for the message), and, with unit_last,
+    unit stride over its last dimension."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.ndim != ndim:
@@ -92,7 +95,7 @@ def check_tensor(name, t, ndim, dtypes=None, device=None, unit_last=False):
         )
     if device is not None and t.device != device:
         raise ValueError(
-            f"{name} must be on {device} (the query's device), got {t.device}"
+            f"{name} must be on {device} ({device_of}'s device), got {t.device}"
         )
     if unit_last and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(
@@ -127,20 +130,18 @@ def self_overlapping(t: torch.Tensor) -> bool:
     return False
 
 
-# Layouts already checked: every layer of a step passes the same tensors' places.
-_no_overlap: dict = {}
-
-
-def check_overlaps(written, read):
+def check_overlaps(written, read, checked: dict | None = None):
     """A ValueError naming both tensors if a written one shares bytes with another one.
-    ``written`` and ``read`` are lists of (name, tensor or None). Memoized on the
-    tensors' places (address, shape, strides, element size), which fix their byte
-    ranges: 33-52 us of host per call on the H200 machine otherwise (NOTES.md)."""
+    ``written`` and ``read`` are lists of (name, tensor or None). ``checked``: the
+    caller's record of the places already found apart (address, shape, strides and
+    element size fix the byte ranges; every layer of every step passes the same
+    places), kept to 256 entries: 33-52 us of host per call on the H200 machine
+    otherwise (benchmarks/NOTES.md §14)."""
     key = tuple(
         None if t is None else (t.data_ptr(), t.shape, t.stride(), t.element_size())
         for _, t in written + read
     )
-    if key in _no_overlap:
+    if checked is not None and key in checked:
         return
     spans = [(name, byte_span(t)) for name, t in written + read if t is not None]
     for i, (name, span) in enumerate(spans[: sum(t is not None for _, t in written)]):
@@ -152,9 +153,10 @@ def check_overlaps(written, read):
                     f"{name} must not share memory with {other}: the call writes "
                     f"{name} while it reads {other}"
                 )
-    if len(_no_overlap) >= 256:
-        _no_overlap.clear()
-    _no_overlap[key] = True
+    if checked is not None:
+        if len(checked) >= 256:
+            checked.clear()
+        checked[key] = True
 
 
 # ---------------------------------------------------------------------------

@@ -793,7 +793,7 @@ def fill_window(
         err if err is not None else window.segs,
         window.rows,
         window.nseg,
-        window.steps,
+        window.search_steps,
         head0,
         n_heads,
         nflags,

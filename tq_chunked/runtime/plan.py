@@ -24,28 +24,36 @@ dequantized, new tokens copied after them.
     requests   A: 900 + 40 | B: 300 + 20 | C: 30000 cached + 600 new | D: 0 + 64
     windows    [ batch: A, B ][ part: C ][ part: C ][ last: C ...+ new ][ batch: D ]
 
-A plan depends only on host integers (the lengths and the capacities), so one plan
-serves every layer of a forward step; ``plan`` memoizes the last few. Its device
-integers are uploaded in one asynchronous copy and never written again.
+A plan depends only on host integers (the lengths, the heads, the window and the
+budget), so one plan serves every layer of a forward step (``prefill.ContinuationPrefill
+.plan`` makes it once per step). Its device integers are uploaded in one asynchronous
+copy and never written again.
+
+This module is the only one that plans: the window sizes within the workspace budget
+(``fit_window``, ``long_window``, ``workspace_bytes``), the windows, each long
+request's kv-head group, and the bytes of workspace the step needs
+(``workspace.layout`` says where each region lies).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
+from ._utils import as_int
 from .attention import Call
 from .dequant import GAP_ROW, SEG_FIELDS
+from .workspace import DEFAULT_WINDOW_BYTES, DEFAULT_WORKSPACE_BYTES, layout_bytes
 
 # Zero key rows between two requests of a batch window, as a sequence of no queries. A
 # FlashAttention-3 tile reads past the end of its sequence (up to its key-tile size, at
 # most 256 rows) and weighs those keys by 0, and 0 * inf or 0 * NaN is NaN: without the
 # gap a non-finite value of one request would reach its neighbour's answer (seen on the
-# H200 machine; benchmarks/NOTES.md). Past a window's last row the buffer handed to
+# H200 machine; benchmarks/NOTES.md §13). Past a window's last row the buffer handed to
 # attention ends, and the tile reads zeros.
 GAP = 256
+FIT_ROWS = 256  # a window fitted to the budget is a multiple of this (fit_window)
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,7 @@ class Window(Call):
     q1: int
     rows: int  # key rows filled
     nseg: int
-    steps: int  # binary-search iterations over nseg segments
+    search_steps: int  # the fill's binary-search iterations over nseg segments
     # int32 device: nseg + 1 starts, then SEG_FIELDS - 1 arrays of nseg (dequant.py)
     segs: torch.Tensor
     segs_host: tuple[int, ...]
@@ -81,49 +89,299 @@ class Window(Call):
 
 @dataclass(frozen=True)
 class LongRequest:
+    """A request longer than a batch window: ``kv_heads`` kv heads at a time, each
+    group through ``windows`` (parts, then the last) of ``capacity`` rows."""
+
     request: int
     q0: int
     q1: int
     capacity: int  # key rows per window
     windows: tuple[Window, ...]  # parts, then the last
+    kv_heads: int = 0  # kv heads per group (set by make_plan)
 
 
 @dataclass(frozen=True)
 class Plan:
+    """Everything a step's layers share: the windows in order of their query rows, and
+    the workspace they need."""
+
     num_tokens: int  # N, query rows
     capacity: int  # key rows per batch window
     steps: tuple  # Window (batch) or LongRequest, in order of their query rows
     max_window_rows: int  # the most rows any window fills
+    workspace_bytes: int  # the most bytes any step's layout takes (0: no step)
+    step_layouts: tuple  # each step's workspace.layout key
 
 
-def plan(
-    query_start: tuple[int, ...],
+# ---------------------------------------------------------------------------
+# Window sizes within the workspace budget
+# ---------------------------------------------------------------------------
+
+
+def default_window(num_kv_heads: int, head_dim: int, block_size: int) -> int:
+    """Key rows per window such that their K + V (2 bytes each, all kv heads) take
+    DEFAULT_WINDOW_BYTES, rounded down to a multiple of block_size (at least one
+    block)."""
+    tokens = DEFAULT_WINDOW_BYTES // (2 * 2 * num_kv_heads * head_dim)
+    return max(block_size, tokens // block_size * block_size)
+
+
+def capacity(window: int, q_tokens: int) -> int:
+    """Key rows a window holds: ``window``, or q_tokens + 1 if that is more (a long
+    request's last window holds all its new tokens and at least one cached one)."""
+    return max(window, q_tokens + 1)
+
+
+def batch_layout(num_q_heads, num_kv_heads, head_dim, cap, dtype):
+    """The workspace.layout key of a batch window of ``cap`` rows."""
+    return ("batch", 0, num_q_heads, num_kv_heads, head_dim, cap, dtype)
+
+
+def long_layout(rows, num_q_heads, num_kv_heads, kv_heads, head_dim, cap, dtype):
+    """The workspace.layout key of a long request of ``rows`` query rows, ``kv_heads``
+    kv heads at a time, in windows of ``cap`` rows."""
+    g = num_q_heads // num_kv_heads
+    return ("long", rows, g * kv_heads, kv_heads, head_dim, cap, dtype)
+
+
+def _most_rows(need, least: int, most: int, budget: int) -> int:
+    """The most rows in [least, most] whose ``need(rows)`` bytes fit ``budget`` (need
+    grows with rows, and need(least) fits): ``most`` itself where it fits, else the
+    most on the FIT_ROWS grid, or ``least`` where the grid has none above it."""
+    if need(most) <= budget:
+        return most
+    lo, hi = least, most  # need(lo) fits, need(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if need(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return max(least, lo // FIT_ROWS * FIT_ROWS)
+
+
+def fit_window(
+    window: int,
+    q_tokens: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    budget: int,
+) -> int:
+    """The batch window a step of q_tokens query tokens uses: ``window``, or where its
+    K/V would not fit ``budget`` bytes, the most rows that do (on the FIT_ROWS grid),
+    and never fewer than q_tokens + 1 (``capacity``; the layout is then larger than
+    the budget). A long request's window is its own (``long_window``)."""
+
+    def need(w):
+        return layout_bytes(
+            *batch_layout(num_q_heads, num_kv_heads, head_dim, w, dtype)
+        )
+
+    least = q_tokens + 1
+    if window <= least:
+        return window
+    if need(least) > budget:
+        return least
+    return _most_rows(need, least, window, budget)
+
+
+def long_window(
+    rows: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    window: int,
+    dtype: torch.dtype,
+    budget: int,
+) -> tuple[int, int]:
+    """(kv heads at once, key rows per window) of a long request of ``rows`` query rows
+    whose layout must fit ``budget`` bytes (its float32 state and its window share
+    them). Each kv-head group (a divisor of num_kv_heads) takes the most rows that fit,
+    at most ``window`` (the batch windows' capacity; on the FIT_ROWS grid where that
+    keeps more than ``rows``); of the groups whose window holds more than ``rows``
+    rows, the one whose window holds the most K/V (rows x kv heads: the fewest windows
+    for the request's cached tokens) runs, the most kv heads among equals. Where none
+    fits: one kv head, rows + 1 rows (the layout is then larger than the budget)."""
+    lo = rows + 1  # the last window holds the new tokens and a cached one
+    best = (0, 1, lo)
+    for hk_g in range(num_kv_heads, 0, -1):
+        if num_kv_heads % hk_g:
+            continue
+
+        def need(cap, hk_g=hk_g):
+            return layout_bytes(
+                *long_layout(
+                    rows, num_q_heads, num_kv_heads, hk_g, head_dim, cap, dtype
+                )
+            )
+
+        if need(lo) > budget:
+            continue
+        cap = _most_rows(need, lo, max(window, lo), budget)
+        if hk_g * cap > best[0]:
+            best = (hk_g * cap, hk_g, cap)
+    return best[1], best[2]
+
+
+def workspace_bytes(
+    q_tokens: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    window: int,
+    dtype: torch.dtype = torch.float16,
+    *,
+    max_bytes: int | None = None,
+) -> int:
+    """Exact bytes of workspace that suffice for a continuation prefill of q_tokens
+    query tokens (all requests of a batch together) in ``dtype`` (the query's) with
+    this window, however those tokens are split into requests and whatever the cached
+    lengths: the larger of the batch layout (its window shortened by ``fit_window``
+    where it would not fit ``max_bytes``, default 128 MiB) and what a long request takes
+    (``long_window`` within ``max_bytes``): the layout of one request of all q_tokens
+    rows. A uint8 buffer of at least this many bytes on the query's device may be
+    passed as ``workspace=``; pass the same budget to the call
+    (``max_workspace_bytes``). A call takes the smaller of its budget and the
+    workspace given as its budget, and sizes each long request's window within it
+    (from its own query rows, not from the rest of the batch): a call of at most
+    q_tokens query tokens fits this many bytes. A call without a workspace allocates
+    what its own steps take, at most its budget.
+    """
+    q_tokens = as_int("q_tokens", q_tokens, 0)
+    num_q_heads = as_int("num_q_heads", num_q_heads, 1)
+    num_kv_heads = as_int("num_kv_heads", num_kv_heads, 1)
+    head_dim = as_int("head_dim", head_dim, 1)
+    window = as_int("window", window, 1)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads "
+            f"({num_kv_heads})"
+        )
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"dtype must be torch.float16 or torch.bfloat16 (the query's), got {dtype}"
+        )
+    budget = (
+        DEFAULT_WORKSPACE_BYTES
+        if max_bytes is None
+        else as_int("max_bytes", max_bytes, 1)
+    )
+    window = fit_window(
+        window, q_tokens, num_q_heads, num_kv_heads, head_dim, dtype, budget
+    )
+    cap = capacity(window, q_tokens)
+    batch = layout_bytes(*batch_layout(num_q_heads, num_kv_heads, head_dim, cap, dtype))
+    hk_g, long_cap = long_window(
+        q_tokens, num_q_heads, num_kv_heads, head_dim, cap, dtype, budget
+    )
+    long = layout_bytes(
+        *long_layout(
+            q_tokens, num_q_heads, num_kv_heads, hk_g, head_dim, long_cap, dtype
+        )
+    )
+    return max(batch, long)
+
+
+# ---------------------------------------------------------------------------
+# The plan of a step
+# ---------------------------------------------------------------------------
+
+
+def make_plan(
+    qsl: tuple[int, ...],
+    seq_lens: tuple[int, ...],
+    *,
+    window: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    budget: int,
+    device: torch.device,
+    stream=None,
+) -> Plan:
+    """The plan of a step from its host lengths (validated): the batch window fitted
+    to the budget and shortened to the rows the step fills, each long request's window
+    and kv-head group from what its state leaves of the budget (its own query rows and
+    the budget, never the rest of the batch), the windows (``windows``) and the bytes
+    of workspace their layouts take."""
+    n = qsl[-1]
+    window = fit_window(window, n, num_q_heads, num_kv_heads, head_dim, dtype, budget)
+    reads = [s for r, s in enumerate(seq_lens) if qsl[r + 1] > qsl[r]]
+    rows = sum(reads) + GAP * max(len(reads) - 1, 0)  # the most rows the step fills
+    # batch windows; with a long request (> cap rows) this is capacity(window, n)
+    cap = capacity(min(window, max(rows, 1)), n)
+    longs = {}
+    for r, s in enumerate(seq_lens):
+        q = qsl[r + 1] - qsl[r]
+        if q and s > cap:
+            longs[r] = long_window(
+                q, num_q_heads, num_kv_heads, head_dim, cap, dtype, budget
+            )
+    steps = windows(
+        qsl,
+        seq_lens,
+        cap,
+        device,
+        stream,
+        tuple(longs[r][1] if r in longs else 0 for r in range(len(seq_lens)))
+        if longs
+        else None,
+    )
+    out, keys = [], []
+    for step in steps:
+        if isinstance(step, LongRequest):
+            hk_g = longs[step.request][0]
+            step = LongRequest(
+                step.request, step.q0, step.q1, step.capacity, step.windows, hk_g
+            )
+            key = long_layout(
+                step.q1 - step.q0,
+                num_q_heads,
+                num_kv_heads,
+                hk_g,
+                head_dim,
+                step.capacity,
+                dtype,
+            )
+        else:
+            key = batch_layout(num_q_heads, num_kv_heads, head_dim, cap, dtype)
+        out.append(step)
+        keys.append(key)
+    every = [
+        w for s in out for w in (s.windows if isinstance(s, LongRequest) else (s,))
+    ]
+    return Plan(
+        num_tokens=n,
+        capacity=cap,
+        steps=tuple(out),
+        max_window_rows=max((w.rows for w in every), default=0),
+        workspace_bytes=max((layout_bytes(*k) for k in set(keys)), default=0),
+        step_layouts=tuple(keys),
+    )
+
+
+def windows(
+    qsl: tuple[int, ...],
     seq_lens: tuple[int, ...],
     capacity: int,
     device: torch.device,
     stream=None,
     long_capacity: tuple[int, ...] | None = None,
-) -> Plan:
-    """The windows for these lengths (host ints, already validated): batch windows of
-    ``capacity`` key rows (> the batch's query tokens), and for each request longer
-    than that, windows of ``long_capacity[r]`` rows (> its query tokens, at most
-    ``capacity``; default ``capacity``). Memoized per CUDA stream: a forward step's
-    layers share one plan and its device tensors (read-only), uploaded on that stream
-    and read only there, so no other stream can still be reading them when the cache
-    lets a plan go."""
-    return _plan(
-        tuple(query_start), tuple(seq_lens), capacity, long_capacity, device, stream
-    )
-
-
-@functools.lru_cache(maxsize=32)
-def _plan(qsl, seq_lens, capacity, long_capacity, device, stream):
+) -> tuple:
+    """The windows for these lengths (host ints, already validated), in order of
+    their query rows: a ``Window`` per batch window of ``capacity`` key rows (more
+    than the batch's query tokens), and for each request longer than that a
+    ``LongRequest`` whose windows hold ``long_capacity[r]`` rows (more than its query
+    tokens, at most ``capacity``; default ``capacity``). Their device integers go up
+    in one asynchronous copy on ``stream`` (default: the current one), the stream
+    that reads them."""
     b = len(seq_lens)
     n_tok = qsl[-1]
     if capacity <= n_tok:
-        raise AssertionError(
-            "capacity must exceed the query tokens (workspace.capacity)"
-        )
+        raise AssertionError("capacity must exceed the query tokens (capacity())")
     packed: list[int] = []  # every device int32 array of the plan, uploaded in one copy
     # (kind, segments [(req, pos0, cached, qrow, new rows, query rows)], causal) before
     # upload
@@ -214,7 +472,7 @@ def _plan(qsl, seq_lens, capacity, long_capacity, device, stream):
                 q1=segs[0][3] + cu_q_host[-1],
                 rows=starts[-1],
                 nseg=nseg,
-                steps=max(1, nseg.bit_length()),
+                search_steps=max(1, nseg.bit_length()),
                 segs=dev[s0 : s0 + ns],
                 segs_host=segs_host,
                 cu_q=dev[c0 : c0 + nc],
@@ -235,12 +493,7 @@ def _plan(qsl, seq_lens, capacity, long_capacity, device, stream):
         else:
             r, q0, q1, cap, ids = s
             out.append(LongRequest(r, q0, q1, cap, tuple(made[i] for i in ids)))
-    return Plan(
-        num_tokens=n_tok,
-        capacity=capacity,
-        steps=tuple(out),
-        max_window_rows=max((w.rows for w in made), default=0),
-    )
+    return tuple(out)
 
 
 def cached_window(
@@ -256,7 +509,7 @@ def cached_window(
         q1=0,
         rows=length,
         nseg=1,
-        steps=1,
+        search_steps=1,
         segs=dev,
         segs_host=segs,
         cu_q=dev[:2],

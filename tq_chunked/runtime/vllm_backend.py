@@ -7,10 +7,19 @@ once for both ways tq_chunked reaches vLLM:
   module, with the modules it needs, into vLLM as ``vllm.v1.attention.ops.tq_chunked``
   and edits vLLM's ``turboquant_attn.py`` so that its own methods call one.
 
-So a fix here reaches both. This module imports vLLM only inside functions that run in
-a vLLM process (the plugin imports it before it knows whether vLLM is installed), and
-imports the rest of this package relatively only (the vendor tool copies it under
-another name).
+So a fix here reaches both. Where vLLM's metadata builder makes a step's metadata
+(``build``), ``ChunkedPrefill.plan_step`` plans the step's prefill part once and
+attaches it to the metadata; each layer's ``_prefill_attention`` only runs it:
+
+    builder.build(...)                  once per step
+      -> ChunkedPrefill.plan_step       ContinuationPrefill.plan: windows, device
+         metadata.tq_chunked_step       index tensors, workspace views
+    impl._prefill_attention(...)        once per layer
+      -> ChunkedPrefill.prefill_attention -> step.run(query, key, value, kv_cache, ...)
+
+This module imports vLLM only inside functions that run in a vLLM process (the plugin
+imports it before it knows whether vLLM is installed), and imports the rest of this
+package relatively only (the vendor tool copies it under another name).
 """
 
 from __future__ import annotations
@@ -21,8 +30,11 @@ import weakref
 
 import torch
 
-from .chunked import continuation_prefill, continuation_prefill_varlen
-from .workspace import default_window, workspace_bytes
+from .plan import default_window, workspace_bytes
+from .prefill import ContinuationPrefill, continuation_prefill
+
+# The metadata attribute that holds the step planned in the builder's build.
+STEP_ATTR = "tq_chunked_step"
 
 # The signatures of the vLLM methods whose work this module does: the plugin and the
 # vendor tool both refuse a vLLM whose methods take anything else.
@@ -150,17 +162,44 @@ def _check_layout(impl):
         )
 
 
+def builder_shape(builder) -> dict:
+    """The shape of the layers of vLLM's metadata ``builder``: heads, head size, block
+    size and the model's dtype."""
+    cfg = builder.vllm_config
+    spec = builder.kv_cache_spec
+    return dict(
+        num_q_heads=cfg.model_config.get_num_attention_heads(cfg.parallel_config),
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_size,
+        block_size=spec.block_size,
+        dtype=cfg.model_config.dtype,
+    )
+
+
 def builder_workspace_bytes(builder, window) -> tuple[int, int]:
     """(window, workspace bytes) for the largest prefill a builder's engine can
     schedule: max_num_batched_tokens query tokens."""
-    cfg = builder.vllm_config
-    spec = builder.kv_cache_spec
-    hq = cfg.model_config.get_num_attention_heads(cfg.parallel_config)
-    w = _window(window, spec.num_kv_heads, spec.head_size, spec.block_size)
-    q_tokens = cfg.scheduler_config.max_num_batched_tokens
+    shape = builder_shape(builder)
+    w = _window(window, shape["num_kv_heads"], shape["head_dim"], shape["block_size"])
+    q_tokens = builder.vllm_config.scheduler_config.max_num_batched_tokens
     return w, workspace_bytes(
-        q_tokens, hq, spec.num_kv_heads, spec.head_size, w, cfg.model_config.dtype
+        q_tokens,
+        shape["num_q_heads"],
+        shape["num_kv_heads"],
+        shape["head_dim"],
+        w,
+        shape["dtype"],
     )
+
+
+def _ints(x) -> list[int]:
+    """A host copy of lengths (a CPU tensor, a numpy array or a sequence) as ints."""
+    return x.tolist() if hasattr(x, "tolist") else [int(v) for v in x]
+
+
+def _place(t: torch.Tensor) -> tuple:
+    """Where a tensor's elements are: two views with the same place are one tensor."""
+    return t.data_ptr(), tuple(t.shape), t.stride()
 
 
 def runs_windowed(impl, impl_cls) -> bool:
@@ -243,6 +282,15 @@ class ChunkedPrefill:
     def __init__(self, hooks: str | None = None, window: int | None = None):
         self.workspaces = Workspaces(hooks)
         self.window = window
+        # one ContinuationPrefill per model shape (heads, head size, dtype, preset,
+        # block size): what does not change between steps
+        self._prefills: dict[tuple, ContinuationPrefill] = {}
+        # The steps the latest builds planned, by the place of the block table of
+        # their prefill part: vLLM's forward hands _prefill_attention a metadata of its
+        # own for the prefill part of a mixed batch (made per layer, without the
+        # attribute), whose block table is a view of the built one. A few entries:
+        # one per ubatch and kv-cache group of the step being run.
+        self._built: dict[tuple, object] = {}
 
     def served(self, builder, impl_cls, rule=runs_windowed) -> list[bool]:
         """Per layer of vLLM's metadata ``builder``: whether its impl's prefill runs
@@ -258,37 +306,121 @@ class ChunkedPrefill:
         module = importlib.import_module(hooks) if hooks else None
         return [not getattr(module, "is_flydsl_available", lambda: False)()]
 
+    def _prefill(self, **shape) -> ContinuationPrefill:
+        key = tuple(sorted(shape.items(), key=lambda kv: kv[0]))
+        prefill = self._prefills.get(key)
+        if prefill is None:
+            prefill = self._prefills[key] = ContinuationPrefill(
+                **shape,
+                window=self.window,
+                check_block_table=False,  # vLLM's block tables index its own cache
+            )
+        return prefill
+
+    def _plan(self, prefill, block_table, qsl, seq_lens, qsl_cpu, seq_lens_cpu, n):
+        ws = self.workspaces.get(prefill.workspace_bytes(n), block_table.device)
+        return prefill.plan(
+            block_table,
+            qsl,
+            seq_lens,
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+            workspace=ws,
+        )
+
+    def plan_step(self, builder, metadata, impl_cls) -> None:
+        """In the builder's ``build``: plan the prefill part of the step (the requests
+        after its ``num_decodes`` decodes) and attach it to ``metadata``
+        (``tq_chunked_step``), so that every layer only runs it. Nothing is planned
+        for a builder none of whose layers runs the prefill here (``reaches_here``,
+        asked once per builder), nor inside CUDA graph capture; nor, to be planned by
+        the first layer instead (the same plan), for a step without prefill requests
+        or without host copies of the lengths, or where vLLM's config does not name
+        the cache's preset (``cache_config.cache_dtype``: a unit test's config)."""
+        plans = builder.__dict__.get("_tq_chunked_plans")
+        if plans is None:
+            plans = builder._tq_chunked_plans = any(
+                self.served(builder, impl_cls, reaches_here)
+            )
+        qsl_cpu, seq_lens_cpu = _host_lengths(metadata)
+        cache = getattr(builder.vllm_config, "cache_config", None)
+        preset = getattr(cache, "cache_dtype", None)
+        if (
+            not plans
+            or preset is None
+            or not getattr(metadata, "is_prefill", True)
+            or qsl_cpu is None
+            or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        ):
+            return
+        nd = getattr(metadata, "num_decodes", 0)
+        ndt = getattr(metadata, "num_decode_tokens", 0)
+        block_table = metadata.block_table[nd:]
+        qsl = [q - ndt for q in _ints(qsl_cpu)[nd:]]
+        lens = _ints(seq_lens_cpu)[nd:]
+        prefill = self._prefill(**builder_shape(builder), preset=str(preset))
+        step = self._plan(prefill, block_table, None, None, qsl, lens, qsl[-1])
+        setattr(metadata, STEP_ATTR, step)
+        place = _place(block_table)
+        self._built.pop(place, None)
+        self._built[place] = step
+        while len(self._built) > 8:
+            self._built.pop(next(iter(self._built)))
+
+    def _step_for(self, impl, query, key, kv_cache, meta):
+        """The step ``meta`` was planned with in build, or one planned now (a
+        metadata vLLM's forward made for the prefill part of a mixed batch is matched
+        to the built step by its block table and lengths; a metadata no build
+        planned, e.g. a test's, is planned here)."""
+        step = getattr(meta, STEP_ATTR, None)
+        if step is not None:
+            return step
+        n, hq, d = query.shape
+        qsl_cpu, seq_lens_cpu = _host_lengths(meta)
+        step = self._built.get(_place(meta.block_table))
+        if step is not None and step.num_tokens == n:
+            if qsl_cpu is None:  # 0.20's forward: no host copies on its own metadata
+                if max(step.seq_lens, default=0) == getattr(meta, "max_seq_len", -1):
+                    return step
+            elif (
+                tuple(_ints(qsl_cpu)) == step.query_start_loc
+                and tuple(_ints(seq_lens_cpu)) == step.seq_lens
+            ):
+                return step
+        prefill = self._prefill(
+            num_q_heads=hq,
+            num_kv_heads=key.shape[1],
+            head_dim=d,
+            block_size=kv_cache.shape[1],
+            dtype=query.dtype,
+            preset=impl.kv_cache_dtype,
+        )
+        return self._plan(
+            prefill,
+            meta.block_table,
+            meta.query_start_loc,
+            meta.seq_lens,
+            qsl_cpu,
+            seq_lens_cpu,
+            n,
+        )
+
     def prefill_attention(
         self, impl, query, key, value, kv_cache, attn_metadata, Pi, centroids
     ):
         """``_prefill_attention``: every request of the prefill part of the batch (first
-        chunks, short and long prefix-cache hits) in one ``continuation_prefill_varlen``
-        call. ``impl`` is vLLM's TurboQuantAttentionImpl (its preset and scale)."""
+        chunks, short and long prefix-cache hits) through the step planned in build.
+        ``impl`` is vLLM's TurboQuantAttentionImpl (its preset and scale)."""
         _check_layout(impl)
-        n, hq, d = query.shape
-        hk = key.shape[1]
-        w = _window(self.window, hk, d, kv_cache.shape[1])
-        qsl_cpu, seq_lens_cpu = _host_lengths(attn_metadata)
-        ws = self.workspaces.get(
-            workspace_bytes(n, hq, hk, d, w, query.dtype), query.device
-        )
-        return continuation_prefill_varlen(
+        step = self._step_for(impl, query, key, kv_cache, attn_metadata)
+        return step.run(
             query,
             key,
             value,
             kv_cache,
-            attn_metadata.block_table,
-            attn_metadata.query_start_loc,
-            attn_metadata.seq_lens,
-            preset=impl.kv_cache_dtype,
             centroids=centroids,
             rotation=Pi,
             scale=impl.scale,
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_lens_cpu,
-            window=w,
-            workspace=ws,
-            check_block_table=False,  # vLLM's block tables index its own cache
         )
 
     def continuation_prefill(

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from .. import PRESETS, continuation_prefill, workspace_bytes
 from ..runtime.attention import backend_available
-from ..runtime.workspace import default_window
+from ..runtime.plan import default_window
 from .reference import full_buffer_continuation_prefill
 from .testing import SHAPE_NOTES, SHAPES, build_case
 

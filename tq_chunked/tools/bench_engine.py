@@ -47,7 +47,7 @@ import torch
 from tqdm import tqdm
 
 from .. import continuation_prefill_varlen, workspace_bytes
-from ..runtime.workspace import default_window
+from ..runtime.plan import default_window
 from .testing import (
     LAYER_GEMMS,
     SHAPES,

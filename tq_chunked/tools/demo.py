@@ -28,10 +28,8 @@ import time
 import torch
 
 from .. import continuation_prefill, workspace_bytes
-from ..runtime.chunked import schedule
 from ..runtime.format import PRESETS, TQConfig
-from ..runtime.plan import LongRequest
-from ..runtime.workspace import default_window
+from ..runtime.plan import LongRequest, default_window, make_plan
 from .reference import full_buffer_continuation_prefill, oracle_continuation_prefill
 from .testing import build_case, rel_err
 
@@ -215,18 +213,21 @@ def main(argv=None, prog="tq-chunked demo"):
     hq, hk = a.heads
     d, dtype = a.head_dim, torch.float16
     window = a.window or demo_window(a.cached_len, hk, d, device)
-    steps, _, rows, _ = schedule(
+    plan = make_plan(
         (0, a.q_len),
         (a.cached_len + a.q_len,),
-        window,
-        hq,
-        hk,
-        d,
-        dtype,
-        128 << 20,
-        device,
+        window=window,
+        num_q_heads=hq,
+        num_kv_heads=hk,
+        head_dim=d,
+        dtype=dtype,
+        budget=128 << 20,
+        device=device,
     )
-    windows = sum(len(s.windows) if isinstance(s, LongRequest) else 1 for s in steps)
+    rows = plan.capacity
+    windows = sum(
+        len(s.windows) if isinstance(s, LongRequest) else 1 for s in plan.steps
+    )
 
     print(
         f"tq_chunked demo on {torch.cuda.get_device_name() if cuda else 'cpu'}: "

@@ -11,8 +11,9 @@ not find; each ``*_edit`` function then writes one site:
 * ``reservation_edit``: the builder reserves tq_chunked's workspace before vLLM locks
   the WorkspaceManager, and vLLM's (1, Hk, max_model_len, D) continuation pair only
   for layers that keep a continuation prefill of their own;
-* ``build_edits``: where the metadata has no host copies of the lengths (0.20.x),
-  ``build`` attaches vLLM's own;
+* ``build_edits``: ``build`` plans the step's prefill once for every layer to run
+  (``ChunkedPrefill.plan_step``), after attaching vLLM's own host copies of the
+  lengths where the metadata has none (0.20.x);
 * ``unused_import_edits``: the imports that only the replaced bodies used, removed.
 """
 
@@ -63,7 +64,7 @@ class Sites:
     pair_start: int | None  # first line of the continuation pair in _reserve_workspace
     pair_indent: str
     builder_init: ast.FunctionDef | None  # where nothing reserves (0.21-0.23)
-    build: ast.FunctionDef | None  # where the host copies are attached (0.20.x)
+    build: ast.FunctionDef | None  # where the step is planned
 
 
 def _pair_block(reserve: ast.FunctionDef, missing: list[str]):
@@ -147,10 +148,8 @@ def find_sites(text: str) -> Sites:
         if uses_manager and not has_reserve
         else None
     )
-    build = None
-    if not host_copies:
-        build = find_method(builder, "build", missing)
-        build = _build_return(build, lines, missing) if build else None
+    build = find_method(builder, "build", missing)
+    build = _build_return(build, lines, missing) if build else None
     defined = {
         n.id
         for s in tree.body
@@ -324,31 +323,36 @@ def reservation_edit(s: Sites) -> Edit | None:
 
 
 def build_edits(s: Sites) -> list[Edit]:
-    """0.20.x: ``return TurboQuantMetadata(...)`` becomes ``metadata = ...``, then
-    vLLM's host copies of the lengths are attached and it is returned."""
-    if s.build is None:
-        return []
+    """``return TurboQuantMetadata(...)`` becomes ``metadata = ...``; then (0.20.x)
+    vLLM's host copies of the lengths are attached, the step's prefill is planned,
+    and it is returned."""
     ret = s.build.body[-1]
     i, col = ret.lineno - 1, ret.col_offset
     indent = " " * col
     line = s.lines[i]
     cam = s.build.args.args[2].arg
+    new = []
+    if not s.host_copies:
+        note = (
+            "tq_chunked: vLLM's host copies of the lengths, so that prefill reads no "
+            "device tensor back."
+        )
+        new += [
+            *comment(indent, note),
+            f"{indent}attach_host_lengths(metadata, {cam}, self.vllm_config)",
+        ]
     note = (
-        "tq_chunked: vLLM's host copies of the lengths, so that prefill reads no "
-        "device tensor back."
+        "tq_chunked: the prefill part of the step planned once (its windows, their "
+        "device indices and workspace), for every layer's _prefill_attention to run."
     )
+    new += [
+        *comment(indent, note),
+        f"{indent}{STATE}.plan_step(self, metadata, {IMPL})",
+        f"{indent}return metadata",
+    ]
     return [
         Edit(i, i + 1, [line[:col] + "metadata = " + line[col + 7 :]], "build"),
-        Edit(
-            ret.end_lineno,
-            ret.end_lineno,
-            [
-                *comment(indent, note),
-                f"{indent}attach_host_lengths(metadata, {cam}, self.vllm_config)",
-                f"{indent}return metadata",
-            ],
-            "build",
-        ),
+        Edit(ret.end_lineno, ret.end_lineno, new, "build"),
     ]
 
 

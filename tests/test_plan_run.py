@@ -1,0 +1,234 @@
+"""Plan once per step, run per layer: ``ContinuationPrefill`` against the one-call
+form bit for bit over several layers, what ``Step.run`` refuses, and vLLM's path
+(``ChunkedPrefill``): the step planned in the builder's build, found again by the
+metadata vLLM's forward makes for the prefill part of a mixed batch."""
+
+import types
+
+import pytest
+import torch
+from conftest import TRITON_OK
+
+from tq_chunked import ContinuationPrefill, continuation_prefill_varlen
+from tq_chunked.runtime import vllm_backend
+from tq_chunked.tools.reference import oracle_continuation_prefill
+from tq_chunked.tools.testing import make_batch, rel_err
+
+BACKEND = "triton" if TRITON_OK else "torch"
+REQUESTS = [(150, 24), (0, 20), (40, 8), (300, 1)]
+
+
+def _prefill(batch, **kw):
+    n, hq, d = batch.query.shape
+    return ContinuationPrefill(
+        hq,
+        batch.key.shape[1],
+        d,
+        preset=batch.kwargs["preset"],
+        dtype=batch.query.dtype,
+        block_size=batch.kv_cache.shape[1],
+        backend=BACKEND,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_one_plan_runs_every_layer_as_the_one_call_does(preset, dtype):
+    """Three layers through one plan (one block table and lengths; each layer its own
+    tensors: another cache layout, another query): each answer equals the one call's
+    bit for bit, with every row written."""
+    first = make_batch(REQUESTS, preset, dtype, seed=1)
+    head_major = make_batch(REQUESTS, preset, dtype, layout="v033", seed=1)
+    assert torch.equal(head_major.block_table, first.block_table)
+    layers = [
+        (first.query, first.kv_cache),
+        (head_major.query, head_major.kv_cache),
+        (first.query * 0.5, first.kv_cache),
+    ]
+    prefill = _prefill(first, window=128)
+    step = prefill.plan(
+        first.block_table,
+        query_start_loc_cpu=first.query_start_loc,
+        seq_lens_cpu=first.seq_lens,
+    )
+    assert len(step.plan.steps) > 1  # several windows: the plan is worth sharing
+    for i, (query, cache) in enumerate(layers):
+        out = torch.full_like(query, float("nan"))
+        res = step.run(query, first.key, first.value, cache, **_tensors(first), out=out)
+        assert res is out and not out.isnan().any(), (i, first.seed)
+        one = continuation_prefill_varlen(
+            query,
+            first.key,
+            first.value,
+            cache,
+            first.block_table,
+            None,
+            None,
+            **first.kwargs,
+            query_start_loc_cpu=first.query_start_loc,
+            seq_lens_cpu=first.seq_lens,
+            window=128,
+            backend=BACKEND,
+        )
+        assert torch.equal(out, one), (preset, dtype, i, first.seed)
+
+
+def _tensors(b):
+    kw = dict(b.kwargs)
+    kw.pop("preset")
+    return kw
+
+
+def test_run_refuses_tensors_the_plan_was_not_made_for():
+    b = make_batch(REQUESTS, seed=4)
+    step = _prefill(b, window=128).plan(
+        b.block_table, query_start_loc_cpu=b.query_start_loc, seq_lens_cpu=b.seq_lens
+    )
+    layer = dict(_tensors(b))
+    n = b.query.shape[0]
+    with pytest.raises(ValueError, match=rf"query must have shape \({n}, 4, 64\)"):
+        step.run(b.query[:-1], b.key, b.value, b.kv_cache, **layer)
+    with pytest.raises(ValueError, match="query must have shape .* and dtype"):
+        step.run(b.query.bfloat16(), b.key, b.value, b.kv_cache, **layer)
+    with pytest.raises(ValueError, match=rf"value must have shape \({n}, 2, 64\)"):
+        step.run(b.query, b.key, b.value[:, :1], b.kv_cache, **layer)
+    wrong_blocks = b.kv_cache.reshape(-1, 8, *b.kv_cache.shape[2:])
+    with pytest.raises(ValueError, match=r"kv_cache must have shape \(num_blocks, 16"):
+        step.run(b.query, b.key, b.value, wrong_blocks, **layer)
+
+
+def test_a_query_of_another_head_size_is_blamed_on_the_key_not_the_cache():
+    """Issue 35's case: query at D 32, key and value at D 64, the cache at 64."""
+    b = make_batch(REQUESTS, seed=5)
+    with pytest.raises(ValueError, match=r"^key must have shape \(\d+, 2, 32\)"):
+        continuation_prefill_varlen(
+            b.query[..., :32].contiguous(),
+            *b.args[1:],
+            **b.kwargs,
+            query_start_loc_cpu=b.query_start_loc,
+            seq_lens_cpu=b.seq_lens,
+        )
+
+
+def test_one_request_names_cached_len_when_the_block_table_is_short():
+    """Issue 35's case: continuation_prefill has no seq_lens to name."""
+    from tq_chunked import continuation_prefill
+
+    b = make_batch([(100, 8)], seed=6)
+    q, k, v, cache, row, _ = b.request(0)
+    with pytest.raises(ValueError, match=r"^cached_len \(5000\) needs more blocks"):
+        continuation_prefill(q, k, v, cache, row, 5000, **b.kwargs)
+
+
+# --- vLLM's path: planned in build, run per layer -----------------------------------
+
+
+def _builder(batch, preset):
+    ns = types.SimpleNamespace
+    n, hq, d = batch.query.shape
+    return ns(
+        vllm_config=ns(
+            model_config=ns(
+                dtype=batch.query.dtype, get_num_attention_heads=lambda _: hq
+            ),
+            parallel_config=None,
+            cache_config=ns(cache_dtype=preset),
+            compilation_config=None,
+        ),
+        kv_cache_spec=ns(
+            num_kv_heads=batch.key.shape[1],
+            head_size=d,
+            block_size=batch.kv_cache.shape[1],
+        ),
+        _tq_chunked_plans=True,
+    )
+
+
+def _metadata(batch, num_decodes, num_decode_tokens, **extra):
+    """A TurboQuantMetadata-shaped object over the whole batch (decodes first)."""
+    dev = batch.query.device
+    return types.SimpleNamespace(
+        block_table=batch.block_table,
+        query_start_loc=torch.tensor(batch.query_start_loc, dtype=torch.int32),
+        seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=dev),
+        query_start_loc_cpu=torch.tensor(batch.query_start_loc, dtype=torch.int32),
+        seq_lens_cpu=torch.tensor(batch.seq_lens, dtype=torch.int32),
+        is_prefill=True,
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decode_tokens,
+        **extra,
+    )
+
+
+def _prefill_part(meta, nd, ndt):
+    """What vLLM's forward hands _prefill_attention for a mixed batch: a metadata of
+    its own over the requests after the decodes (views of the built one's tensors)."""
+    return types.SimpleNamespace(
+        block_table=meta.block_table[nd:],
+        query_start_loc=meta.query_start_loc[nd:] - ndt,
+        seq_lens=meta.seq_lens[nd:],
+        query_start_loc_cpu=meta.query_start_loc_cpu[nd:] - ndt,
+        seq_lens_cpu=meta.seq_lens_cpu[nd:],
+        max_seq_len=int(meta.seq_lens_cpu[nd:].max()),
+    )
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_vllm_plans_in_build_and_every_layer_runs_that_plan(mixed, monkeypatch):
+    """The builder's build plans once (plan_step); two layers' _prefill_attention run
+    that step without planning again, whether forward hands them the built metadata
+    (a prefill-only batch) or one of its own for the prefill part (a mixed batch, two
+    decodes first); each request as exact as the oracle allows."""
+    preset = "turboquant_3bit_nc"
+    requests = [(60, 1), (90, 1), *REQUESTS] if mixed else REQUESTS
+    b = make_batch(requests, preset, seed=8)
+    nd, ndt = (2, 2) if mixed else (0, 0)
+    chunked = vllm_backend.ChunkedPrefill(window=128)
+    plans = []
+    real_plan = chunked._plan
+    monkeypatch.setattr(chunked, "_plan", lambda *a: plans.append(a) or real_plan(*a))
+    meta = _metadata(b, nd, ndt)
+    chunked.plan_step(_builder(b, preset), meta, None)
+    assert len(plans) == 1 and meta.tq_chunked_step.num_tokens == b.query.shape[0] - ndt
+    impl = types.SimpleNamespace(kv_cache_dtype=preset, scale=b.kwargs["scale"])
+    q, k, v = (t[ndt:] for t in (b.query, b.key, b.value))
+    for _layer in range(2):
+        layer_meta = _prefill_part(meta, nd, ndt) if mixed else meta
+        out = chunked.prefill_attention(
+            impl,
+            q,
+            k,
+            v,
+            b.kv_cache,
+            layer_meta,
+            b.kwargs["rotation"],
+            b.kwargs["centroids"],
+        )
+    assert len(plans) == 1, "a layer planned again"
+    oracle = oracle_continuation_prefill  # per request, against float64
+    for r in range(nd, len(requests)):
+        q0, q1 = b.query_start_loc[r] - ndt, b.query_start_loc[r + 1] - ndt
+        if q1 == q0:
+            continue
+        ref = oracle(*b.request(r), **b.kwargs)
+        assert rel_err(out[q0:q1], ref) < 2e-3, (r, b.seed)
+
+
+def test_a_step_built_for_other_lengths_is_not_run(monkeypatch):
+    """A metadata vLLM's forward made whose lengths differ from the built step's (the
+    same block table place): planned anew, never the stale plan."""
+    preset = "turboquant_3bit_nc"
+    b = make_batch([(60, 1), *REQUESTS], preset, seed=9)
+    chunked = vllm_backend.ChunkedPrefill(window=128)
+    meta = _metadata(b, 1, 1)
+    chunked.plan_step(_builder(b, preset), meta, None)
+    built = meta.tq_chunked_step
+    part = _prefill_part(meta, 1, 1)
+    part.seq_lens_cpu = part.seq_lens_cpu.clone()
+    part.seq_lens_cpu[0] -= 1  # one cached token fewer
+    impl = types.SimpleNamespace(kv_cache_dtype=preset, scale=b.kwargs["scale"])
+    step = chunked._step_for(impl, b.query[1:], b.key[1:], b.kv_cache, part)
+    assert step is not built and step.seq_lens == tuple(part.seq_lens_cpu.tolist())
+    same = _prefill_part(meta, 1, 1)
+    assert chunked._step_for(impl, b.query[1:], b.key[1:], b.kv_cache, same) is built

@@ -1,0 +1,1020 @@
+"""A batched continuation prefill that streams the cached prefixes through fixed-size
+windows instead of dequantizing them whole: planned once per step, run per layer.
+
+    prefill = ContinuationPrefill(Hq, Hk, D, preset=..., dtype=..., block_size=...)
+    step = prefill.plan(block_table, query_start_loc_cpu=..., seq_lens_cpu=...,
+                        workspace=ws)            # once per step: validation, windows,
+                                                 # device index tensors, workspace views
+    out = step.run(query, key, value, kv_cache,  # per layer: that layer's tensors only
+                   centroids=..., rotation=..., scale=...)
+
+What ``Step.run`` does with the step's windows (plan.py draws them):
+
+    for each batch window (requests that fit one):          all kv heads
+        fill it: cached keys dequantized and un-rotated,    k_buf, v_buf (rows, Hk, D)
+            then the chunk's own keys after them (dequant.py)
+        one causal varlen attention call                    -> out rows, final
+    for each long request, for each group of its kv heads:
+        for each part window: fill, attend (not causal)     a partial, merged into
+                                                            the state
+        last window (the rest, and the chunk): fill,        a partial in out's bytes
+            attend causal, merge the state into it          -> out rows, final
+
+Memory is the workspace: independent of the cached lengths and of the batch size.
+``continuation_prefill_varlen`` and ``continuation_prefill`` are the same engine as
+one call (plan, then run). What a call promises for bad input, non-finite values and
+overlapping tensors: docs/design.md, "What the call promises".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ._utils import as_int, check_overlaps, check_tensor, self_overlapping, use_triton
+from .attention import resolve_backend, varlen_attention
+from .dequant import fill_window, split_rotation
+from .format import TQConfig, resolve_config
+from .merge import merge_attn_states
+from .plan import LongRequest, Plan, default_window, make_plan
+from .workspace import DEFAULT_WORKSPACE_BYTES, carve
+
+QUERY_DTYPES = (torch.float16, torch.bfloat16)
+INT32_MAX = 2**31 - 1
+
+
+# ---------------------------------------------------------------------------
+# Validation at the boundary
+# ---------------------------------------------------------------------------
+
+
+def _as_scale(scale):
+    if isinstance(scale, torch.Tensor) and scale.device.type != "cpu":
+        raise ValueError(
+            f"scale must be a host number (a {scale.device} tensor would need a "
+            f"synchronization), got {scale!r}"
+        )
+    if isinstance(scale, (bool, str, bytes)):
+        raise ValueError(f"scale must be a finite positive float, got {scale!r}")
+    try:
+        value = float(scale)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(
+            f"scale must be a finite positive float, got {type(scale).__name__} "
+            f"{scale!r}"
+        ) from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"scale must be a finite positive float, got {scale!r}")
+    return value
+
+
+def _host_ints(name, cpu, device_tensor, device):
+    """A tuple of host ints from the *_cpu argument, else (one synchronization) from
+    the device tensor; each entry in [0, 2**31)."""
+    src = cpu if cpu is not None else device_tensor
+    shown = name + ("_cpu" if cpu is not None else "")
+    if src is None:
+        raise ValueError(f"{name} or {name}_cpu must be given")
+    if isinstance(src, torch.Tensor):
+        if cpu is not None and src.device.type != "cpu":
+            raise ValueError(
+                f"{shown} must be on the CPU (a host copy); a {src.device} tensor "
+                f"would need a synchronization: pass it as {name} instead"
+            )
+        if cpu is None and src.device != device:
+            raise ValueError(
+                f"{name} must be on {device} (block_table's device), got {src.device}"
+            )
+        if (
+            src.ndim != 1
+            or src.dtype.is_floating_point
+            or src.dtype.is_complex
+            or src.dtype == torch.bool
+        ):
+            raise ValueError(
+                f"{shown} must be a 1-D integer tensor, got {src.dtype} of shape "
+                f"{tuple(src.shape)}"
+            )
+        try:
+            values = src.tolist()
+        except (RuntimeError, NotImplementedError) as e:
+            raise ValueError(
+                f"{shown} cannot be read on the host ({src.device}): {e}"
+            ) from None
+    elif type(src).__module__ == "numpy" and hasattr(src, "ndim"):
+        # a numpy array, as vLLM's host copies
+        if src.ndim != 1 or src.dtype.kind not in "iu":
+            raise ValueError(
+                f"{shown} must be a 1-D integer array, got {src.dtype} of shape "
+                f"{src.shape}"
+            )
+        values = [int(v) for v in src]
+    elif isinstance(src, Sequence) and not isinstance(src, (str, bytes)):
+        values = [as_int(f"{shown}[{i}]", v) for i, v in enumerate(src)]
+    else:
+        raise ValueError(
+            f"{shown} must be a tensor, a numpy array or a sequence of ints, got "
+            f"{type(src).__name__}"
+        )
+    for i, v in enumerate(values):
+        if not 0 <= v <= INT32_MAX:
+            raise ValueError(f"{shown}[{i}] must be in [0, 2**31), got {v}")
+    return tuple(values)
+
+
+def _check_device_lengths(name, t, entries, device):
+    """The device copy of a length array when its host copy is given: not read, but its
+    form is checked, so that an engine's bookkeeping error does not pass unseen."""
+    if t is None:
+        return
+    check_tensor(name, t, 1, (torch.int32,), device, device_of="block_table")
+    if t.shape[0] != entries:
+        raise ValueError(
+            f"{name} must have {entries} entries (as {name}_cpu), got {t.shape[0]}"
+        )
+
+
+def _check_lengths(qsl, seq_lens, block_size, max_blocks, names):
+    """The host lengths against each other and the block table's columns. ``names``:
+    what the caller calls query_start_loc and seq_lens (messages name them)."""
+    q_name, s_name = names
+    if qsl[0] != 0:
+        raise ValueError(f"{q_name} must start at 0, got {qsl[0]}")
+    for r, s in enumerate(seq_lens):
+        q_len = qsl[r + 1] - qsl[r]
+        if q_len < 0:
+            raise ValueError(
+                f"{q_name} must be non-decreasing, got {qsl[r]} then {qsl[r + 1]} at "
+                f"request {r}"
+            )
+        if s < q_len:
+            raise ValueError(
+                f"{s_name.format(r=r)} ({s}) must be at least the request's query "
+                f"tokens ({q_len}): it counts cached + new tokens"
+            )
+        if q_len and -(-(s - q_len) // block_size) > max_blocks:
+            raise ValueError(
+                f"{s_name.format(r=r)} ({s}) needs more cached blocks than block_table "
+                f"has columns ({max_blocks} x block_size {block_size})"
+            )
+
+
+def _check_block_ids_on_host(block_table, qsl, lens, block_size, num_blocks):
+    """CPU tensors: the block ids the call reads, checked before anything runs."""
+    for r, s in enumerate(lens):
+        q_len = qsl[r + 1] - qsl[r]
+        cols = -(-(s - q_len) // block_size) if q_len else 0
+        if cols:
+            ids = block_table[r, :cols]
+            bad = ((ids < 0) | (ids >= num_blocks)).nonzero()
+            if bad.numel():
+                c = int(bad[0, 0])
+                raise ValueError(
+                    f"block_table[{r}, {c}] = {int(ids[c])} is not a block of kv_cache "
+                    f"(num_blocks {num_blocks}); pass check_block_table=False only if "
+                    f"your tables are trusted"
+                )
+
+
+def _check_written(name, t):
+    if self_overlapping(t):
+        raise ValueError(
+            f"{name} must not have elements that share memory (a stride-0 or "
+            f"overlapping layout), got shape {tuple(t.shape)} with strides {t.stride()}"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Bad block ids on the device: recorded by the fill kernel, reported without a sync
+# ---------------------------------------------------------------------------
+
+_NO_ERROR = 2**63 - 1
+# device -> [device int64 (1,), pinned host int64 (1,), event or None]: one record per
+# device for the life of the process (the only allocation outside the workspace)
+_block_errors: dict = {}
+
+
+def _block_error_slot(device):
+    slot = _block_errors.get(device)
+    if slot is None:
+        slot = _block_errors[device] = [
+            torch.full((1,), _NO_ERROR, dtype=torch.int64, device=device),
+            torch.full((1,), _NO_ERROR, dtype=torch.int64).pin_memory(),
+            None,
+        ]
+    return slot
+
+
+def _raise_block_error(slot):
+    code = int(slot[1][0])
+    if code == _NO_ERROR:
+        return
+    slot[0].fill_(_NO_ERROR)
+    slot[1][0] = _NO_ERROR
+    r, c = code >> 32, code & 0xFFFFFFFF
+    raise ValueError(
+        f"block_table[{r}, {c}] read by an earlier call on this device is not a block "
+        f"of its kv_cache (outside [0, num_blocks)): nothing outside kv_cache was "
+        f"read, and that call's output rows for request {r} are NaN. Checked on the "
+        f"device and reported at the next call (tq_chunked.check_block_tables() waits "
+        f"for it)"
+    )
+
+
+def check_block_tables(device=None) -> None:
+    """Wait for the block-id checks of the calls made so far on ``device`` (default:
+    the current CUDA device) and raise the ValueError of the first bad id found, if
+    any. Calls with ``check_block_table=True`` record bad ids on the device and report
+    them at the next call without synchronizing; this synchronizes."""
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if device is None
+        else torch.device(device)
+    )
+    slot = _block_errors.get(device)
+    if slot is None or slot[2] is None:
+        return
+    slot[2].synchronize()
+    _raise_block_error(slot)
+
+
+def _report_earlier_block_errors(device):
+    slot = _block_errors.get(device)
+    if slot is not None and slot[2] is not None and slot[2].query():
+        _raise_block_error(slot)
+
+
+# ---------------------------------------------------------------------------
+# Plan once per step, run per layer
+# ---------------------------------------------------------------------------
+
+
+class ContinuationPrefill:
+    """The continuation prefill of one model's attention layers: made once with what
+    does not change between steps, then ``plan`` once per step and ``Step.run`` per
+    layer.
+
+    Args:
+        num_q_heads, num_kv_heads, head_dim: Hq, Hk (Hq a multiple of Hk) and D.
+        preset: a ``turboquant_*`` name or a ``TQConfig``: the cache's format.
+        dtype: the query's dtype, torch.float16 or torch.bfloat16.
+        block_size: tokens per cache block.
+        window: key rows per batch window; default ``default_window(Hk, D,
+            block_size)`` (127 MiB of K+V). Fewer where the K/V would not fit the
+            budget; a long request's windows hold what its state leaves of it
+            (plan.py).
+        max_workspace_bytes: the budget of the workspace (default 128 MiB).
+        backend: "auto", "flash", "triton" or "torch" (attention.py); a named back end
+            that is unavailable raises, and is never silently replaced.
+        check_block_table: record block ids outside [0, num_blocks) among those read
+            and raise a ValueError naming the first one at the next call on the device
+            (or at ``check_block_tables()``), without synchronizing (on a CPU: before
+            anything runs). Checked or not, such an id is never read: its request's
+            rows come out NaN.
+
+    """
+
+    def __init__(
+        self,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        preset: str | TQConfig,
+        dtype: torch.dtype = torch.float16,
+        block_size: int,
+        window: int | None = None,
+        max_workspace_bytes: int | None = None,
+        backend: str = "auto",
+        check_block_table: bool = True,
+    ):
+        self.num_q_heads = as_int("num_q_heads", num_q_heads, 1)
+        self.num_kv_heads = as_int("num_kv_heads", num_kv_heads, 1)
+        self.head_dim = as_int("head_dim", head_dim, 1)
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads "
+                f"({num_kv_heads})"
+            )
+        if not isinstance(preset, (str, TQConfig)):
+            raise ValueError(
+                f"preset must be a turboquant_* name or a TQConfig, got "
+                f"{type(preset).__name__}"
+            )
+        self.cfg = resolve_config(preset, self.head_dim)
+        self.preset_name = preset if isinstance(preset, str) else "the given TQConfig"
+        if dtype not in QUERY_DTYPES:
+            raise ValueError(
+                f"dtype must be torch.float16 or torch.bfloat16, got {dtype}"
+            )
+        self.dtype = dtype
+        self.block_size = as_int("block_size", block_size, 1)
+        self.window = (
+            default_window(self.num_kv_heads, self.head_dim, self.block_size)
+            if window is None
+            else as_int("window", window, 1)
+        )
+        self.budget = (
+            DEFAULT_WORKSPACE_BYTES
+            if max_workspace_bytes is None
+            else as_int("max_workspace_bytes", max_workspace_bytes, 1)
+        )
+        if not isinstance(backend, str):
+            raise ValueError(
+                f"backend must be one of 'auto', 'flash', 'triton', 'torch', got "
+                f"{backend!r}"
+            )
+        self.backend = backend
+        if not isinstance(check_block_table, bool):
+            raise ValueError(
+                f"check_block_table must be a bool, got {check_block_table!r}"
+            )
+        self.check_block_table = check_block_table
+        # the tensor places found apart by the overlap check (every layer of every
+        # step passes the same ones): _utils.check_overlaps
+        self._apart: dict = {}
+
+    def plan(
+        self,
+        block_table: torch.Tensor,
+        query_start_loc: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        *,
+        query_start_loc_cpu=None,
+        seq_lens_cpu=None,
+        workspace: torch.Tensor | None = None,
+        _names=("query_start_loc", "seq_lens[{r}]"),
+    ) -> Step:
+        """The step's plan, on ``block_table``'s device: the lengths checked, the
+        windows drawn, their device integers uploaded (one asynchronous copy on the
+        current stream, the stream ``run`` must use), the workspace carved.
+
+        Args:
+            block_table: int32 (B, max_blocks), any strides: each request's blocks.
+            query_start_loc: int32 (B + 1,) on the device; read only without
+                ``query_start_loc_cpu`` (then once, with a synchronization).
+            seq_lens: int32 (B,) on the device, cached + new tokens per request; read
+                only without ``seq_lens_cpu``.
+            query_start_loc_cpu: the host copy of ``query_start_loc`` (a CPU tensor,
+                a numpy array or an int sequence, as vLLM keeps it).
+            seq_lens_cpu: the host copy of ``seq_lens``, in the same forms. The host
+                copies are what the step computes with: the device copies, when both
+                are given, are never read (only their shapes are checked), so the two
+                must agree.
+            workspace: a contiguous uint8 buffer on the device, of at least
+                ``workspace_bytes(N, Hq, Hk, D, window, dtype, max_bytes=budget)``
+                bytes for N query tokens; its bytes (if fewer than the budget) are the
+                budget. Allocated here, at the size this step needs, when None.
+
+        """
+        check_tensor("block_table", block_table, 2, (torch.int32,))
+        device = block_table.device
+        qsl = _host_ints(
+            "query_start_loc", query_start_loc_cpu, query_start_loc, device
+        )
+        if len(qsl) < 1:
+            raise ValueError("query_start_loc must have B + 1 >= 1 entries, got none")
+        b = len(qsl) - 1
+        lens = _host_ints("seq_lens", seq_lens_cpu, seq_lens, device)
+        if len(lens) != b:
+            raise ValueError(
+                f"seq_lens must have one entry per request (len(query_start_loc) - 1 = "
+                f"{b}), got {len(lens)}"
+            )
+        if block_table.shape[0] != b:
+            raise ValueError(
+                f"block_table must have one row per request ({b}, as query_start_loc "
+                f"and seq_lens), got {block_table.shape[0]}"
+            )
+        if query_start_loc_cpu is not None:
+            _check_device_lengths("query_start_loc", query_start_loc, b + 1, device)
+        if seq_lens_cpu is not None:
+            _check_device_lengths("seq_lens", seq_lens, b, device)
+        _check_lengths(qsl, lens, self.block_size, block_table.shape[1], _names)
+        budget = self.budget
+        if workspace is not None:
+            check_tensor(
+                "workspace",
+                workspace,
+                1,
+                (torch.uint8,),
+                device,
+                device_of="block_table",
+            )
+            if not workspace.is_contiguous():
+                raise ValueError("workspace must be contiguous")
+            budget = min(budget, workspace.numel())
+        backend = resolve_backend(self.backend, device, self.head_dim)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                "a continuation prefill cannot be planned inside CUDA graph capture: "
+                "it draws its windows on the host from the lengths of each step"
+            )
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        plan = make_plan(
+            qsl,
+            lens,
+            window=self.window,
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            budget=budget,
+            device=device,
+            stream=stream,
+        )
+        need = plan.workspace_bytes
+        if need and workspace is None:
+            workspace = torch.empty(need, dtype=torch.uint8, device=device)
+        elif need and workspace.numel() < need:
+            raise ValueError(
+                f"workspace must hold at least workspace_bytes(...) = {need} bytes for "
+                f"this step, got {workspace.numel()}"
+            )
+        lengths = (("query_start_loc", query_start_loc), ("seq_lens", seq_lens))
+        return Step(self, plan, block_table, qsl, lens, workspace, backend, lengths)
+
+    def workspace_bytes(self, max_query_tokens: int) -> int:
+        """The bytes of workspace that serve every step of up to ``max_query_tokens``
+        query tokens (``plan.workspace_bytes`` with this object's window and budget)."""
+        from .plan import workspace_bytes
+
+        return workspace_bytes(
+            max_query_tokens,
+            self.num_q_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.window,
+            self.dtype,
+            max_bytes=self.budget,
+        )
+
+
+class Step:
+    """One step's plan (``ContinuationPrefill.plan``): ``run`` it once per layer."""
+
+    def __init__(
+        self,
+        prefill: ContinuationPrefill,
+        plan: Plan,
+        block_table: torch.Tensor,
+        qsl: tuple[int, ...],
+        seq_lens: tuple[int, ...],
+        workspace: torch.Tensor | None,
+        backend: str,
+        lengths: tuple,
+    ):
+        self.prefill, self.plan, self.block_table = prefill, plan, block_table
+        self.query_start_loc, self.seq_lens = qsl, seq_lens
+        self.workspace, self.backend, self.device = (
+            workspace,
+            backend,
+            block_table.device,
+        )
+        self._lengths = lengths  # the device length tensors: checked apart from outputs
+        # every layer of the step fills the same windows in the same regions
+        views = {key: carve(workspace, key) for key in set(plan.step_layouts)}
+        self.buffers = tuple(views[key] for key in plan.step_layouts)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.plan.num_tokens
+
+    def run(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        *,
+        centroids: torch.Tensor | None,
+        rotation: torch.Tensor | None,
+        scale: float,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        return_lse: bool = False,
+        _names=("key", "value"),
+    ):
+        """Attention of the step's prefill chunks, each over its cached prefix and
+        itself, for one layer.
+
+        Args:
+            query: (N, Hq, D) in the plan's dtype, any strides: every request's new
+                tokens, packed by request.
+            key: (N, Hk, D), the query's dtype, any strides: their own K.
+            value: (N, Hk, D), the query's dtype, any strides: their own V.
+            kv_cache: uint8 (num_blocks, block_size, Hk, slot_bytes), any strides with
+                a unit last stride (vLLM 0.20's layout, or 0.33's head-major one seen
+                through ``.transpose(1, 2)``). Each request's tokens [0, cached_r) are
+                read; never written.
+            centroids: float32 (2**key_bits,), the centroids the cache was written
+                with (vLLM: ``layer._tq_centroids``); unused, may be None, for fp8-key
+                presets.
+            rotation: (D, D), the orthonormal matrix the keys were rotated by (vLLM:
+                ``layer._tq_Pi``); unused for fp8-key presets.
+            scale: softmax scale, finite and positive.
+            out: optional (N, Hq, D) tensor of the query's dtype, unit stride over D.
+            lse: optional (Hq, N) float32 tensor, unit stride over N: the log-sum-exp
+                (natural log), returned with ``return_lse``.
+            return_lse: also return the log-sum-exp (allocated where ``lse`` is
+                None).
+
+        Returns:
+            (N, Hq, D) in the query's dtype; with return_lse, (out, lse).
+
+        """
+        p = self.prefill
+        cfg, n = p.cfg, self.plan.num_tokens
+        shape = (n, p.num_q_heads, p.head_dim)
+        check_tensor("query", query, 3, QUERY_DTYPES, self.device, device_of="the plan")
+        if tuple(query.shape) != shape or query.dtype != p.dtype:
+            raise ValueError(
+                f"query must have shape {shape} and dtype {p.dtype} (the plan's "
+                f"tokens, heads, head size and dtype), got {tuple(query.shape)} "
+                f"{query.dtype}"
+            )
+        kv_shape = (n, p.num_kv_heads, p.head_dim)
+        for name, t in zip(_names, (key, value)):
+            check_tensor(name, t, 3, (p.dtype,), self.device)
+            if tuple(t.shape) != kv_shape:
+                raise ValueError(
+                    f"{name} must have shape {kv_shape}: the query's tokens and head "
+                    f"size, kv_cache's {p.num_kv_heads} kv heads; got {tuple(t.shape)}"
+                )
+        check_tensor(
+            "kv_cache", kv_cache, 4, (torch.uint8,), self.device, unit_last=True
+        )
+        slot = (p.block_size, p.num_kv_heads, cfg.slot_bytes)
+        if tuple(kv_cache.shape[1:]) != slot:
+            raise ValueError(
+                f"kv_cache must have shape (num_blocks, {', '.join(map(str, slot))}) "
+                f"(block_size, kv heads, slot bytes of {p.preset_name} at "
+                f"D={p.head_dim}), got {tuple(kv_cache.shape)}"
+            )
+        if not cfg.key_fp8:
+            for name, t, what in (
+                (
+                    "centroids",
+                    centroids,
+                    "the centroid table the cache was written "
+                    "with (vLLM: layer._tq_centroids)",
+                ),
+                (
+                    "rotation",
+                    rotation,
+                    "the rotation the keys were written with (vLLM: layer._tq_Pi)",
+                ),
+            ):
+                if t is None:
+                    raise ValueError(
+                        f"{name} is required for preset {p.preset_name}, whose keys "
+                        f"are centroid indices: pass {what}"
+                    )
+            check_tensor("centroids", centroids, 1, (torch.float32,), self.device)
+            if centroids.shape[0] != 2**cfg.key_bits:
+                raise ValueError(
+                    f"centroids must have {2**cfg.key_bits} entries for preset "
+                    f"{p.preset_name}, got {centroids.shape[0]}"
+                )
+            check_tensor(
+                "rotation",
+                rotation,
+                2,
+                (torch.float32, torch.float16, torch.bfloat16),
+                self.device,
+            )
+            if tuple(rotation.shape) != (p.head_dim, p.head_dim):
+                raise ValueError(
+                    f"rotation must have shape ({p.head_dim}, {p.head_dim}), got "
+                    f"{tuple(rotation.shape)}"
+                )
+        scale = _as_scale(scale)
+        if out is None:
+            out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        else:
+            check_tensor("out", out, 3, (p.dtype,), self.device, unit_last=True)
+            if tuple(out.shape) != shape:
+                raise ValueError(
+                    f"out must have the query's shape {shape}, got {tuple(out.shape)}"
+                )
+            _check_written("out", out)
+        if lse is not None:
+            check_tensor("lse", lse, 2, (torch.float32,), self.device, unit_last=True)
+            if tuple(lse.shape) != (p.num_q_heads, n):
+                raise ValueError(
+                    f"lse must have shape ({p.num_q_heads}, {n}) (heads, tokens), got "
+                    f"{tuple(lse.shape)}"
+                )
+            _check_written("lse", lse)
+        elif return_lse:
+            lse = torch.empty(p.num_q_heads, n, dtype=torch.float32, device=self.device)
+        check_overlaps(
+            [("out", out), ("lse", lse), ("workspace", self.workspace)],
+            [
+                ("query", query),
+                (_names[0], key),
+                (_names[1], value),
+                ("kv_cache", kv_cache),
+                ("block_table", self.block_table),
+                ("rotation", rotation),
+                ("centroids", centroids),
+                *self._lengths,
+            ],
+            p._apart,
+        )
+        if n:
+            _Layer(
+                self, query, key, value, kv_cache, centroids, rotation, scale, out, lse
+            ).run()
+        return (out, lse) if return_lse else out
+
+
+class _Layer:
+    """One layer's run of a step: its tensors, and the two kinds of step (see the
+    module docstring)."""
+
+    def __init__(
+        self, step, query, key, value, kv_cache, centroids, rotation, scale, out, lse
+    ):
+        p = step.prefill
+        self.step, self.cfg = step, p.cfg
+        self.query, self.key, self.value, self.kv_cache = query, key, value, kv_cache
+        self.centroids = centroids
+        self.rotation = None if p.cfg.key_fp8 else rotation
+        self.scale, self.out, self.lse = scale, out, lse
+        self.split = False  # the rotation's parts written into the workspace
+
+    def run(self):
+        step = self.step
+        device = step.device
+        err = None
+        if step.prefill.check_block_table:
+            if device.type == "cuda":
+                _report_earlier_block_errors(device)
+                err = _block_error_slot(device)
+            else:
+                _check_block_ids_on_host(
+                    step.block_table,
+                    step.query_start_loc,
+                    step.seq_lens,
+                    step.prefill.block_size,
+                    self.kv_cache.shape[0],
+                )
+        self.err = err[0] if err is not None else None
+        for s, bufs in zip(step.plan.steps, step.buffers):
+            if isinstance(s, LongRequest):
+                self.long_request(s, bufs)
+            else:
+                self.batch_window(s, bufs)
+        if err is not None:
+            # the bad-id record, copied back for the next call to read (no sync)
+            err[1].copy_(err[0], non_blocking=True)
+            if err[2] is None:
+                err[2] = torch.cuda.Event()
+            err[2].record(torch.cuda.current_stream(device))
+
+    def _fill(self, window, head0, bufs):
+        if self.rotation is not None and not self.split and use_triton(self.kv_cache):
+            # once per layer: every layout holds the parts at the same place
+            split_rotation(self.rotation, bufs.rot_parts, bufs.rot_flags)
+            self.split = True
+        fill_window(
+            self.kv_cache,
+            self.step.block_table,
+            self.cfg,
+            self.centroids,
+            self.rotation,
+            self.key,
+            self.value,
+            window,
+            head0,
+            bufs.k_buf,
+            bufs.v_buf,
+            self.err,
+            parts=(bufs.rot_parts, bufs.rot_flags),
+        )
+
+    def batch_window(self, w, bufs):
+        """Requests that fit one window: one causal call, the answer written to out."""
+        rows = slice(w.q0, w.q1)
+        self._fill(w, 0, bufs)
+        # the filled rows only: attention reads zeros past them (plan.GAP)
+        k, v = bufs.k_buf[: w.rows], bufs.v_buf[: w.rows]
+        lse = varlen_attention(
+            w, self.query[rows], k, v, self.scale, self.out[rows], self.step.backend
+        )
+        if self.lse is not None:
+            self.lse[:, rows].copy_(lse)
+
+    def long_request(self, step, bufs):
+        """A request longer than a window, step.kv_heads kv heads at a time: part
+        windows merged into a float32 state, then the last window (its new tokens
+        too), merged into out."""
+        hk, hk_g = self.key.shape[1], step.kv_heads
+        g = self.query.shape[1] // hk
+        rows = slice(step.q0, step.q1)
+        scratch = (
+            self.out
+            if self.out.dtype == torch.float16
+            else self.out.view(torch.float16)
+        )
+        for kv0 in range(0, hk, hk_g):
+            heads = slice(kv0 * g, (kv0 + hk_g) * g)
+            whole = hk_g == hk
+            q = self.query[rows] if whole else self.query[rows, heads]
+            if bufs.q16 is not None:  # bf16: every partial computed and rounded in fp16
+                bufs.q16.copy_(q)
+                q = bufs.q16
+            part = scratch[rows] if whole else scratch[rows, heads]
+            o = self.out[rows] if whole else self.out[rows, heads]
+            lse_out = (
+                None
+                if self.lse is None
+                else (self.lse[:, rows] if whole else self.lse[heads, rows])
+            )
+            for i, w in enumerate(step.windows):
+                self._fill(w, kv0, bufs)
+                part_lse = varlen_attention(
+                    w,
+                    q,
+                    bufs.k_buf[: w.rows],
+                    bufs.v_buf[: w.rows],
+                    self.scale,
+                    part,
+                    self.step.backend,
+                )
+                first = i == 0
+                if w.kind == "part":
+                    merge_attn_states(
+                        bufs.state_out,
+                        None if first else bufs.state_out,
+                        None if first else bufs.state_lse,
+                        part,
+                        part_lse,
+                        bufs.state_lse,
+                    )
+                else:
+                    merge_attn_states(
+                        o, bufs.state_out, bufs.state_lse, part, part_lse, lse_out
+                    )
+
+
+# ---------------------------------------------------------------------------
+# One call: plan, then run
+# ---------------------------------------------------------------------------
+
+
+def _prefill_for(
+    query,
+    key,
+    kv_cache,
+    preset,
+    window,
+    max_workspace_bytes,
+    backend,
+    check_block_table,
+    key_name,
+):
+    """The ContinuationPrefill a single call of these tensors plans with."""
+    check_tensor("query", query, 3, QUERY_DTYPES)
+    check_tensor(key_name, key, 3)
+    check_tensor("kv_cache", kv_cache, 4, (torch.uint8,), query.device, unit_last=True)
+    if query.shape[1] == 0:
+        raise ValueError(
+            f"query must have at least one head, got shape {tuple(query.shape)}"
+        )
+    if query.shape[0] > INT32_MAX:
+        raise ValueError(
+            f"query must have fewer than 2**31 tokens, got {query.shape[0]}"
+        )
+    _, block_size, hk, _ = kv_cache.shape
+    if hk == 0 or block_size == 0:
+        raise ValueError(
+            f"kv_cache must have shape (num_blocks, block_size, Hk, slot_bytes) with "
+            f"block_size, Hk >= 1, got {tuple(kv_cache.shape)}"
+        )
+    if query.shape[1] % hk:
+        raise ValueError(
+            f"query heads ({query.shape[1]}) must be a multiple of kv_cache's kv heads "
+            f"({hk})"
+        )
+    return ContinuationPrefill(
+        query.shape[1],
+        hk,
+        query.shape[2],
+        preset=preset,
+        dtype=query.dtype,
+        block_size=block_size,
+        window=window,
+        max_workspace_bytes=max_workspace_bytes,
+        backend=backend,
+        check_block_table=check_block_table,
+    )
+
+
+def continuation_prefill_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    seq_lens: torch.Tensor | None,
+    *,
+    preset: str | TQConfig,
+    centroids: torch.Tensor | None,
+    rotation: torch.Tensor | None,
+    scale: float,
+    query_start_loc_cpu=None,
+    seq_lens_cpu=None,
+    window: int | None = None,
+    workspace: torch.Tensor | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    check_block_table: bool = True,
+    max_workspace_bytes: int | None = None,
+):
+    """Attention of a batch of prefill chunks, each over its cached prefix and itself:
+    ``ContinuationPrefill(...).plan(...).run(...)`` as one call (an engine that runs
+    several layers per step plans once and runs each layer).
+
+    Requests are packed in vLLM's terms. Request r has
+    ``q_len_r = query_start_loc[r+1] - query_start_loc[r]`` new tokens at positions
+    ``cached_r .. seq_lens[r] - 1``, where ``cached_r = seq_lens[r] - q_len_r`` tokens
+    are already in the cache. A request with nothing cached (a first chunk) or with no
+    new tokens is allowed.
+
+    Args:
+        query: (N, Hq, D), fp16 or bf16, any strides: all requests' new tokens.
+        key: (N, Hk, D), the query's dtype, any strides: their own K.
+        value: (N, Hk, D), the query's dtype, any strides: their own V.
+        kv_cache: uint8 (num_blocks, block_size, Hk, slot_bytes), any strides with a
+            unit last stride (vLLM 0.20's layout, or 0.33's head-major one seen
+            through ``.transpose(1, 2)``). Each request's tokens [0, cached_r) are
+            read; never written.
+        block_table: int32 (B, max_blocks), any strides: each request's blocks.
+        query_start_loc: int32 (B + 1,) on the device; read only without
+            ``query_start_loc_cpu``.
+        seq_lens: int32 (B,) on the device (cached + new tokens); read only without
+            ``seq_lens_cpu``.
+        preset: a ``turboquant_*`` name or a ``TQConfig``.
+        centroids: float32 (2**key_bits,), the centroids the cache was written with
+            (vLLM: ``layer._tq_centroids``); unused, may be None, for fp8-key presets.
+        rotation: (D, D) orthonormal matrix the keys were rotated by (vLLM:
+            ``layer._tq_Pi``); unused for fp8-key presets.
+        scale: softmax scale, finite and positive.
+        query_start_loc_cpu: host copy of ``query_start_loc`` (a CPU tensor, a numpy
+            array or an int sequence, as vLLM keeps it).
+        seq_lens_cpu: host copy of ``seq_lens``, in the same forms. With both host
+            copies given, the call never synchronizes with the GPU, and the host
+            copies are what it computes with: the device tensors are not read (their
+            shapes are checked), so the two must agree.
+        window: key rows per window (at least N + 1 are used); default
+            ``default_window(Hk, D, block_size)``: 127 MiB of K+V. Fewer where the
+            K/V would not fit the budget (``plan.fit_window``); a long request's
+            windows hold what its state leaves of the workspace
+            (``plan.long_window``).
+        workspace: optional contiguous uint8 buffer of at least ``workspace_bytes(N,
+            Hq, Hk, D, window, query.dtype, max_bytes=max_workspace_bytes)`` bytes on
+            the query's device; allocated per call when None.
+        backend: "auto", "flash", "triton" or "torch" (see attention.py). A named
+            back end that is unavailable raises; it is never silently replaced.
+        return_lse: also return the (Hq, N) float32 log-sum-exp (natural log).
+        out: optional (N, Hq, D) tensor of the query's dtype, unit stride over D, to
+            write into.
+        lse: optional (Hq, N) float32 tensor, unit stride over N, to write the
+            log-sum-exp into (returned with ``return_lse``).
+        check_block_table: record block ids outside [0, num_blocks) among those read,
+            and raise a ValueError naming the first one at the next call on the device
+            (or at ``check_block_tables()``), without synchronizing (on a CPU: before
+            anything runs). Checked or not, such an id is never read: its request's
+            rows come out NaN.
+        max_workspace_bytes: the budget of the workspace (window, and a long
+            request's state with its window and kv-head group); default 128 MiB.
+
+    Returns:
+        (N, Hq, D) in the query's dtype; with return_lse, (out, lse).
+
+    """
+    prefill = _prefill_for(
+        query,
+        key,
+        kv_cache,
+        preset,
+        window,
+        max_workspace_bytes,
+        backend,
+        check_block_table,
+        "key",
+    )
+    check_tensor("block_table", block_table, 2, (torch.int32,), query.device)
+    step = prefill.plan(
+        block_table,
+        query_start_loc,
+        seq_lens,
+        query_start_loc_cpu=query_start_loc_cpu,
+        seq_lens_cpu=seq_lens_cpu,
+        workspace=workspace,
+    )
+    if step.num_tokens != query.shape[0]:
+        raise ValueError(
+            f"query_start_loc must end at the number of query tokens "
+            f"({query.shape[0]}), got {step.query_start_loc[-1]}"
+        )
+    return step.run(
+        query,
+        key,
+        value,
+        kv_cache,
+        centroids=centroids,
+        rotation=rotation,
+        scale=scale,
+        out=out,
+        lse=lse,
+        return_lse=return_lse,
+    )
+
+
+def continuation_prefill(
+    query: torch.Tensor,
+    key_chunk: torch.Tensor,
+    val_chunk: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cached_len: int,
+    *,
+    preset: str | TQConfig,
+    centroids: torch.Tensor | None,
+    rotation: torch.Tensor | None,
+    scale: float,
+    window: int | None = None,
+    workspace: torch.Tensor | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    check_block_table: bool = True,
+    max_workspace_bytes: int | None = None,
+):
+    """One request's chunk over its cached prefix and itself:
+    ``continuation_prefill_varlen`` with a batch of one (same engine, same arguments
+    but these):
+
+        query: (q_len, Hq, D); key_chunk, val_chunk: (q_len, Hk, D): the chunk.
+        block_table: int32 (max_blocks,) or (1, max_blocks): the request's blocks.
+        cached_len: tokens already in the cache before this chunk (a host integer).
+    """
+    prefill = _prefill_for(
+        query,
+        key_chunk,
+        kv_cache,
+        preset,
+        window,
+        max_workspace_bytes,
+        backend,
+        check_block_table,
+        "key_chunk",
+    )
+    if (
+        not isinstance(block_table, torch.Tensor)
+        or block_table.ndim not in (1, 2)
+        or (block_table.ndim == 2 and block_table.shape[0] != 1)
+    ):
+        raise ValueError(
+            f"block_table must be a (max_blocks,) or (1, max_blocks) tensor, got "
+            f"{getattr(block_table, 'shape', type(block_table).__name__)}"
+        )
+    check_tensor(
+        "block_table", block_table, block_table.ndim, (torch.int32,), query.device
+    )
+    q_len = query.shape[0]
+    cached_len = as_int("cached_len", cached_len, 0, INT32_MAX - q_len)
+    columns = block_table.shape[-1]
+    if q_len and -(-cached_len // prefill.block_size) > columns:
+        raise ValueError(
+            f"cached_len ({cached_len}) needs more blocks than block_table has columns "
+            f"({columns} x block_size {prefill.block_size})"
+        )
+    step = prefill.plan(
+        block_table.reshape(1, -1),
+        query_start_loc_cpu=(0, q_len),
+        seq_lens_cpu=(cached_len + q_len,),
+        workspace=workspace,
+    )
+    return step.run(
+        query,
+        key_chunk,
+        val_chunk,
+        kv_cache,
+        centroids=centroids,
+        rotation=rotation,
+        scale=scale,
+        out=out,
+        lse=lse,
+        return_lse=return_lse,
+        _names=("key_chunk", "val_chunk"),
+    )
