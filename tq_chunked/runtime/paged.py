@@ -372,6 +372,20 @@ def _rotate_kernel(
 
 
 @triton.jit
+def _interleave(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    """(N, G, 16) of sixteen (N, G) tensors, x_j at [..., j], the new axis in each
+    thread's registers (``tl.join`` keeps its axis there): each thread then holds the
+    16 indices of a group, decoded with shifts known at compile time."""
+    a = tl.join(tl.join(tl.join(x0, x8), tl.join(x4, x12)), tl.join(
+        tl.join(x2, x10), tl.join(x6, x14)))  # fmt: skip
+    b = tl.join(tl.join(tl.join(x1, x9), tl.join(x5, x13)), tl.join(
+        tl.join(x3, x11), tl.join(x7, x15)))  # fmt: skip
+    # joined axes, outer to inner: bits 3, 2, 1, 0 of j
+    y = tl.join(a, b)
+    return tl.reshape(y, [x0.shape[0], x0.shape[1], 16])
+
+
+@triton.jit
 def _indices(ptr, ok, D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr,
              HALVES: tl.constexpr):  # fmt: skip
     """(N, BLOCK_D) int32: the BITS-wide (3 or 4) little-endian indices of the streams
@@ -391,22 +405,27 @@ def _indices(ptr, ok, D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr
         h0 = tl.load(base, mask=m, other=0).to(tl.int32)
         h1 = tl.load(base + 1, mask=m, other=0).to(tl.int32)
         h2 = tl.load(base + 2, mask=m, other=0).to(tl.int32)
-        j = tl.arange(0, 16)[None, None, :]
+        K: tl.constexpr = (1 << BITS) - 1
         if BITS == 4:
             h3 = tl.load(base + 3, mask=m, other=0).to(tl.int32)
             lo = h0 | (h1 << 16)  # indices 0-7
             hi = h2 | (h3 << 16)  # indices 8-15
-            FIRST_HI: tl.constexpr = 8
-            HI_BIT: tl.constexpr = 32
+            y = _interleave(
+                lo & K, (lo >> 4) & K, (lo >> 8) & K, (lo >> 12) & K,
+                (lo >> 16) & K, (lo >> 20) & K, (lo >> 24) & K, (lo >> 28) & K,
+                hi & K, (hi >> 4) & K, (hi >> 8) & K, (hi >> 12) & K,
+                (hi >> 16) & K, (hi >> 20) & K, (hi >> 24) & K, (hi >> 28) & K,
+            )  # fmt: skip
         else:
             lo = h0 | (h1 << 16)  # indices 0-9 whole (bits 0-29)
             hi = h1 | (h2 << 16)  # indices 6-15 whole (bits 16-47)
-            FIRST_HI: tl.constexpr = 10
-            HI_BIT: tl.constexpr = 16
-        in_lo = j < FIRST_HI
-        w = tl.where(in_lo, lo[:, :, None], hi[:, :, None])
-        idx = (w >> tl.where(in_lo, j * BITS, j * BITS - HI_BIT)) & ((1 << BITS) - 1)
-        return tl.reshape(idx, [N, BLOCK_D])
+            y = _interleave(
+                lo & K, (lo >> 3) & K, (lo >> 6) & K, (lo >> 9) & K,
+                (lo >> 12) & K, (lo >> 15) & K, (lo >> 18) & K, (lo >> 21) & K,
+                (lo >> 24) & K, (lo >> 27) & K, (hi >> 14) & K, (hi >> 17) & K,
+                (hi >> 20) & K, (hi >> 23) & K, (hi >> 26) & K, (hi >> 29) & K,
+            )  # fmt: skip
+        return tl.reshape(y, [N, BLOCK_D])
     else:
         return _unpack(ptr[:, None], ok2, D, BITS, BLOCK_D)
 
@@ -428,6 +447,52 @@ def _centred(idx, BITS: tl.constexpr):
     2^BITS (exact: fp16 counts by 1 in [1024, 2048))."""
     bits = ((idx << 1) | 0x6401).to(tl.int16)
     return bits.to(tl.float16, bitcast=True) - (1024.0 + (1 << BITS))
+
+
+@triton.jit
+def _table_bytes(table_ptr):
+    """The 8-entry fp16 table as four int32 words for ``_lookup8``: the low bytes of
+    entries 0-3 and 4-7, the high bytes of entries 0-3 and 4-7."""
+    c = tl.arange(0, 4)
+    h = tl.load(table_ptr.to(tl.pointer_type(tl.uint16)) + c).to(tl.int32)
+    h4 = tl.load(table_ptr.to(tl.pointer_type(tl.uint16)) + 4 + c).to(tl.int32)
+    shift = 8 * c
+    return (
+        tl.sum((h & 0xFF) << shift, 0),
+        tl.sum((h4 & 0xFF) << shift, 0),
+        tl.sum((h >> 8) << shift, 0),
+        tl.sum((h4 >> 8) << shift, 0),
+    )
+
+
+@triton.jit
+def _lookup8(idx, lo0, lo1, hi0, hi1):
+    """fp16 ``table[idx]`` of 3-bit indices (int32) without a load: four indices make
+    one byte-permute selector (nibbles), two permutes pick their entries' low and high
+    bytes from the table's words (``_table_bytes``), two more interleave them into
+    fp16 pairs: 7 instructions per 4 elements, in the indices' own layout (a gather
+    through ``tl.load`` is laid out one element per thread and converted back through
+    shared memory, NOTES.md §32). GPU only (inline PTX)."""
+    z = tl.zeros_like(idx)
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 s, l, h;
+        mad.lo.u32 s, $5, 16, $4;
+        mad.lo.u32 s, $6, 256, s;
+        mad.lo.u32 s, $7, 4096, s;
+        prmt.b32 l, $8, $12, s;
+        prmt.b32 h, $16, $20, s;
+        prmt.b32 $0, l, h, 0x5140;
+        prmt.b32 $1, l, h, 0x7362;
+        }""",
+        constraints=(  # two fp16 pairs out; four indices and the table's words in
+            "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r"
+        ),
+        args=[idx, z + lo0, z + lo1, z + hi0, z + hi1],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -478,6 +543,154 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 # ---------------------------------------------------------------------------
 
 
+@triton.jit
+def _split_attention(
+    q_hi,
+    q_lo,
+    row_scale,
+    cache_ptr,
+    bt_row,
+    table_ptr,
+    head_off,
+    start,
+    end,
+    num_blocks,
+    max_blocks,
+    s_cache_block,
+    s_cache_pos,
+    s_bt_col,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    KEY_INDEX_BYTES: tl.constexpr,
+    KEY_BYTES: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
+    VALUE_INDEX_BYTES: tl.constexpr,
+    NORM_CORRECTION: tl.constexpr,
+    FP8_E4B15: tl.constexpr,
+    Q_BF16: tl.constexpr,
+    HALVES: tl.constexpr,
+    Q_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    EXACT: tl.constexpr,
+    LOOKUP: tl.constexpr,
+):
+    """The online softmax of the rows (q_hi, q_lo: the query's dot operands; row_scale
+    their scores' factor, log2 units) over positions [start, end) of one kv head.
+    Returns (m, l, z, acc, unit, seen): the running max and sum, the zero term, the
+    value dot's sum in units of ``unit``, and whether a value scale or zero was not
+    finite. EXACT: every tile's values in the uncentred float32 form ``i s + z``,
+    whose NaN and inf elements are one softmax's; otherwise the centred fp16 form, and
+    such a tile only sets ``seen`` (the caller runs the split again, EXACT)."""
+    BLOCK_M: tl.constexpr = q_hi.shape[0]
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    z_i = tl.zeros([BLOCK_M], tl.float32)  # sum of p x the value's (centred) zero
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # in units of `unit`
+    # the power of two at or below the largest value scale seen (NOTES.md §27); the
+    # exact form's at least 2^-60, so that no finite value over it overflows
+    unit = tl.full([], 2.0**-60 if EXACT else 2.0**-126, tl.float32)
+    seen = tl.zeros([], tl.int32)
+    if NORM_CORRECTION:
+        ones = tl.full([BLOCK_M, BLOCK_D], 1.0, tl.float16)
+    if LOOKUP:
+        lo0, lo1, hi0, hi1 = _table_bytes(table_ptr)
+    for n0 in range(start, end, BLOCK_N):
+        # -- where each position's slot is: the block ids once per block --------------
+        pos = n0 + tl.arange(0, BLOCK_N)
+        in_c = pos < end
+        if (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0:
+            # n0 is a multiple of BLOCK_N (splits are): NB block ids cover the tile
+            NB: tl.constexpr = BLOCK_N // BLOCK_SIZE if BLOCK_N > BLOCK_SIZE else 1
+            PER: tl.constexpr = BLOCK_N // NB
+            col = n0 // BLOCK_SIZE + tl.arange(0, NB)
+            blk = tl.load(bt_row + col * s_bt_col, mask=col < max_blocks, other=-1)
+            good = (blk >= 0) & (blk < num_blocks)
+            within = (n0 % BLOCK_SIZE + tl.arange(0, PER)).to(tl.int64)
+            off = (
+                blk.to(tl.int64)[:, None] * s_cache_block
+                + (within * s_cache_pos)[None, :]
+            )
+            off = tl.reshape(off, [BLOCK_N])
+            good = tl.reshape(good[:, None] & (within >= 0)[None, :], [BLOCK_N])
+        else:
+            col = pos // BLOCK_SIZE
+            blk = tl.load(
+                bt_row + col * s_bt_col, mask=in_c & (col < max_blocks), other=-1
+            )
+            good = (blk >= 0) & (blk < num_blocks)
+            off = (
+                blk.to(tl.int64) * s_cache_block
+                + (pos % BLOCK_SIZE).to(tl.int64) * s_cache_pos
+            )
+        ok = in_c & good  # only these are read
+        bad = in_c & (~good)  # a block id outside the cache: NaN
+        slot = tl.where(ok, off + head_off, 0)
+        # -- scores: q . (a_n c_n), a_n applied to the (rows x positions) tile ---------
+        if KEY_BITS == 8:
+            k = _fp8_keys(cache_ptr, slot, ok, D, BLOCK_D, FP8_E4B15, HALVES)
+            if Q_BF16:
+                k = k.to(tl.bfloat16)  # exact: fp8 fits bf16
+            s = _dot(
+                q_hi, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_F32
+            )
+            a = tl.where(bad, float("nan"), 1.0)
+        else:
+            idx = _indices(cache_ptr + slot, ok, D, KEY_BITS, BLOCK_D, HALVES)
+            if LOOKUP:
+                kc = _lookup8(idx, lo0, lo1, hi0, hi1)
+            else:
+                # indices are in range whatever the bytes: the table read unmasked
+                kc = tl.load(table_ptr + idx)
+            kt = tl.trans(kc)  # (BLOCK_D, BLOCK_N)
+            s = _dot(q_hi, kt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_F32)
+            if Q_SPLIT:
+                s = _dot(q_lo, kt, s, DOT_F32)
+            a = _fp16_field(cache_ptr + slot + KEY_INDEX_BYTES, ok, HALVES)
+            # a norm that is not finite: NaN (its key's infinities meet the query's
+            # mixed signs in one softmax)
+            a = tl.where((tl.abs(a) < float("inf")) & (~bad), a, float("nan"))
+            if NORM_CORRECTION:
+                # |c_n|^2: the squares rounded to fp16, exact products, float32 sums
+                zero = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                s = s * tl.math.rsqrt(_dot(ones, kt * kt, zero, DOT_F32) + 1e-16)
+        t = tl.where(in_c[None, :], s * a[None, :], float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(t, 1) * row_scale)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(t * row_scale[:, None] - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        # -- values: p . (i s + z) = (p s) . (i - h) + p . (z + h s) ------------------
+        vslot = cache_ptr + slot + KEY_BYTES
+        vidx = _indices(vslot, ok, D, VALUE_BITS, BLOCK_D, HALVES)
+        vs = _fp16_field(vslot + VALUE_INDEX_BYTES, ok, HALVES)
+        vz = _fp16_field(vslot + VALUE_INDEX_BYTES + 2, ok, HALVES)
+        finite = tl.abs(vs) + tl.abs(vz) < float("inf")  # NaN: not
+        if EXACT:
+            top = tl.max(tl.where(finite, tl.abs(vs), 0.0), 0)
+            new_unit = tl.maximum(unit, _pow2_floor(top))
+            vf = vidx.to(tl.float32) * (vs / new_unit)[:, None]
+            z_i = z_i * alpha + tl.sum(p * vz[None, :], 1)
+            acc = acc * (alpha * (unit / new_unit))[:, None]
+            acc = tl.dot(p, vf, acc)
+        else:
+            # the largest |scale|; inf where a scale or zero is not finite
+            top = tl.max(tl.where(finite, tl.abs(vs), float("inf")), 0)
+            seen = tl.maximum(seen, (top == float("inf")).to(tl.int32))
+            new_unit = tl.maximum(unit, _pow2_floor(top))
+            # halved: the centred indices are doubled (exact: unit is a power of two)
+            pv = p * (vs * (0.5 / new_unit))[None, :]
+            zc = vz + ((1 << (VALUE_BITS - 1)) - 0.5) * vs
+            z_i = z_i * alpha + tl.sum(p * zc[None, :], 1)
+            acc = acc * (alpha * (unit / new_unit))[:, None]
+            acc = _dot(pv.to(tl.float16), _centred(vidx, VALUE_BITS), acc, DOT_F32)
+        unit = new_unit
+    return m_i, l_i, z_i, acc, unit, seen
+
+
 @triton.jit(do_not_specialize=["num_blocks", "max_blocks"])
 def _paged_kernel(
     q_ptr,  # MSE keys: the rotated query (served tokens, Hq, D) float32; fp8: query
@@ -516,6 +729,7 @@ def _paged_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,  # the interpreter: dots in float32
+    LOOKUP: tl.constexpr,  # 3-bit keys: _lookup8 (GPU) instead of a gather
 ):
     """One work item (WORK_FIELDS): BLOCK_M query rows (token-major, the group's heads
     inner) of one kv head against one split of the request's cached positions; writes
@@ -536,11 +750,12 @@ def _paged_kernel(
     qmask = row_ok[:, None] & (d < D)[None, :]
     if KEY_BITS == 8:
         tok = (tok0 + u // GROUP).to(tl.int64)
-        q = tl.load(
+        q_hi = tl.load(
             q_ptr + tok[:, None] * s_q_tok + head[:, None] * s_q_head + d * s_q_d,
             mask=qmask,
             other=0.0,
         )
+        q_lo = q_hi
         row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * qk_scale
     else:
         crow = (crow0 + u // GROUP).to(tl.int64)
@@ -557,110 +772,24 @@ def _paged_kernel(
         q = q / pw[:, None]
         row_scale = pw * qk_scale
         q_hi = q.to(tl.float16)
-        if Q_SPLIT:
-            q_lo = (q - q_hi.to(tl.float32)).to(tl.float16)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    z_i = tl.zeros([BLOCK_M], tl.float32)  # sum of p x the value's (centred) zero
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # in units of `unit`
-    # the power of two at or below the largest value scale seen (NOTES.md §27)
-    unit = tl.full([], 2.0**-126, tl.float32)
-    if NORM_CORRECTION:
-        ones = tl.full([BLOCK_M, BLOCK_D], 1.0, tl.float16)
+        q_lo = (q - q_hi.to(tl.float32)).to(tl.float16)
     bt_row = block_table_ptr + req * s_bt_req
     head_off = kvh * s_cache_head
-    for n0 in range(start, end, BLOCK_N):
-        # -- where each position's slot is: the block ids once per block --------------
-        pos = n0 + tl.arange(0, BLOCK_N)
-        in_c = pos < end
-        if (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0:
-            # n0 is a multiple of BLOCK_N (splits are): NB block ids cover the tile
-            NB: tl.constexpr = BLOCK_N // BLOCK_SIZE if BLOCK_N > BLOCK_SIZE else 1
-            PER: tl.constexpr = BLOCK_N // NB
-            col = n0 // BLOCK_SIZE + tl.arange(0, NB)
-            blk = tl.load(bt_row + col * s_bt_col, mask=col < max_blocks, other=-1)
-            good = (blk >= 0) & (blk < num_blocks)
-            within = (n0 % BLOCK_SIZE + tl.arange(0, PER)).to(tl.int64)
-            off = (
-                blk.to(tl.int64)[:, None] * s_cache_block
-                + (within * s_cache_pos)[None, :]
-            )
-            off = tl.reshape(off, [BLOCK_N])
-            good = tl.reshape(good[:, None] & (within >= 0)[None, :], [BLOCK_N])
-        else:
-            col = pos // BLOCK_SIZE
-            blk = tl.load(
-                bt_row + col * s_bt_col, mask=in_c & (col < max_blocks), other=-1
-            )
-            good = (blk >= 0) & (blk < num_blocks)
-            off = (
-                blk.to(tl.int64) * s_cache_block
-                + (pos % BLOCK_SIZE).to(tl.int64) * s_cache_pos
-            )
-        ok = in_c & good  # only these are read
-        bad = in_c & (~good)  # a block id outside the cache: NaN
-        slot = tl.where(ok, off + head_off, 0)
-        # -- scores: q . (a_n c_n), a_n applied to the (rows x positions) tile ---------
-        if KEY_BITS == 8:
-            k = _fp8_keys(cache_ptr, slot, ok, D, BLOCK_D, FP8_E4B15, HALVES)
-            if Q_BF16:
-                k = k.to(tl.bfloat16)  # exact: fp8 fits bf16
-            s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_F32)
-            a = tl.where(bad, float("nan"), 1.0)
-        else:
-            idx = _indices(cache_ptr + slot, ok, D, KEY_BITS, BLOCK_D, HALVES)
-            # indices are in range whatever the bytes: the table is read unmasked
-            kc = tl.load(table_ptr + idx)
-            kt = tl.trans(kc)  # (BLOCK_D, BLOCK_N)
-            s = _dot(q_hi, kt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_F32)
-            if Q_SPLIT:
-                s = _dot(q_lo, kt, s, DOT_F32)
-            a = _fp16_field(cache_ptr + slot + KEY_INDEX_BYTES, ok, HALVES)
-            # a norm that is not finite: NaN (its key's infinities meet the query's
-            # mixed signs in one softmax)
-            a = tl.where((tl.abs(a) < float("inf")) & (~bad), a, float("nan"))
-            if NORM_CORRECTION:
-                # |c_n|^2: the squares rounded to fp16, exact products, float32 sums
-                sq = _dot(ones, kt * kt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
-                          DOT_F32)  # fmt: skip
-                s = s * tl.math.rsqrt(sq + 1e-16)
-        t = tl.where(in_c[None, :], s * a[None, :], float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(t, 1) * row_scale)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(t * row_scale[:, None] - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-        # -- values: p . (i s + z) = (p s) . (i - h) + p . (z + h s) ------------------
-        vslot = cache_ptr + slot + KEY_BYTES
-        vidx = _indices(vslot, ok, D, VALUE_BITS, BLOCK_D, HALVES)
-        vs = _fp16_field(vslot + VALUE_INDEX_BYTES, ok, HALVES)
-        vz = _fp16_field(vslot + VALUE_INDEX_BYTES + 2, ok, HALVES)
-        # the largest |scale|, or inf where a scale or zero is not a number
-        top = tl.max(
-            tl.where(tl.abs(vs) + tl.abs(vz) < float("inf"), tl.abs(vs), float("inf")),
-            0,
-        )
-        if top < float("inf"):
-            new_unit = tl.maximum(unit, _pow2_floor(top))
-            # halved: the centred indices are doubled (exact: unit is a power of two)
-            pv = p * (vs * (0.5 / new_unit))[None, :]
-            zc = vz + ((1 << (VALUE_BITS - 1)) - 0.5) * vs
-            z_i = z_i * alpha + tl.sum(p * zc[None, :], 1)
-            acc = acc * (alpha * (unit / new_unit))[:, None]
-            acc = _dot(pv.to(tl.float16), _centred(vidx, VALUE_BITS), acc, DOT_F32)
-        else:
-            # a scale or zero that is not finite: the uncentred float32 form i s + z,
-            # whose NaN and inf elements are one softmax's (0 x inf is NaN there too)
-            new_unit = tl.maximum(
-                tl.maximum(unit, 2.0**-60),
-                _pow2_floor(tl.max(tl.where(top < float("inf"), tl.abs(vs), 0.0), 0)),
-            )
-            vf = vidx.to(tl.float32) * (vs / new_unit)[:, None]
-            z_i = z_i * alpha + tl.sum(p * vz[None, :], 1)
-            acc = acc * (alpha * (unit / new_unit))[:, None]
-            acc = tl.dot(p, vf, acc)
-        unit = new_unit
+    m_i, l_i, z_i, acc, unit, seen = _split_attention(
+        q_hi, q_lo, row_scale, cache_ptr, bt_row, table_ptr, head_off, start, end,
+        num_blocks, max_blocks, s_cache_block, s_cache_pos, s_bt_col, D, BLOCK_D,
+        BLOCK_SIZE, KEY_BITS, KEY_INDEX_BYTES, KEY_BYTES, VALUE_BITS,
+        VALUE_INDEX_BYTES, NORM_CORRECTION, FP8_E4B15, Q_BF16, HALVES, Q_SPLIT,
+        BLOCK_N, DOT_F32, False, LOOKUP,
+    )  # fmt: skip
+    if seen > 0:  # a value field that is not finite: the split again, exactly
+        m_i, l_i, z_i, acc, unit, seen = _split_attention(
+            q_hi, q_lo, row_scale, cache_ptr, bt_row, table_ptr, head_off, start,
+            end, num_blocks, max_blocks, s_cache_block, s_cache_pos, s_bt_col, D,
+            BLOCK_D, BLOCK_SIZE, KEY_BITS, KEY_INDEX_BYTES, KEY_BYTES, VALUE_BITS,
+            VALUE_INDEX_BYTES, NORM_CORRECTION, FP8_E4B15, Q_BF16, HALVES, Q_SPLIT,
+            BLOCK_N, DOT_F32, True, LOOKUP,
+        )  # fmt: skip
     acc = acc * unit + z_i[:, None]
     empty = l_i == 0  # no key in the split (a NaN sum stays NaN: out and lse)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -802,6 +931,7 @@ def paged_attention(
     new: torch.Tensor | None = None,
     new_lse: torch.Tensor | None = None,
     q_split: bool = True,
+    lookup: bool = True,
 ) -> None:
     """The memory-bound path for ``plan``'s tokens: ``out`` rows (and ``lse``) of each
     served token, over its request's cached positions and, given ``new`` and
@@ -815,7 +945,9 @@ def paged_attention(
     stride over D, any float dtype: only the served tokens' rows are written. lse:
     (Hq, N) float32, unit stride over N, or None. new: (N, Hq, D), unit stride over D;
     new_lse: (Hq, N) float32. q_split: the rotated query as fp16 hi + lo (two key
-    dots); off, one. Tensors are trusted (the caller's plan validated the lengths).
+    dots); off, one. lookup: 3-bit centroids by byte permutes on a GPU (off: a
+    gather, as in the interpreter; the same bits). Tensors are trusted (the caller's
+    plan validated the lengths).
     """
     n, hq, d = query.shape
     hk = kv_cache.shape[2]
@@ -907,6 +1039,7 @@ def paged_attention(
             plan.block_m,
             plan.block_n,
             interp,
+            lookup and cfg.key_bits == 3 and not interp,
             num_warps=plan.num_warps,
             num_stages=1,
         )
