@@ -75,6 +75,10 @@ def check_within_full_paths_error(batch, out):
     return ratios
 
 
+def out_device(batch):
+    return batch.query.device
+
+
 def poisoned(batch):
     return torch.full_like(batch.query, float("nan"))
 
@@ -314,13 +318,13 @@ def test_run_writes_only_the_planned_requests_rows():
     plan = plan_paged(batch.query_start_loc, batch.seq_lens, hq, 2, d, cfg,
                       requests=[0, 4], split_len=32)  # fmt: skip
     work, tokens = plan.upload(batch.query.device)
-    buf = torch.empty(plan.scratch_bytes, dtype=torch.uint8)
+    buf = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=out_device(batch))
     out = poisoned(batch)
     kw = {k: v for k, v in batch.kwargs.items() if k != "preset"}
     paged_attention(batch.query, batch.kv_cache, batch.block_table, plan, work,
                     tokens, plan.carve(buf), out, cfg=cfg, **kw)  # fmt: skip
     q = batch.query_start_loc
-    mine = torch.zeros(n, dtype=torch.bool)
+    mine = torch.zeros(n, dtype=torch.bool, device=out.device)
     mine[q[0] : q[1]] = mine[q[4] : q[5]] = True
     assert torch.isfinite(out[mine]).all() and out[~mine].isnan().all(), "seed 36"
 

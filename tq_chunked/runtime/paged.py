@@ -474,14 +474,16 @@ def _lookup8(idx, lo0, lo1, hi0, hi1):
     through ``tl.load`` is laid out one element per thread and converted back through
     shared memory, NOTES.md §32). GPU only (inline PTX)."""
     z = tl.zeros_like(idx)
+    # operands: $0-$1 the four fp16 out; $2-$5 the indices; each table word packed
+    # four times ($6, $10, $14, $18 the first copies)
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 s, l, h;
-        mad.lo.u32 s, $5, 16, $4;
-        mad.lo.u32 s, $6, 256, s;
-        mad.lo.u32 s, $7, 4096, s;
-        prmt.b32 l, $8, $12, s;
-        prmt.b32 h, $16, $20, s;
+        mad.lo.u32 s, $3, 16, $2;
+        mad.lo.u32 s, $4, 256, s;
+        mad.lo.u32 s, $5, 4096, s;
+        prmt.b32 l, $6, $10, s;
+        prmt.b32 h, $14, $18, s;
         prmt.b32 $0, l, h, 0x5140;
         prmt.b32 $1, l, h, 0x7362;
         }""",
