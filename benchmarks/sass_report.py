@@ -7,12 +7,22 @@ shared memory, and the SASS instructions per cache slot, by kind (no device time
         [--sass FILE]
     python benchmarks/sass_report.py --fused ROWS,POSITIONS,WARPS [--preset P]
         [--head-dim D] [--group G]
+    python benchmarks/sass_report.py --paged ROWS,POSITIONS,WARPS [--preset P]
+        [--head-dim D] [--group G] [--q-len Q] [--dtype float16|bfloat16]
+        [--no-q-split] [--block-size B] [--sass FILE]
 
 With --fused, the fused kernel (tq_chunked/experimental/fused.py, one request of 16
 query tokens, G query heads per kv head) at that launch: registers, shared memory, and
 its main loop's SASS instructions x warps / positions per iteration = warp
 instructions per decoded slot-row (a tile of ROWS rows decodes each slot once;
 benchmarks/NOTES.md §27).
+
+With --paged, the memory-bound path's attention kernel (tq_chunked/runtime/paged.py,
+one request of Q query tokens, default 1: decode, G query heads per kv head) at that
+launch, the same way: its hot loop's SASS instructions x warps / positions = warp
+instructions per decoded slot-row (the tile holds all Q x G rows of the kv head, so
+each slot-row is decoded once; the exact loop for non-finite value fields, run only
+when one is seen, is reported apart; benchmarks/NOTES.md §32).
 
 The fill's arguments are the ones ``fill_window`` passes for the case (recorded from a
 call on CPU tensors, the launch itself replaced), compiled by Triton for sm_90 with the
@@ -197,6 +207,104 @@ def record_fused(preset, d, group, launch):
     return kernel, args, options
 
 
+def record_paged(
+    preset, d, group, launch, q_len, dtype, q_split, block_size, lookup=True
+):
+    """(kernel, args, options) of ``paged_attention``'s attention launch for one
+    request of ``q_len`` query tokens over 600 cached, at launch (rows, positions,
+    warps), with the arguments a CUDA call passes."""
+    import tq_chunked.runtime.paged as pg
+    from tq_chunked.tools.testing import make_batch
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, grid, *args, **options):
+            seen[self.name] = (args, options)
+
+    b = make_batch(
+        [(600, q_len)],
+        preset,
+        getattr(torch, dtype),
+        head_dim=d,
+        num_q_heads=2 * group,
+        num_kv_heads=2,
+        block_size=block_size,
+        rotation="hadamard",
+        seed=0,
+    )
+    cfg = TQConfig.from_preset(preset, d)
+    plan = pg.plan_paged(
+        b.query_start_loc,
+        b.seq_lens,
+        2 * group,
+        2,
+        d,
+        cfg,
+        block_m=launch[0],
+        block_n=launch[1],
+        num_warps=launch[2],
+        split_len=600,
+        interpret=False,
+    )
+    work, tokens = plan.upload("cpu")
+    scratch = plan.carve(torch.zeros(plan.scratch_bytes, dtype=torch.uint8))
+    saved = pg.launch_rotate, pg.launch_paged, pg.launch_combine
+    pg.launch_rotate, pg.launch_paged, pg.launch_combine = (
+        Recorder("rotate"),
+        Recorder("paged"),
+        Recorder("combine"),
+    )
+    try:
+        pg.paged_attention(
+            b.query,
+            b.kv_cache,
+            b.block_table,
+            plan,
+            work,
+            tokens,
+            scratch,
+            torch.empty_like(b.query),
+            cfg=cfg,
+            centroids=b.kwargs["centroids"],
+            rotation=b.kwargs["rotation"],
+            scale=b.kwargs["scale"],
+            q_split=q_split,
+        )
+    finally:
+        pg.launch_rotate, pg.launch_paged, pg.launch_combine = saved
+    args, options = seen["paged"]
+    args = list(args)
+    names = [p.name for p in pg._paged_kernel.params]
+    args[names.index("DOT_F32")] = False  # what a CUDA call passes
+    args[names.index("LOOKUP")] = lookup and cfg.key_bits == 3
+    return pg._paged_kernel, args, options
+
+
+def loops(sass: str):
+    """Each loop of the SASS, in address order: (first address, last address,
+    mnemonics), from a backward branch's target to the branch (nested loops apart)."""
+    rows = []
+    for line in sass.splitlines():
+        m = re.match(
+            r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(.*)", line
+        )
+        if m:
+            rows.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    spans = []
+    for addr, op, rest in rows:
+        t = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if t and int(t.group(1), 16) < addr:
+            spans.append((int(t.group(1), 16), addr))
+    return [
+        (lo, hi, [op.split(".")[0] for a, op, _ in rows if lo <= a <= hi])
+        for lo, hi in sorted(spans)
+    ]
+
+
 def loop_body(sass: str):
     """The SASS instructions (mnemonics) of the largest loop: from a backward branch's
     target to the branch."""
@@ -234,6 +342,44 @@ def main_fused(a):
     print("  " + ", ".join(f"{k} {v}" for k, v in ops.most_common(24)))
 
 
+def main_paged(a):
+    launch = tuple(int(x) for x in a.paged.split(","))
+    kernel, args, options = record_paged(
+        a.preset,
+        a.head_dim,
+        a.group,
+        launch,
+        a.q_len,
+        a.dtype,
+        not a.no_q_split,
+        a.block_size,
+        not a.gather,
+    )
+    ck = compile_sm90(kernel, args, options)
+    sass, res = sass_of(ck.asm["cubin"])
+    if a.sass:
+        with open(a.sass, "w") as f:
+            f.write(sass)
+    regs = re.search(r"REG:(\d+)", res)
+    stack = re.search(r"STACK:(\d+)", res)
+    found = [x for x in loops(sass) if len(x[2]) > 50]  # the two split loops
+    hot = found[0][2]
+    ops = collections.Counter(hot)
+    per = len(hot) * launch[2] / launch[1]
+    print(
+        f"paged {a.preset} D {a.head_dim} G {a.group} q {a.q_len} {a.dtype} "
+        f"q_split {not a.no_q_split} lookup {not a.gather} block_size "
+        f"{a.block_size} launch {launch}: "
+        f"{regs.group(1) if regs else '?'} registers, "
+        f"{stack.group(1) if stack else '?'} B stack, {ck.metadata.shared} B shared, "
+        f"wgmma {'wgmma' in ck.asm['ptx']}; hot loop {len(hot)} SASS instructions x "
+        f"{launch[2]} warps / {launch[1]} positions = {per:.1f} warp instructions "
+        f"per slot-row"
+        + (f" (exact loop: {len(found[1][2])})" if len(found) > 1 else "")
+    )
+    print("  " + ", ".join(f"{k} {v}" for k, v in ops.most_common(30)))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="turboquant_3bit_nc")
@@ -244,10 +390,20 @@ def main():
     ap.add_argument("--sass", default=None, help="write the SASS here")
     ap.add_argument("--write", default="both", choices=("both", "values", "keys"))
     ap.add_argument("--fused", default=None, help="ROWS,POSITIONS,WARPS")
-    ap.add_argument("--group", type=int, default=4, help="--fused: Hq / Hk")
+    ap.add_argument("--group", type=int, default=4, help="--fused, --paged: Hq / Hk")
+    ap.add_argument("--paged", default=None, help="ROWS,POSITIONS,WARPS")
+    ap.add_argument("--q-len", type=int, default=1, help="--paged: query tokens")
+    ap.add_argument("--dtype", default="float16", help="--paged: the query's")
+    ap.add_argument("--no-q-split", action="store_true", help="--paged: one key dot")
+    ap.add_argument("--block-size", type=int, default=16, help="--paged")
+    ap.add_argument(
+        "--gather", action="store_true", help="--paged: 3-bit keys gathered"
+    )
     a = ap.parse_args()
     if a.fused:
         return main_fused(a)
+    if a.paged:
+        return main_paged(a)
     config = tuple(int(x) for x in a.config.split(",")) if a.config else None
     kernel, grid, args, options = record_fill(
         a.preset, a.head_dim, a.kv_heads, a.chunk, config, a.write

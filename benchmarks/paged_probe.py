@@ -1,0 +1,417 @@
+"""The memory-bound path (tq_chunked/runtime/paged.py) on the H200: exactness first,
+then its GPU time beside the window path, the floor and vLLM's own decode kernel, on a
+memory-bound grid (GPU).
+
+    python benchmarks/paged_probe.py [OUT_DIR] [--workloads "decode,64 hits"]
+        [--skip-exactness] [--no-configs]
+
+1. Exactness (fails loudly, exit status 1, after the timings): for every preset, fp16
+   and bf16, a batch of 8 requests (q 1, 4 and 16 over 300-3000 cached, Hq/Hk 32/8, D
+   128, the project's encoder): each request's error against the float64 oracle
+   within 1.1x the full path's (FlashAttention-3; 1.6x for 1-3 query tokens) + 1e-4;
+   the same with the cache in vLLM 0.33's head-major layout; the 3-bit centroids by
+   byte permutes bit for bit as the gather; one request of 32K positions in one split
+   (the tensor cores' truncating accumulation, NOTES.md §27); and, reported, the
+   error without the query's fp16 remainder (``q_split=False``).
+2. Timings, per workload (GPU kernel time per call: torch.profiler, every kernel's
+   time summed over 10 calls): the floor (one FlashAttention-3 varlen call over fp16
+   K/V of the same lengths), the window path (``continuation_prefill_varlen`` as the
+   plugin calls it), the memory-bound path (``paged_attention`` from a plan made and
+   uploaded once, after the chunk's causal call: what a step's run does), its cached
+   part alone at a few launches (block_n, programs per SM), and for decode (q 1) vLLM's
+   ``triton_turboquant_decode_attention``. Bytes: the quantized slots read and fp16
+   K/V, each over 4.3 TB/s, and the rate the memory-bound path reads its slots at.
+3. JSON (paged-probe.json, after each workload) and a table, last.
+"""
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+from breakdown import floor_of, profile_ms
+
+from tq_chunked import continuation_prefill_varlen, default_window, workspace_bytes
+from tq_chunked.runtime.attention import make_call, resolve_backend, varlen_attention
+from tq_chunked.runtime.format import PRESETS, TQConfig
+from tq_chunked.runtime.paged import (
+    paged_attention,
+    paged_continuation_prefill_varlen,
+    plan_paged,
+)
+from tq_chunked.tools.reference import (
+    full_buffer_continuation_prefill,
+    oracle_continuation_prefill,
+)
+from tq_chunked.tools.testing import SHAPES, build_batch, rel_err, serving_workloads
+
+K = 1024
+COPY_RATE = 4.3e12  # bytes per second, the H200's measured copy rate
+
+
+def hits(seed, n, q_len, lo, hi):
+    """The n requests of q_len query tokens over lo..hi cached (multiples of 16)."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (int(c) * 16, q_len)
+        for c in torch.randint(lo // 16, hi // 16 + 1, (n,), generator=g)
+    ]
+
+
+def grid():
+    """(name, shape, requests, preset, dtype): the serving grid's two decode-like
+    batches, decode batches and short continuations of every head shape and preset."""
+    serving = {w.name: w for w in serving_workloads()}
+    out = [
+        (n, serving[n].shape, serving[n].requests, serving[n].preset, "float16")
+        for n in ("64 hits q16 1K-8K", "8 hits q64-128 4K-32K")
+    ]
+    out += [
+        ("decode 64 x 1K-8K", "llama3-8b", hits(1, 64, 1, K, 8 * K),
+         "turboquant_3bit_nc", "float16"),
+        ("decode 256 x 2K-12K", "llama3-8b", hits(2, 256, 1, 2 * K, 12 * K),
+         "turboquant_3bit_nc", "float16"),
+        ("decode 128 x 8K-32K 4bit", "llama3-8b", hits(3, 128, 1, 8 * K, 32 * K),
+         "turboquant_4bit_nc", "float16"),
+        ("decode 256 x 1K-4K k8v4 bf16", "70b-tp8", hits(4, 256, 1, K, 4 * K),
+         "turboquant_k8v4", "bfloat16"),
+        ("decode 128 x 4K-8K d64 k3v4", "mha-d64", hits(5, 128, 1, 4 * K, 8 * K),
+         "turboquant_k3v4_nc", "float16"),
+        ("16 x q4 8K-32K 64/8 k3v4 bf16", "70b-tp1", hits(6, 16, 4, 8 * K, 32 * K),
+         "turboquant_k3v4_nc", "bfloat16"),
+        ("32 x q8 1K-16K 28/4 4bit", "qwen2-7b", hits(7, 32, 8, K, 16 * K),
+         "turboquant_4bit_nc", "float16"),
+        ("16 x q64 4K-16K 8/1 bf16", "70b-tp8", hits(8, 16, 64, 4 * K, 16 * K),
+         "turboquant_3bit_nc", "bfloat16"),
+        ("16 x q16 64K", "llama3-8b", [(64 * K, 16)] * 16,
+         "turboquant_3bit_nc", "float16"),
+        ("128 x q4 2K-8K k8v4", "llama3-8b", hits(9, 128, 4, 2 * K, 8 * K),
+         "turboquant_k8v4", "float16"),
+        ("24 x q32 16K-32K d64 4bit bf16", "mha-d64", hits(10, 24, 32, 16 * K, 32 * K),
+         "turboquant_4bit_nc", "bfloat16"),
+        ("16 x q128 8K (512 rows a kv head)", "llama3-8b", [(8 * K, 128)] * 16,
+         "turboquant_3bit_nc", "float16"),
+    ]  # fmt: skip
+    return out
+
+
+def kernel_ms(call):
+    """GPU kernel time per call: every kernel's time, summed (host gaps excluded)."""
+    return sum(profile_ms(call).values())
+
+
+def kernels_ms(call, calls=10):
+    """GPU time per call of each kernel, by name (the first 60 characters)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    return {
+        e.key[:60]: round(e.self_device_time_total / 1e3 / calls, 4)
+        for e in prof.key_averages()
+        if e.device_type.name == "CUDA" and e.self_device_time_total > 0
+    }
+
+
+class Paged:
+    """The memory-bound path as a step runs it: planned and uploaded once, then per
+    call the chunk's causal attention and ``paged_attention``."""
+
+    def __init__(self, b, hq, hk, d, dtype, **launch):
+        qsl, lens = b["query_start_loc"], b["seq_lens"]
+        self.cfg = TQConfig.from_preset(b["kwargs"]["preset"], d)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        self.plan = plan_paged(qsl, lens, hq, hk, d, self.cfg, sms=sms, **launch)
+        self.work, self.tokens = self.plan.upload("cuda")
+        buf = torch.empty(self.plan.scratch_bytes, dtype=torch.uint8, device="cuda")
+        self.scratch = self.plan.carve(buf)
+        q_lens = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
+        self.call = make_call(q_lens, q_lens, True, "cuda")
+        self.b = b
+        self.out = torch.empty_like(b["query"])
+        self.new = torch.empty_like(b["query"])
+        self.backend = resolve_backend("auto", b["query"].device, d)
+        self.kw = {k: v for k, v in b["kwargs"].items() if k != "preset"}
+
+    def cached(self, new=None, new_lse=None, **kw):
+        b = self.b
+        paged_attention(
+            b["query"], b["kv_cache"], b["block_table"], self.plan, self.work,
+            self.tokens, self.scratch, self.out, cfg=self.cfg, new=new,
+            new_lse=new_lse, **self.kw, **kw,
+        )  # fmt: skip
+        return self.out
+
+    def __call__(self, **kw):
+        b = self.b
+        new_lse = varlen_attention(
+            self.call, b["query"], b["key"], b["value"], b["kwargs"]["scale"],
+            self.new, self.backend,
+        )  # fmt: skip
+        return self.cached(self.new, new_lse, **kw)
+
+
+def vllm_decode(b, hq, hk, d):
+    """The vLLM TurboQuant decode kernel on a q 1 batch, as its backend calls it
+    (the cache written by this project's encoder: the same bytes, its centroids and
+    rotation passed)."""
+    from vllm.v1.attention.ops.triton_turboquant_decode import (
+        triton_turboquant_decode_attention,
+    )
+
+    from tq_chunked.tools.vllm_harness import build_vllm_tq
+
+    preset = b["kwargs"]["preset"]
+    cfg = build_vllm_tq(preset, hq, hk, d).impl.tq_config
+    rot = b["kwargs"]["rotation"]
+    pi = (rot if rot is not None else torch.eye(d, device="cuda")).float()
+    cent = b["kwargs"]["centroids"].float()
+    seq = torch.tensor(b["seq_lens"], dtype=torch.int32, device="cuda")
+    return functools.partial(
+        triton_turboquant_decode_attention,
+        b["query"], b["kv_cache"], b["block_table"], seq, pi, cent,
+        b["kwargs"]["scale"], cfg.key_mse_bits, cfg.key_packed_size,
+        cfg.effective_value_quant_bits, key_fp8=cfg.key_fp8,
+        norm_correction=cfg.norm_correction, PiT=pi.T.contiguous(),
+    )  # fmt: skip
+
+
+# --- exactness ------------------------------------------------------------------------
+
+
+def worst_ratio(b, out, cached, label, failures, factor_short=1.6):
+    """The largest per-request error / the full path's; a request over the bound is
+    a failure."""
+    qsl = b["query_start_loc"]
+    worst = 0.0
+    for r in range(len(cached)):
+        q0, q1 = qsl[r], qsl[r + 1]
+        if q1 == q0:
+            continue
+        args = (
+            b["query"][q0:q1], b["key"][q0:q1], b["value"][q0:q1], b["kv_cache"],
+            b["block_table"][r], cached[r],
+        )  # fmt: skip
+        oracle = oracle_continuation_prefill(*args, **b["kwargs"])
+        full = full_buffer_continuation_prefill(*args, **b["kwargs"], backend="auto")
+        e, e_full = rel_err(out[q0:q1], oracle), rel_err(full, oracle)
+        factor = 1.1 if q1 - q0 >= 4 else factor_short
+        if not e <= factor * e_full + 1e-4:
+            failures.append(f"{label}, request {r}: {e:.3e} > {factor} x {e_full:.3e}")
+        worst = max(worst, e / e_full)
+    return worst
+
+
+def exactness(rows_out):
+    failures = []
+    for preset in PRESETS:
+        for dtype in (torch.float16, torch.bfloat16):
+            seed = 11 + len(preset) + (dtype == torch.bfloat16)
+            g = torch.Generator().manual_seed(seed)
+            reqs = [
+                (int(c), q)
+                for c, q in zip(
+                    torch.randint(300, 3000, (8,), generator=g), [1, 4, 16, 1] * 2
+                )
+            ]
+            b = build_batch(preset, reqs, 32, 8, 128, 16, dtype, "cuda", seed=seed)
+            cached = [c for c, _ in reqs]
+            run = functools.partial(
+                paged_continuation_prefill_varlen,
+                b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"],
+                None, None, **b["kwargs"], query_start_loc_cpu=b["query_start_loc"],
+                seq_lens_cpu=b["seq_lens"],
+            )  # fmt: skip
+            label = f"{preset} {dtype}"
+            out = run()
+            row = dict(preset=preset, dtype=str(dtype))
+            row["ratio"] = worst_ratio(b, out, cached, label, failures)
+            row["ratio_no_q_split"] = worst_ratio(
+                b, run(q_split=False), cached, label + " no q split", []
+            )
+            if TQConfig.from_preset(preset, 128).key_bits == 3:
+                gather = run(lookup=False)
+                row["lookup_equals_gather"] = bool(torch.equal(out, gather))
+                if not row["lookup_equals_gather"]:
+                    failures.append(f"{label}: byte-permute lookup != gather")
+            b["kv_cache"] = b["kv_cache"].transpose(1, 2).contiguous().transpose(1, 2)
+            row["ratio_v033"] = worst_ratio(b, run(), cached, label + " v033", failures)
+            rows_out.append(row)
+            print(f"exactness {label}: {row}", flush=True)
+    # one split of 32K positions: the value dot's sum stays the answer's size
+    b = build_batch(
+        "turboquant_3bit_nc", [(32 * K, 8)], 32, 8, 128, 16, torch.float16, "cuda"
+    )
+    out = paged_continuation_prefill_varlen(
+        b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"], None, None,
+        **b["kwargs"], query_start_loc_cpu=b["query_start_loc"],
+        seq_lens_cpu=b["seq_lens"], split_len=32 * K,
+    )  # fmt: skip
+    r = worst_ratio(b, out, [32 * K], "3bit_nc one 32K split", failures)
+    rows_out.append(dict(preset="turboquant_3bit_nc", long_split=32 * K, ratio=r))
+    print(f"exactness one 32K split: ratio {r:.3f}", flush=True)
+    return failures
+
+
+# --- timings --------------------------------------------------------------------------
+
+
+def measure(name, shape, reqs, preset, dtype_name, configs):
+    hq, hk, d = SHAPES[shape]
+    dtype = getattr(torch, dtype_name)
+    t0 = time.time()
+    b = build_batch(preset, reqs, hq, hk, d, 16, dtype, "cuda")
+    cfg = TQConfig.from_preset(preset, d)
+    qsl, lens = b["query_start_loc"], b["seq_lens"]
+    cached = [lens[r] - (qsl[r + 1] - qsl[r]) for r in range(len(lens))]
+    row = dict(
+        workload=name, shape=shape, heads=[hq, hk, d], preset=preset,
+        dtype=dtype_name, requests=len(reqs),
+        q_rows_per_kv_head=max(q for _, q in reqs) * hq // hk,
+        cached_tokens=sum(cached), build_s=round(time.time() - t0, 1),
+    )  # fmt: skip
+    row["quantized_bytes"] = sum(cached) * hk * cfg.slot_bytes
+    row["fp16_bytes"] = sum(lens) * hk * d * 2 * 2
+    row["quantized_ms_at_copy_rate"] = row["quantized_bytes"] / COPY_RATE * 1e3
+    row["fp16_ms_at_copy_rate"] = row["fp16_bytes"] / COPY_RATE * 1e3
+    row["floor_ms"] = kernel_ms(floor_of(b, hk, d, dtype))
+    qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
+    lens_cpu = torch.tensor(lens, dtype=torch.int32)
+    n = b["query"].shape[0]
+    w = default_window(hk, d, 16)
+    ws = torch.empty(
+        workspace_bytes(n, hq, hk, d, w, dtype), dtype=torch.uint8, device="cuda"
+    )
+    window = functools.partial(
+        continuation_prefill_varlen,
+        b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"],
+        qsl_cpu.cuda(), lens_cpu.cuda(), **b["kwargs"], query_start_loc_cpu=qsl_cpu,
+        seq_lens_cpu=lens_cpu, window=w, workspace=ws, check_block_table=False,
+    )  # fmt: skip
+    row["window_ms"] = kernel_ms(window)
+    del ws
+    paged = Paged(b, hq, hk, d, dtype)
+    row["plan"] = dict(
+        block_m=paged.plan.block_m, block_n=paged.plan.block_n,
+        split_len=paged.plan.split_len, programs=paged.plan.programs,
+        scratch_mib=round(paged.plan.scratch_bytes / 2**20, 2),
+    )  # fmt: skip
+    row["paged_ms"] = kernel_ms(paged)
+    row["paged_kernels_ms"] = kernels_ms(paged)
+    row["paged_cached_ms"] = kernel_ms(paged.cached)
+    tried = {"default": row["paged_cached_ms"]}
+    if configs:
+        for block_n, per_sm in [(32, 4), (64, 2), (64, 8), (128, 4)]:
+            try:
+                alt = Paged(b, hq, hk, d, dtype, block_n=block_n,
+                            programs_per_sm=per_sm)  # fmt: skip
+                tried[f"block_n {block_n}, {per_sm} per SM"] = kernel_ms(alt.cached)
+                del alt
+            except Exception as e:  # noqa: BLE001 - a launch may not compile
+                tried[f"block_n {block_n}, {per_sm} per SM"] = f"failed: {e}"
+    row["paged_cached_configs_ms"] = tried
+    row["achieved_tb_s"] = row["quantized_bytes"] / (row["paged_cached_ms"] * 1e9)
+    if all(q == 1 for _, q in reqs):
+        try:
+            row["vllm_decode_ms"] = kernel_ms(vllm_decode(b, hq, hk, d))
+        except Exception as e:  # noqa: BLE001 - reported, the rest runs
+            row["vllm_decode_ms"] = f"failed: {type(e).__name__}: {e}"
+    row["paged_over_floor"] = row["paged_ms"] / row["floor_ms"]
+    row["paged_over_window"] = row["paged_ms"] / row["window_ms"]
+    del b, paged
+    torch.cuda.empty_cache()
+    return row
+
+
+def table(rows):
+    f = lambda x: f"{x:.3f}" if isinstance(x, float) else str(x)
+    lines = [
+        "| workload | preset | dtype | rows/kvh | floor ms | window ms | paged ms | "
+        "cached part ms | vLLM decode ms | paged / floor | paged / window | "
+        "quantized bytes at 4.3 TB/s ms | achieved TB/s | plan (M, N, split, progs) |",
+        "|---" * 14 + "|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['workload']} | failed: {r['error'][:80]} |")
+            continue
+        p = r["plan"]
+        lines.append(
+            "| " + " | ".join(
+                [r["workload"], r["preset"].replace("turboquant_", ""), r["dtype"],
+                 str(r["q_rows_per_kv_head"]), f(r["floor_ms"]), f(r["window_ms"]),
+                 f(r["paged_ms"]), f(r["paged_cached_ms"]),
+                 f(r.get("vllm_decode_ms", "-")), f"{r['paged_over_floor']:.2f}",
+                 f"{r['paged_over_window']:.2f}",
+                 f(r["quantized_ms_at_copy_rate"]), f"{r['achieved_tb_s']:.2f}",
+                 f"({p['block_m']}, {p['block_n']}, {p['split_len']}, "
+                 f"{p['programs']})"]
+            ) + " |"
+        )  # fmt: skip
+    ok = [r for r in rows if "error" not in r]
+    if ok:
+        gm = lambda k: math.exp(sum(math.log(r[k]) for r in ok) / len(ok))
+        lines.append(
+            f"\ngeomean paged / floor {gm('paged_over_floor'):.2f}, paged / window "
+            f"{gm('paged_over_window'):.2f} over {len(ok)} workloads"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir", nargs="?", default=os.environ.get("OUT", "."))
+    p.add_argument("--workloads", default="", help="comma-separated name prefixes")
+    p.add_argument("--skip-exactness", action="store_true")
+    p.add_argument("--no-configs", action="store_true", help="the default launch only")
+    a = p.parse_args()
+    os.makedirs(a.out_dir, exist_ok=True)
+    prefixes = [x for x in a.workloads.split(",") if x]
+    chosen = [w for w in grid() if not prefixes or any(w[0].startswith(x)
+              for x in prefixes)]  # fmt: skip
+    result = dict(probe="paged", device=torch.cuda.get_device_name(), exactness=[],
+                  rows=[])  # fmt: skip
+    path = os.path.join(a.out_dir, "paged-probe.json")
+
+    def save():
+        with open(path, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+    failures = []
+    if not a.skip_exactness:
+        try:
+            failures = exactness(result["exactness"])
+        except Exception:  # noqa: BLE001 - reported as a failure, timings still run
+            failures = ["exactness raised:\n" + traceback.format_exc()]
+        result["exactness_failures"] = failures
+        save()
+    for name, shape, reqs, preset, dtype in chosen:
+        t0 = time.time()
+        try:
+            row = measure(name, shape, reqs, preset, dtype, not a.no_configs)
+        except Exception as e:  # noqa: BLE001 - one workload's failure is reported
+            traceback.print_exc()
+            row = dict(workload=name, error=f"{type(e).__name__}: {e}")
+            torch.cuda.empty_cache()
+        row["seconds"] = round(time.time() - t0, 1)
+        result["rows"].append(row)
+        save()
+        print(f"{name}: {json.dumps(row)[:600]}", flush=True)
+    print(table(result["rows"]))
+    if failures:
+        print("EXACTNESS FAILURES:\n" + "\n".join(failures))
+        sys.exit(1)
+    print("exactness: every check passed" if not a.skip_exactness else "")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,385 @@
+"""The memory-bound path (tq_chunked/runtime/paged.py) against the float64 oracle and
+the full path: every request within the full path's error (every preset, fp16 and bf16,
+both cache layouts, block sizes 16 and 32, GQA 1/4/7/8, D 64 and 128, decode and short
+continuations, splits that cut through blocks), every served row written, non-finite
+values and bad block ids as docs/design.md promises, the plan's work list and scratch,
+and no access outside the kernels' tensors."""
+
+import pytest
+import torch
+from bounds import reads_within_arguments
+from conftest import TRITON_OK
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_promises import NONFINITE_CASES, check_against_oracle, poison
+
+from tq_chunked.runtime.format import PRESETS, TQConfig
+from tq_chunked.runtime.paged import (
+    MIN_SPLIT,
+    TOKEN_FIELDS,
+    WORK_FIELDS,
+    paged_attention,
+    paged_continuation_prefill_varlen,
+    plan_paged,
+)
+from tq_chunked.tools.reference import (
+    full_buffer_continuation_prefill,
+    oracle_continuation_prefill,
+)
+from tq_chunked.tools.testing import make_batch, rel_err
+
+pytestmark = pytest.mark.skipif(
+    not TRITON_OK, reason="the paged kernels are Triton: a GPU or TRITON_INTERPRET=1"
+)
+BACKEND = "triton" if torch.cuda.is_available() else "torch"
+# (cached, q_len): short continuations, a first chunk, a request without query tokens,
+# decode
+REQUESTS = [(70, 4), (0, 5), (33, 0), (130, 1), (45, 6)]
+# Both paths round each cached key to fp16 once; over a request of 1-3 query tokens
+# the ratio of two such independent errors spreads widely (tests/test_varlen.py).
+SHORT_REQUEST_FACTOR = 1.6
+
+
+def run(batch, out=None, **kw):
+    """paged_continuation_prefill_varlen on the batch, host lengths given."""
+    return paged_continuation_prefill_varlen(
+        *batch.args[:5],
+        None,
+        None,
+        **batch.kwargs,
+        query_start_loc_cpu=batch.query_start_loc,
+        seq_lens_cpu=batch.seq_lens,
+        backend=BACKEND,
+        out=out,
+        **kw,
+    )
+
+
+def check_within_full_paths_error(batch, out):
+    """Per request with query tokens: ‖out − oracle‖ ≤ 1.1 ‖full − oracle‖ + 1e-4
+    (relative; 1.6 for 1-3 query tokens). Returns the ratios."""
+    ratios = []
+    for r in range(len(batch.seq_lens)):
+        q0, q1 = batch.query_start_loc[r], batch.query_start_loc[r + 1]
+        if q1 == q0:
+            continue
+        args = batch.request(r)
+        oracle = oracle_continuation_prefill(*args, **batch.kwargs)
+        full = full_buffer_continuation_prefill(*args, **batch.kwargs, backend="torch")
+        e, e_full = rel_err(out[q0:q1], oracle), rel_err(full, oracle)
+        factor = 1.1 if q1 - q0 >= 4 else SHORT_REQUEST_FACTOR
+        assert e <= factor * e_full + 1e-4, (
+            f"seed {batch.seed}, request {r}: error {e:.3e}, full path {e_full:.3e}"
+        )
+        ratios.append(e / e_full)
+    return ratios
+
+
+def out_device(batch):
+    return batch.query.device
+
+
+def poisoned(batch):
+    return torch.full_like(batch.query, float("nan"))
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["v020", "v033"])
+def test_every_preset_dtype_and_layout_is_within_the_full_paths_error(
+    preset, dtype, layout
+):
+    seed = 100 + sorted(PRESETS).index(preset) * 4 + 2 * (layout == "v033")
+    seed += dtype == torch.bfloat16
+    batch = make_batch(
+        REQUESTS, preset, dtype, num_q_heads=8, num_kv_heads=2, layout=layout, seed=seed
+    )
+    out = run(batch, poisoned(batch), split_len=32)  # splits of 2 blocks of 16
+    assert not out.isnan().any(), f"seed {seed}: a row was not written"
+    check_within_full_paths_error(batch, out)
+
+
+@pytest.mark.parametrize(
+    "preset, group, head_dim, block_size, block_n, split_len",
+    [
+        ("turboquant_3bit_nc", 1, 64, 32, 16, 48),  # MHA; splits cut blocks of 32
+        ("turboquant_k3v4_nc", 4, 128, 16, 32, 32),  # two blocks per iteration
+        ("turboquant_4bit_nc", 8, 64, 32, 16, 16),  # 16-position splits
+        ("turboquant_k8v4", 7, 64, 16, 32, 64),  # a 28/4-like group, 7 rows a token
+        ("turboquant_3bit_nc", 7, 128, 32, 32, 96),  # three iterations a split
+    ],
+)
+def test_groups_head_sizes_block_sizes_and_splits(
+    preset, group, head_dim, block_size, block_n, split_len
+):
+    seed = 200 + group + head_dim + block_size + split_len
+    batch = make_batch(
+        [(100, 2), (0, 3), (61, 1), (77, 3)],
+        preset,
+        head_dim=head_dim,
+        num_q_heads=2 * group,
+        num_kv_heads=2,
+        block_size=block_size,
+        seed=seed,
+    )
+    out = run(batch, poisoned(batch), block_n=block_n, split_len=split_len)
+    assert not out.isnan().any(), f"seed {seed}: a row was not written"
+    check_within_full_paths_error(batch, out)
+
+
+@pytest.mark.parametrize("q_len", [1, 2, 16])
+def test_decode_and_short_continuations_in_one_tile(q_len):
+    # rows per kv head 4 x q_len: one tile of up to 64 rows decodes each slot once
+    seed = 300 + q_len
+    batch = make_batch(
+        [(150, q_len), (90, q_len), (20, q_len)],
+        "turboquant_3bit_nc",
+        num_q_heads=8,
+        num_kv_heads=2,
+        seed=seed,
+    )
+    info = {}
+    out = run(batch, poisoned(batch), block_m=64 if q_len == 16 else None, info=info)
+    assert info["plan"].block_m >= min(4 * q_len, 64)
+    assert not out.isnan().any(), f"seed {seed}: a row was not written"
+    check_within_full_paths_error(batch, out)
+
+
+@pytest.mark.parametrize("split_len", [16, 48, 400])
+def test_the_answer_does_not_depend_on_the_splits_beyond_rounding(split_len):
+    batch = make_batch(REQUESTS, head_dim=32, seed=31)
+    out = run(batch, split_len=split_len)
+    one = run(batch, split_len=4096)  # one split per request
+    assert rel_err(out, one.double()) < 1e-3, "seed 31"  # the answer's fp16 rounding
+    check_within_full_paths_error(batch, out)
+
+
+def test_rows_of_a_request_with_many_tiles():
+    # 2 x 4 x 12 = 96 rows per kv head: two 64-row tiles, each decoding the slots
+    batch = make_batch([(80, 12), (40, 3)], num_q_heads=8, num_kv_heads=2, seed=33)
+    out = run(batch, poisoned(batch), block_m=64, split_len=32)
+    check_within_full_paths_error(batch, out)
+
+
+def test_lse_is_one_softmaxs_over_all_keys():
+    batch = make_batch(REQUESTS, num_q_heads=4, num_kv_heads=2, seed=34)
+    out, lse = run(batch, return_lse=True, split_len=32)
+    for r in range(len(batch.seq_lens)):
+        q0, q1 = batch.query_start_loc[r], batch.query_start_loc[r + 1]
+        if q1 == q0:
+            continue
+        q, k_new, _, cache, bt, cached = batch.request(r)
+        from tq_chunked.runtime.format import dequantize_reference
+
+        cfg = TQConfig.from_preset(batch.kwargs["preset"], q.shape[2])
+        k, _ = dequantize_reference(
+            cache, bt, 0, cached, cfg, batch.kwargs["centroids"]
+        )
+        k = k.double() @ batch.kwargs["rotation"].double()  # (Hk, cached, D)
+        k = torch.cat([k, k_new.transpose(0, 1).double()], 1)
+        g = q.shape[1] // k.shape[0]
+        s = torch.einsum("lhd,hkd->hlk", q.double(), k.repeat_interleave(g, 0))
+        s = s * batch.kwargs["scale"]
+        i = torch.arange(q1 - q0)[:, None]
+        s = s.masked_fill(torch.arange(k.shape[1])[None] > i + cached, float("-inf"))
+        want = torch.logsumexp(s, -1)  # (Hq, q_len)
+        # the window path's bound (tests/test_varlen.py): the keys' fp16 rounding
+        assert rel_err(lse[:, q0:q1], want) < 1e-3, f"seed 34, request {r}"
+
+
+@pytest.mark.parametrize("bad", ["past the end", "negative"])
+def test_a_bad_block_id_is_never_read_and_makes_its_request_nan(bad):
+    batch = make_batch(REQUESTS, head_dim=32, seed=35)
+    batch.kv_cache = batch.kv_cache[: int(batch.block_table.max()) + 1]  # ends there
+    past = batch.kv_cache.shape[0] + 7
+    batch.block_table[3, 2] = past if bad == "past the end" else -3  # request 3
+    with reads_within_arguments():
+        out = run(batch, split_len=32)
+    q = batch.query_start_loc
+    assert out[q[3] : q[4]].isnan().all(), "seed 35"
+    others = torch.cat([out[: q[3]], out[q[4] :]])
+    assert torch.isfinite(others).all(), "seed 35"
+
+
+@pytest.mark.parametrize("where,value,token", NONFINITE_CASES, ids=str)
+def test_non_finite_values_propagate_as_in_one_softmax_over_all_keys(
+    where, value, token
+):
+    # the cases of tests/test_promises.py (request 0: 220 cached, 12 new tokens)
+    seed = 31 + len(where) + token
+    batch = make_batch(
+        [(220, 12), (30, 6)],
+        "turboquant_3bit_nc",
+        num_q_heads=4,
+        num_kv_heads=2,
+        seed=seed,
+    )
+    batch.query.mul_(0.2)
+    allowed = poison(batch, where, value, token)
+    out = run(batch, split_len=64)
+    assert not torch.isfinite(out).all(), f"seed {seed}: the non-finite value vanished"
+    check_against_oracle(batch, out, allowed)
+
+
+def test_a_value_scale_that_is_not_finite_in_bf16_and_with_fp8_keys():
+    for preset, dtype, seed in [
+        ("turboquant_k8v4", torch.float16, 41),
+        ("turboquant_4bit_nc", torch.bfloat16, 42),
+    ]:
+        batch = make_batch(
+            [(220, 12), (30, 6)], preset, dtype, num_kv_heads=2, seed=seed
+        )
+        batch.query.mul_(0.2)
+        poison(batch, "value scale", float("inf"), 150)
+        check_against_oracle(batch, run(batch, split_len=64))
+
+
+# --- the plan -------------------------------------------------------------------------
+
+
+def test_the_plan_covers_each_requests_cached_positions_once_per_kv_head_and_tile():
+    qsl, lens = [0, 4, 9, 9, 10, 16], [74, 5, 33, 131, 51]
+    plan = plan_paged(qsl, lens, 8, 2, 64, "turboquant_3bit_nc", split_len=48,
+                      block_m=16, block_n=16)  # fmt: skip
+    work = torch.tensor(plan.work).view(-1, WORK_FIELDS).tolist()
+    covered = {}
+    for r, h, tok0, crow0, rows, row0, p0, p1, part0 in work:
+        assert tok0 == qsl[r] and rows == 4 * (qsl[r + 1] - qsl[r])
+        assert p0 % plan.split_len == 0 and 0 <= p0 < p1 <= lens[r] - rows // 4
+        covered.setdefault((r, h, row0), []).append((p0, p1))
+    for (r, h, row0), spans in covered.items():
+        cached = lens[r] - (qsl[r + 1] - qsl[r])
+        spans.sort()
+        assert spans[0][0] == 0 and spans[-1][1] == cached
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    # requests 0 and 4 (two tiles of 16 rows: 24 rows), request 3 (one): 2 kv heads
+    assert {(r, row0) for r, _, row0 in covered} == {(0, 0), (3, 0), (4, 0), (4, 16)}
+    tokens = torch.tensor(plan.tokens).view(-1, TOKEN_FIELDS).tolist()
+    assert [t[0] for t in tokens] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9] + list(
+        range(10, 16)
+    )  # every query token once: the first chunk's (request 1) too
+    assert tokens[4][2] == 0  # request 1 has nothing cached: no splits
+
+
+def test_the_plans_split_aims_at_the_sms_and_its_scratch_is_its_regions():
+    qsl, lens = [0, 1, 2], [4097, 9001]
+    plan = plan_paged(qsl, lens, 32, 8, 128, "turboquant_3bit_nc", sms=132,
+                      interpret=False)  # fmt: skip
+    assert plan.split_len >= MIN_SPLIT and plan.split_len % plan.block_n == 0
+    assert 132 <= plan.programs <= 8 * 132
+    regions = plan.regions()
+    end = max(at + torch.Size(shape).numel() * dtype.itemsize
+              for at, shape, dtype in regions.values())  # fmt: skip
+    assert plan.scratch_bytes >= end and plan.scratch_bytes - end < 256
+    scratch = plan.carve(torch.empty(plan.scratch_bytes, dtype=torch.uint8))
+    assert scratch.part_out.shape == (plan.part_rows, 32, 128)
+
+
+def test_splits_grow_until_the_scratch_fits_or_the_plan_is_refused():
+    qsl, lens = [0, 64], [64 + 8192]
+    small = plan_paged(qsl, lens, 32, 8, 128, "turboquant_3bit_nc", split_len=256)
+    capped = plan_paged(qsl, lens, 32, 8, 128, "turboquant_3bit_nc", split_len=256,
+                        max_scratch_bytes=small.scratch_bytes // 4)  # fmt: skip
+    assert capped.split_len > small.split_len
+    assert capped.scratch_bytes <= small.scratch_bytes // 4
+    with pytest.raises(ValueError, match="max_scratch_bytes"):
+        plan_paged(qsl, lens, 32, 8, 128, "turboquant_3bit_nc",
+                   max_scratch_bytes=1 << 16)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(block_m=48), "block_m"),
+        (dict(block_n=24), "block_n"),
+        (dict(num_q_heads=6), "num_q_heads"),
+        (dict(lens=[2]), "seq_lens"),
+    ],
+)
+def test_bad_plan_arguments_are_value_errors_naming_them(kw, match):
+    args = dict(num_q_heads=8, lens=[40])
+    args.update(kw)
+    lens, hq = args.pop("lens"), args.pop("num_q_heads")
+    with pytest.raises(ValueError, match=match):
+        plan_paged([0, 4], lens, hq, 4, 64, "turboquant_3bit_nc", **args)
+
+
+def test_a_buffer_too_small_for_the_scratch_is_refused():
+    plan = plan_paged([0, 4], [40], 8, 2, 64, "turboquant_3bit_nc")
+    with pytest.raises(ValueError, match="buffer must hold"):
+        plan.carve(torch.empty(plan.scratch_bytes - 1, dtype=torch.uint8))
+
+
+def test_run_writes_only_the_planned_requests_rows():
+    # the lead's dispatch: some requests on this path, the rest elsewhere
+    batch = make_batch(REQUESTS, head_dim=32, seed=36)
+    n, hq, d = batch.query.shape
+    cfg = TQConfig.from_preset("turboquant_3bit_nc", d)
+    plan = plan_paged(batch.query_start_loc, batch.seq_lens, hq, 2, d, cfg,
+                      requests=[0, 4], split_len=32)  # fmt: skip
+    work, tokens = plan.upload(batch.query.device)
+    buf = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=out_device(batch))
+    out = poisoned(batch)
+    kw = {k: v for k, v in batch.kwargs.items() if k != "preset"}
+    paged_attention(batch.query, batch.kv_cache, batch.block_table, plan, work,
+                    tokens, plan.carve(buf), out, cfg=cfg, **kw)  # fmt: skip
+    q = batch.query_start_loc
+    mine = torch.zeros(n, dtype=torch.bool, device=out.device)
+    mine[q[0] : q[1]] = mine[q[4] : q[5]] = True
+    assert torch.isfinite(out[mine]).all() and out[~mine].isnan().all(), "seed 36"
+
+
+# --- bounds ---------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's addresses")
+@settings(
+    max_examples=6,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+@given(
+    requests=st.lists(
+        st.tuples(st.integers(0, 90), st.integers(0, 5)), min_size=1, max_size=3
+    ),
+    preset=st.sampled_from(list(PRESETS)),
+    group=st.sampled_from([1, 3, 4]),
+    block_size=st.sampled_from([16, 32, 24]),
+    layout=st.sampled_from(["v020", "v033"]),
+    odd_cache=st.booleans(),
+    split_len=st.sampled_from([16, 32, 48]),
+    bad=st.integers(0, 2**31 - 1),
+)
+def test_the_kernels_stay_inside_their_tensors(
+    requests, preset, group, block_size, layout, odd_cache, split_len, bad
+):
+    """Rotation, attention and combine, on a cache that ends at its last block in use,
+    at an odd address or not, with a block size that is not a power of two, a bad
+    block id in one request's cached part, a strided query."""
+    seed = bad % 1000
+    batch = make_batch(requests, preset, head_dim=32 if preset != "turboquant_k8v4"
+                       else 40, num_q_heads=2 * group, num_kv_heads=2,
+                       block_size=block_size, layout=layout, seed=seed)  # fmt: skip
+    batch.kv_cache = batch.kv_cache[: int(batch.block_table.max()) + 1]
+    hit = [r for r, (c, q) in enumerate(requests) if c > 0]
+    victim = hit[bad % len(hit)] if hit else None
+    if victim is not None:
+        col = (bad // 7) % -(-requests[victim][0] // block_size)
+        batch.block_table[victim, col] = -1 - bad % 3 if bad % 2 else 10**6
+    if odd_cache:
+        buf = torch.empty(batch.kv_cache.numel() + 1, dtype=torch.uint8)
+        batch.kv_cache = buf[1:].view(batch.kv_cache.shape).copy_(batch.kv_cache)
+    batch.query = batch.query.transpose(0, 1).contiguous().transpose(0, 1)
+    with reads_within_arguments() as seen:
+        out = run(batch, split_len=split_len)
+    assert {"_paged_kernel", "_combine_kernel"} <= seen.kernels or not any(
+        c > 0 and q > 0 for c, q in requests
+    )
+    for r, (c, q) in enumerate(requests):
+        rows = out[batch.query_start_loc[r] : batch.query_start_loc[r + 1]]
+        if r == victim and q > 0:
+            assert rows.isnan().all(), f"seed {seed}, request {r}"
+        else:
+            assert torch.isfinite(rows).all(), f"seed {seed}, request {r}"

@@ -1,0 +1,1155 @@
+"""The memory-bound path: attention of each request's query rows over its cached
+positions ``[0, c_r)``, read straight from the paged TurboQuant cache, with no fp16 K/V
+written anywhere. For requests whose query rows per kv head (``q_len x Hq / Hk``) are
+few (decode up to about 64-128), where attention is bound by the cache's bytes: a
+TurboQuant slot holds 3.5-5x fewer bytes than fp16 K/V (benchmarks/NOTES.md §32).
+
+The work, in three launches (two for fp8-key presets):
+
+1. ``_rotate_kernel``: the query of every token served, rotated once into the keys'
+   space (``q . k = (q @ rotation^T) . k_rot``: cached keys are never un-rotated),
+   float32, into the scratch; and the centroid table as fp16 (the key dot's operand).
+2. ``_paged_kernel``: one program per work item (a request, a kv head, a tile of up to
+   BLOCK_M query rows of that kv head's group, a range of cached positions: a split).
+   The rows of all query heads that share a kv head form one tile (token-major), so
+   each decoded slot serves all of them; each request's positions are split over
+   enough programs that every SM streams (flash-decoding). A program reads each slot
+   once, keeps an online softmax over its split and writes a partial (out, lse).
+3. ``_combine_kernel``: per token and query head, the splits' partials merged by
+   log-sum-exp, with one more partial if given (the chunk's own causal attention, as
+   FlashAttention returns it), into ``out`` in its dtype.
+
+Exactness. A key is ``a_n c_n``: ``c_n`` its centroids as the fp16 table holds them (the
+dot's operand as loaded), ``a_n = norm / |c_n|`` applied to the scores; the sum of
+squares is one more dot (the squares in fp16 against a tile of ones: exact products,
+float32 sums). The rotated query is scaled per row by a power of two and split into an
+fp16 part and an fp16 remainder, so each score is two dots of exact products (22
+significant bits of the query). fp8 keys are exact in the query's dtype: one dot with
+the query as it is. A value is ``i s + z``: ``p . v = (p s) . (i - h) + p . (z + h s)``,
+h the middle of the index range, so the centred indices ``2i - (2^bits - 1)`` (odd
+integers, exact in fp16; the middle, not 2^(bits-1), so that the dot's sum is about
+the answer's size, which the tensor cores' truncating accumulation needs: NOTES.md
+§27) are the dot's operand, ``p s`` is rounded once to fp16 (where FlashAttention
+rounds p and the value), in units of a power of two at the largest scale seen (fp16's
+normal range), and the zero term is float32.
+
+Non-finite values as in one softmax over the keys (docs/design.md): a NaN or inf key
+norm makes its score NaN (a key of infinities meets a query of mixed signs); a value
+field that is not finite switches that tile to the uncentred float32 form ``i s + z``,
+whose NaN and inf elements are the oracle's. A block id outside ``[0, num_blocks)`` is
+never read; its positions' scores are NaN, so its request's rows are NaN.
+
+Host side, pure functions of host ints: ``plan_paged`` (the splits, the work list, the
+scratch's bytes), ``PagedPlan.carve`` (the scratch's views of a workspace buffer) and
+``PagedPlan.upload`` (the work arrays on the device); ``paged_attention`` runs the
+three launches from those; ``paged_continuation_prefill_varlen`` is the allocating
+convenience form with ``continuation_prefill_varlen``'s arguments, for tests and
+benchmarks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import Launcher, interpreter_rounds_bf16, interpreting, round_bf16
+from .dequant import _fp16_at, _unpack, fp8_e4b15_for, halves_ok
+from .format import TQConfig, resolve_config
+from .merge import _term
+
+# Per work item (one program of _paged_kernel), int32: the request (its block-table
+# row), the kv head, the request's first query token, its first row in the served
+# tokens' numbering (the rotated query's row), its query rows of the kv head (q_len x
+# GROUP), the tile's first row, the split's first and end position, the split's first
+# partial row.
+WORK_FIELDS = 9
+# Per served token (one row of the combine), int32: the token, its first partial row,
+# its request's number of splits, the stride between its splits' rows (q_len).
+TOKEN_FIELDS = 4
+# Positions a split holds at least: below this the partial's write and the program's
+# prologue weigh against its reads.
+MIN_SPLIT = 256
+# Programs the planner aims at per SM: enough for two resident programs and the last
+# wave's imbalance.
+PROGRAMS_PER_SM = 4
+DEFAULT_SMS = 132  # the H200's
+DEFAULT_SCRATCH_BYTES = 128 << 20
+_ALIGN = 256  # bytes: each scratch region starts on this
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+# ---------------------------------------------------------------------------
+# The plan: host ints in, work list and scratch size out
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PagedPlan:
+    """What ``paged_attention`` runs for one step: the launch, the work list, the
+    scratch. Made by ``plan_paged`` from host lengths; the same for every layer."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotated: bool  # MSE keys: the query rotated into the scratch first
+    block_m: int  # query rows per tile
+    block_n: int  # positions per loop iteration
+    num_warps: int
+    split_len: int  # positions per split (a multiple of block_n)
+    work: tuple[int, ...]  # programs x WORK_FIELDS
+    tokens: tuple[int, ...]  # served tokens x TOKEN_FIELDS
+    part_rows: int  # rows of the split partials
+    max_splits: int  # the most splits of a served request
+
+    @property
+    def programs(self) -> int:
+        return len(self.work) // WORK_FIELDS
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // TOKEN_FIELDS
+
+    def regions(self) -> dict[str, tuple[int, tuple[int, ...], torch.dtype]]:
+        """Each scratch region's name -> (byte offset, shape, dtype)."""
+        hq, d = self.num_q_heads, self.head_dim
+        out, at = {}, 0
+        shapes = [
+            ("query", (self.num_tokens if self.rotated else 0, hq, d), torch.float32),
+            ("table", (16 if self.rotated else 0,), torch.float16),
+            ("part_out", (self.part_rows, hq, d), torch.float32),
+            ("part_lse", (self.part_rows, hq), torch.float32),
+        ]
+        for name, shape, dtype in shapes:
+            out[name] = (at, shape, dtype)
+            at += _aligned(math.prod(shape) * dtype.itemsize)
+        return out
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of the scratch (each region aligned to 256 bytes)."""
+        at, shape, dtype = self.regions()["part_lse"]
+        return at + _aligned(math.prod(shape) * dtype.itemsize)
+
+    def carve(self, buffer: torch.Tensor) -> PagedScratch:
+        """The scratch's views of ``buffer`` (uint8, contiguous, at least
+        ``scratch_bytes``, 256-byte aligned as the caching allocator gives)."""
+        if (
+            not isinstance(buffer, torch.Tensor)
+            or buffer.dtype != torch.uint8
+            or not buffer.is_contiguous()
+        ):
+            raise ValueError("buffer must be a contiguous uint8 tensor")
+        if buffer.numel() < self.scratch_bytes:
+            raise ValueError(
+                f"buffer must hold {self.scratch_bytes} bytes, got {buffer.numel()}"
+            )
+        if buffer.data_ptr() % 16:
+            raise ValueError("buffer must start on a 16-byte boundary")
+        views = {}
+        for name, (at, shape, dtype) in self.regions().items():
+            n = math.prod(shape) * dtype.itemsize
+            views[name] = buffer[at : at + n].view(dtype).view(shape)
+        return PagedScratch(**views)
+
+    def upload(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(work (programs, WORK_FIELDS), tokens (served tokens, TOKEN_FIELDS)) int32
+        on ``device`` (one copy each; a caller that pins and copies them
+        asynchronously may build them from ``work`` and ``tokens`` itself)."""
+        t = lambda x, k: torch.tensor(x, dtype=torch.int32).view(-1, k).to(device)
+        return t(self.work, WORK_FIELDS), t(self.tokens, TOKEN_FIELDS)
+
+
+@dataclass(frozen=True)
+class PagedScratch:
+    query: torch.Tensor  # (served tokens, Hq, D) float32: the rotated query
+    table: torch.Tensor  # (16,) fp16: the centroids as the key dot reads them
+    part_out: torch.Tensor  # (part_rows, Hq, D) float32
+    part_lse: torch.Tensor  # (part_rows, Hq) float32, natural log
+
+
+def default_launch(rows: int, interpret: bool) -> tuple[int, int, int]:
+    """(block_m, block_n, num_warps) for a batch whose largest request has ``rows``
+    query rows per kv head: one tile of all of them up to 64 (each slot decoded once
+    per request and kv head), 16 at least (the tensor cores' smallest tile)."""
+    block_m = min(max(triton.next_power_of_2(max(rows, 1)), 16), 64)
+    if interpret:
+        return 16, 16, 4
+    return block_m, 64 if block_m <= 32 else 32, 4
+
+
+def plan_paged(
+    query_start_loc,
+    seq_lens,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    preset: str | TQConfig,
+    *,
+    requests=None,
+    sms: int = DEFAULT_SMS,
+    programs_per_sm: int = PROGRAMS_PER_SM,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    split_len: int | None = None,
+    max_scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
+    interpret: bool | None = None,
+) -> PagedPlan:
+    """The plan of the memory-bound path for the requests ``requests`` (default: all)
+    of a batch, from host ints alone.
+
+    query_start_loc: B + 1 host ints; seq_lens: B host ints (cached + new tokens).
+    Request r's cached positions ``[0, seq_lens[r] - q_len_r)`` are split into ranges
+    of ``split_len`` positions (default: the batch's work over ``sms x
+    programs_per_sm`` programs, at least MIN_SPLIT, a multiple of block_n), each a
+    program per kv head and tile of ``block_m`` query rows (default
+    ``default_launch``). Splits double until the scratch fits ``max_scratch_bytes``
+    (a ValueError if one split per request does not). A request with nothing cached
+    has tokens (the combine writes them) and no work; one without query tokens has
+    neither.
+    """
+    cfg = resolve_config(preset, head_dim)
+    hq, hk = num_q_heads, num_kv_heads
+    if hk < 1 or hq % hk:
+        raise ValueError(
+            f"num_q_heads ({hq}) must be a multiple of num_kv_heads ({hk})"
+        )
+    group = hq // hk
+    b = len(seq_lens)
+    if len(query_start_loc) != b + 1:
+        raise ValueError(
+            f"query_start_loc must hold B + 1 = {b + 1} ints, got "
+            f"{len(query_start_loc)}"
+        )
+    served = range(b) if requests is None else list(requests)
+    q0 = [int(query_start_loc[r]) for r in served]
+    q_len = [int(query_start_loc[r + 1]) - q0[i] for i, r in enumerate(served)]
+    cached = [int(seq_lens[r]) - q_len[i] for i, r in enumerate(served)]
+    if any(n < 0 for n in q_len) or any(c < 0 for c in cached):
+        raise ValueError("seq_lens[r] must be at least request r's query tokens")
+    rows = [n * group for n in q_len]
+    busy = [i for i in range(len(served)) if cached[i] > 0 and q_len[i] > 0]
+    interpret = interpreting() if interpret is None else interpret
+    launch = default_launch(max((rows[i] for i in busy), default=1), interpret)
+    block_m = block_m or launch[0]
+    block_n = block_n or launch[1]
+    num_warps = num_warps or launch[2]
+    if block_m not in (16, 32, 64, 128):
+        raise ValueError(f"block_m must be 16, 32, 64 or 128, got {block_m}")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    tiles = {i: triton.cdiv(rows[i], block_m) for i in busy}
+    longest = max((cached[i] for i in busy), default=0)
+    if split_len is None:
+        work = sum(hk * tiles[i] * cached[i] for i in busy)
+        split_len = max(MIN_SPLIT, triton.cdiv(work, max(sms * programs_per_sm, 1)))
+    split_len = triton.cdiv(max(min(split_len, longest), 1), block_n) * block_n
+    while True:
+        plan = _build(
+            cfg, hq, hk, group, served, q0, q_len, cached, rows, busy, tiles,
+            block_m, block_n, num_warps, split_len,
+        )  # fmt: skip
+        if plan.scratch_bytes <= max_scratch_bytes:
+            return plan
+        if split_len >= longest:
+            raise ValueError(
+                f"the memory-bound path needs {plan.scratch_bytes} bytes of scratch "
+                f"for these requests, more than max_scratch_bytes "
+                f"({max_scratch_bytes})"
+            )
+        split_len = min(2 * split_len, triton.cdiv(longest, block_n) * block_n)
+
+
+def _build(
+    cfg, hq, hk, group, served, q0, q_len, cached, rows, busy, tiles,
+    block_m, block_n, num_warps, split_len,
+) -> PagedPlan:  # fmt: skip
+    work, tokens = [], []
+    part = 0  # partial rows so far
+    crow = 0  # served tokens so far
+    max_splits = 0
+    for i, r in enumerate(served):
+        n_splits = triton.cdiv(cached[i], split_len) if i in tiles else 0
+        for t in range(q_len[i]):
+            tokens += (q0[i] + t, part + t, n_splits, q_len[i])
+        for tile in range(tiles.get(i, 0)):
+            for h in range(hk):
+                for j in range(n_splits):
+                    p0 = j * split_len
+                    p1 = min(cached[i], p0 + split_len)
+                    work += (r, h, q0[i], crow, rows[i], tile * block_m, p0, p1)
+                    work.append(part + j * q_len[i])
+        part += n_splits * q_len[i]
+        crow += q_len[i]
+        max_splits = max(max_splits, n_splits)
+    return PagedPlan(
+        hq,
+        hk,
+        cfg.head_dim,
+        not cfg.key_fp8,
+        block_m,
+        block_n,
+        num_warps,
+        split_len,
+        tuple(work),
+        tuple(tokens),
+        part,
+        max_splits,
+    )
+
+
+# ---------------------------------------------------------------------------
+# The query's rotation
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_kernel(
+    q_ptr,
+    rot_ptr,
+    centroids_ptr,
+    tokens_ptr,
+    out_ptr,  # (served tokens, HQ, D) float32
+    table_ptr,  # (16,) fp16
+    n_rows,  # served tokens x HQ
+    n_centroids,
+    s_q_tok,
+    s_q_head,
+    s_q_d,
+    s_rot0,
+    s_rot1,
+    s_centroid,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Rows (served token, head) of ``q @ rotation^T`` in float32 (products and sums
+    in float32, as ``q.float() @ rotation.float().T``); program 0 also writes the
+    centroid table as fp16."""
+    i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = i < n_rows
+    tok = tl.load(tokens_ptr + (i // HQ) * 4, mask=live, other=0).to(tl.int64)
+    head = (i % HQ).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for k0 in tl.static_range(0, BLOCK_D, BLOCK_K):
+        e = k0 + tl.arange(0, BLOCK_K)
+        q = tl.load(
+            q_ptr + tok[:, None] * s_q_tok + head[:, None] * s_q_head + e * s_q_d,
+            mask=live[:, None] & (e < D)[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        # rotation^T[e, d] = rotation[d, e]
+        r = tl.load(
+            rot_ptr + d[None, :] * s_rot0 + e[:, None] * s_rot1,
+            mask=(e < D)[:, None] & (d < D)[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(q, r, acc, input_precision="ieee")
+    tl.store(
+        out_ptr + i.to(tl.int64)[:, None] * D + d[None, :],
+        acc,
+        mask=live[:, None] & (d < D)[None, :],
+    )
+    if tl.program_id(0) == 0:
+        c = tl.arange(0, 16)
+        table = tl.load(centroids_ptr + c * s_centroid, mask=c < n_centroids, other=0)
+        tl.store(table_ptr + c, table.to(tl.float16))
+
+
+# ---------------------------------------------------------------------------
+# The slot decode
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _interleave(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    """(N, G, 16) of sixteen (N, G) tensors, x_j at [..., j], the new axis in each
+    thread's registers (``tl.join`` keeps its axis there): each thread then holds the
+    16 indices of a group, decoded with shifts known at compile time."""
+    a = tl.join(tl.join(tl.join(x0, x8), tl.join(x4, x12)), tl.join(
+        tl.join(x2, x10), tl.join(x6, x14)))  # fmt: skip
+    b = tl.join(tl.join(tl.join(x1, x9), tl.join(x5, x13)), tl.join(
+        tl.join(x3, x11), tl.join(x7, x15)))  # fmt: skip
+    # joined axes, outer to inner: bits 3, 2, 1, 0 of j
+    y = tl.join(a, b)
+    return tl.reshape(y, [x0.shape[0], x0.shape[1], 16])
+
+
+@triton.jit
+def _indices(ptr, ok, D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr,
+             HALVES: tl.constexpr):  # fmt: skip
+    """(N, BLOCK_D) int32: the BITS-wide (3 or 4) little-endian indices of the streams
+    at byte pointers ``ptr`` (N,), rows outside ``ok`` reading nothing (0); columns
+    past D unspecified. With HALVES, from 16-bit loads: indices 16g .. 16g + 15 are
+    the BITS halfwords from halfword g * BITS, and two 32-bit words of them hold every
+    index of the group whole (halfwords 0-1 and, at 3 bits, 1-2; at 4 bits, 2-3), so
+    each index is one shift and one mask (a 64-bit word would take two of each). Byte
+    by byte otherwise (``dequant._unpack``)."""
+    N: tl.constexpr = ptr.shape[0]
+    ok2 = ok[:, None]
+    if HALVES:
+        G: tl.constexpr = BLOCK_D // 16
+        g = tl.arange(0, G)[None, :]
+        m = ok2 & (g * 16 < D)
+        base = ptr.to(tl.pointer_type(tl.uint16))[:, None] + g * BITS
+        h0 = tl.load(base, mask=m, other=0).to(tl.int32)
+        h1 = tl.load(base + 1, mask=m, other=0).to(tl.int32)
+        h2 = tl.load(base + 2, mask=m, other=0).to(tl.int32)
+        K: tl.constexpr = (1 << BITS) - 1
+        if BITS == 4:
+            h3 = tl.load(base + 3, mask=m, other=0).to(tl.int32)
+            lo = h0 | (h1 << 16)  # indices 0-7
+            hi = h2 | (h3 << 16)  # indices 8-15
+            y = _interleave(
+                lo & K, (lo >> 4) & K, (lo >> 8) & K, (lo >> 12) & K,
+                (lo >> 16) & K, (lo >> 20) & K, (lo >> 24) & K, (lo >> 28) & K,
+                hi & K, (hi >> 4) & K, (hi >> 8) & K, (hi >> 12) & K,
+                (hi >> 16) & K, (hi >> 20) & K, (hi >> 24) & K, (hi >> 28) & K,
+            )  # fmt: skip
+        else:
+            lo = h0 | (h1 << 16)  # indices 0-9 whole (bits 0-29)
+            hi = h1 | (h2 << 16)  # indices 6-15 whole (bits 16-47)
+            y = _interleave(
+                lo & K, (lo >> 3) & K, (lo >> 6) & K, (lo >> 9) & K,
+                (lo >> 12) & K, (lo >> 15) & K, (lo >> 18) & K, (lo >> 21) & K,
+                (lo >> 24) & K, (lo >> 27) & K, (hi >> 14) & K, (hi >> 17) & K,
+                (hi >> 20) & K, (hi >> 23) & K, (hi >> 26) & K, (hi >> 29) & K,
+            )  # fmt: skip
+        return tl.reshape(y, [N, BLOCK_D])
+    else:
+        return _unpack(ptr[:, None], ok2, D, BITS, BLOCK_D)
+
+
+@triton.jit
+def _fp16_field(ptr, ok, HALVES: tl.constexpr):
+    """float32 of the fp16 at byte pointers ``ptr`` where ``ok`` (0 elsewhere)."""
+    if HALVES:
+        x = tl.load(ptr.to(tl.pointer_type(tl.float16)), mask=ok, other=0)
+        return x.to(tl.float32)
+    else:
+        return _fp16_at(ptr, ok)
+
+
+@triton.jit
+def _centred(idx, BITS: tl.constexpr):
+    """fp16 ``2 idx - (2^BITS - 1)`` (odd integers, exact) without the conversion
+    pipe: the bits ``(2 idx + 1) | 0x6400`` are the fp16 1025 + 2 idx, less 1024 +
+    2^BITS (exact: fp16 counts by 1 in [1024, 2048))."""
+    bits = ((idx << 1) | 0x6401).to(tl.int16)
+    return bits.to(tl.float16, bitcast=True) - (1024.0 + (1 << BITS))
+
+
+@triton.jit
+def _table_bytes(table_ptr):
+    """The 8-entry fp16 table as four int32 words for ``_lookup8``: the low bytes of
+    entries 0-3 and 4-7, the high bytes of entries 0-3 and 4-7."""
+    c = tl.arange(0, 4)
+    h = tl.load(table_ptr.to(tl.pointer_type(tl.uint16)) + c).to(tl.int32)
+    h4 = tl.load(table_ptr.to(tl.pointer_type(tl.uint16)) + 4 + c).to(tl.int32)
+    shift = 8 * c
+    return (
+        tl.sum((h & 0xFF) << shift, 0),
+        tl.sum((h4 & 0xFF) << shift, 0),
+        tl.sum((h >> 8) << shift, 0),
+        tl.sum((h4 >> 8) << shift, 0),
+    )
+
+
+@triton.jit
+def _lookup8(idx, lo0, lo1, hi0, hi1):
+    """fp16 ``table[idx]`` of 3-bit indices (int32) without a load: four indices make
+    one byte-permute selector (nibbles), two permutes pick their entries' low and high
+    bytes from the table's words (``_table_bytes``), two more interleave them into
+    fp16 pairs: 7 instructions per 4 elements, in the indices' own layout (a gather
+    through ``tl.load`` is laid out one element per thread and converted back through
+    shared memory, NOTES.md §32). GPU only (inline PTX)."""
+    z = tl.zeros_like(idx)
+    # operands: $0-$1 the four fp16 out; $2-$5 the indices; each table word packed
+    # four times ($6, $10, $14, $18 the first copies)
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 s, l, h;
+        mad.lo.u32 s, $3, 16, $2;
+        mad.lo.u32 s, $4, 256, s;
+        mad.lo.u32 s, $5, 4096, s;
+        prmt.b32 l, $6, $10, s;
+        prmt.b32 h, $14, $18, s;
+        prmt.b32 $0, l, h, 0x5140;
+        prmt.b32 $1, l, h, 0x7362;
+        }""",
+        constraints=(  # two fp16 pairs out; four indices and the table's words in
+            "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r"
+        ),
+        args=[idx, z + lo0, z + lo1, z + hi0, z + hi1],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _fp8_keys(cache_ptr, slot, ok, D: tl.constexpr, BLOCK_D: tl.constexpr,
+              FP8_E4B15: tl.constexpr, HALVES: tl.constexpr):  # fmt: skip
+    """(N, BLOCK_D) fp16 of the fp8 keys at ``slot`` (exact; 0 outside ``ok`` and past
+    D), read in 16-bit loads with HALVES."""
+    N: tl.constexpr = slot.shape[0]
+    ok2 = ok[:, None]
+    if HALVES:
+        dh = tl.arange(0, BLOCK_D // 2)[None, :]
+        h = tl.load(
+            (cache_ptr + slot[:, None]).to(tl.pointer_type(tl.uint16)) + dh,
+            mask=ok2 & (2 * dh < D),
+            other=0,
+        )
+        raw = tl.reshape(
+            tl.join((h & 0xFF).to(tl.uint8), (h >> 8).to(tl.uint8)), [N, BLOCK_D]
+        )
+    else:
+        d = tl.arange(0, BLOCK_D)[None, :]
+        raw = tl.load(cache_ptr + slot[:, None] + d, mask=ok2 & (d < D), other=0)
+    if FP8_E4B15:
+        return raw.to(tl.float8e4b15, bitcast=True).to(tl.float16)
+    else:
+        return raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _pow2_floor(x):
+    """The power of two at or below each positive normal float32 ``x``; 0 for 0 and
+    subnormals."""
+    return (x.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_F32: tl.constexpr):
+    """The dot a @ b plus acc, on the tensor cores; in float32 under the interpreter
+    (its fp16 and bf16 dots are not the GPU's)."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc, out_dtype=tl.float32)
+
+
+# ---------------------------------------------------------------------------
+# The attention over the cached positions
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _split_attention(
+    q_hi,
+    q_lo,
+    row_scale,
+    cache_ptr,
+    bt_row,
+    table_ptr,
+    head_off,
+    start,
+    end,
+    num_blocks,
+    max_blocks,
+    s_cache_block,
+    s_cache_pos,
+    s_bt_col,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    KEY_INDEX_BYTES: tl.constexpr,
+    KEY_BYTES: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
+    VALUE_INDEX_BYTES: tl.constexpr,
+    NORM_CORRECTION: tl.constexpr,
+    FP8_E4B15: tl.constexpr,
+    Q_BF16: tl.constexpr,
+    HALVES: tl.constexpr,
+    Q_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    EXACT: tl.constexpr,
+    LOOKUP: tl.constexpr,
+):
+    """The online softmax of the rows (q_hi, q_lo: the query's dot operands; row_scale
+    their scores' factor, log2 units) over positions [start, end) of one kv head.
+    Returns (m, l, z, acc, unit, seen): the running max and sum, the zero term, the
+    value dot's sum in units of ``unit``, and whether a value scale or zero was not
+    finite. EXACT: every tile's values in the uncentred float32 form ``i s + z``,
+    whose NaN and inf elements are one softmax's; otherwise the centred fp16 form, and
+    such a tile only sets ``seen`` (the caller runs the split again, EXACT)."""
+    BLOCK_M: tl.constexpr = q_hi.shape[0]
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    z_i = tl.zeros([BLOCK_M], tl.float32)  # sum of p x the value's (centred) zero
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # in units of `unit`
+    # the power of two at or below the largest value scale seen (NOTES.md §27); the
+    # exact form's at least 2^-60, so that no finite value over it overflows
+    unit = tl.full([], 2.0**-60 if EXACT else 2.0**-126, tl.float32)
+    seen = tl.zeros([], tl.int32)
+    if NORM_CORRECTION:
+        ones = tl.full([BLOCK_M, BLOCK_D], 1.0, tl.float16)
+    if LOOKUP:
+        lo0, lo1, hi0, hi1 = _table_bytes(table_ptr)
+    for n0 in range(start, end, BLOCK_N):
+        # -- where each position's slot is: the block ids once per block --------------
+        pos = n0 + tl.arange(0, BLOCK_N)
+        in_c = pos < end
+        if (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0:
+            # n0 is a multiple of BLOCK_N (splits are): NB block ids cover the tile
+            NB: tl.constexpr = BLOCK_N // BLOCK_SIZE if BLOCK_N > BLOCK_SIZE else 1
+            PER: tl.constexpr = BLOCK_N // NB
+            col = n0 // BLOCK_SIZE + tl.arange(0, NB)
+            blk = tl.load(bt_row + col * s_bt_col, mask=col < max_blocks, other=-1)
+            good = (blk >= 0) & (blk < num_blocks)
+            within = (n0 % BLOCK_SIZE + tl.arange(0, PER)).to(tl.int64)
+            off = (
+                blk.to(tl.int64)[:, None] * s_cache_block
+                + (within * s_cache_pos)[None, :]
+            )
+            off = tl.reshape(off, [BLOCK_N])
+            good = tl.reshape(good[:, None] & (within >= 0)[None, :], [BLOCK_N])
+        else:
+            col = pos // BLOCK_SIZE
+            blk = tl.load(
+                bt_row + col * s_bt_col, mask=in_c & (col < max_blocks), other=-1
+            )
+            good = (blk >= 0) & (blk < num_blocks)
+            off = (
+                blk.to(tl.int64) * s_cache_block
+                + (pos % BLOCK_SIZE).to(tl.int64) * s_cache_pos
+            )
+        ok = in_c & good  # only these are read
+        bad = in_c & (~good)  # a block id outside the cache: NaN
+        slot = tl.where(ok, off + head_off, 0)
+        # -- scores: q . (a_n c_n), a_n applied to the (rows x positions) tile ---------
+        if KEY_BITS == 8:
+            k = _fp8_keys(cache_ptr, slot, ok, D, BLOCK_D, FP8_E4B15, HALVES)
+            if Q_BF16:
+                k = k.to(tl.bfloat16)  # exact: fp8 fits bf16
+            s = _dot(
+                q_hi, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_F32
+            )
+            a = tl.where(bad, float("nan"), 1.0)
+        else:
+            idx = _indices(cache_ptr + slot, ok, D, KEY_BITS, BLOCK_D, HALVES)
+            if LOOKUP:
+                kc = _lookup8(idx, lo0, lo1, hi0, hi1)
+            else:
+                # indices are in range whatever the bytes: the table read unmasked
+                kc = tl.load(table_ptr + idx)
+            kt = tl.trans(kc)  # (BLOCK_D, BLOCK_N)
+            s = _dot(q_hi, kt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_F32)
+            if Q_SPLIT:
+                s = _dot(q_lo, kt, s, DOT_F32)
+            a = _fp16_field(cache_ptr + slot + KEY_INDEX_BYTES, ok, HALVES)
+            # a norm that is not finite: NaN (its key's infinities meet the query's
+            # mixed signs in one softmax)
+            a = tl.where((tl.abs(a) < float("inf")) & (~bad), a, float("nan"))
+            if NORM_CORRECTION:
+                # |c_n|^2: the squares rounded to fp16, exact products, float32 sums
+                zero = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                s = s * tl.math.rsqrt(_dot(ones, kt * kt, zero, DOT_F32) + 1e-16)
+        t = tl.where(in_c[None, :], s * a[None, :], float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(t, 1) * row_scale)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(t * row_scale[:, None] - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        # -- values: p . (i s + z) = (p s) . (i - h) + p . (z + h s) ------------------
+        vslot = cache_ptr + slot + KEY_BYTES
+        vidx = _indices(vslot, ok, D, VALUE_BITS, BLOCK_D, HALVES)
+        vs = _fp16_field(vslot + VALUE_INDEX_BYTES, ok, HALVES)
+        vz = _fp16_field(vslot + VALUE_INDEX_BYTES + 2, ok, HALVES)
+        finite = tl.abs(vs) + tl.abs(vz) < float("inf")  # NaN: not
+        if EXACT:
+            top = tl.max(tl.where(finite, tl.abs(vs), 0.0), 0)
+            new_unit = tl.maximum(unit, _pow2_floor(top))
+            vf = vidx.to(tl.float32) * (vs / new_unit)[:, None]
+            z_i = z_i * alpha + tl.sum(p * vz[None, :], 1)
+            acc = acc * (alpha * (unit / new_unit))[:, None]
+            acc = tl.dot(p, vf, acc)
+        else:
+            # the largest |scale|; inf where a scale or zero is not finite
+            top = tl.max(tl.where(finite, tl.abs(vs), float("inf")), 0)
+            seen = tl.maximum(seen, (top == float("inf")).to(tl.int32))
+            new_unit = tl.maximum(unit, _pow2_floor(top))
+            # halved: the centred indices are doubled (exact: unit is a power of two)
+            pv = p * (vs * (0.5 / new_unit))[None, :]
+            zc = vz + ((1 << (VALUE_BITS - 1)) - 0.5) * vs
+            z_i = z_i * alpha + tl.sum(p * zc[None, :], 1)
+            acc = acc * (alpha * (unit / new_unit))[:, None]
+            acc = _dot(pv.to(tl.float16), _centred(vidx, VALUE_BITS), acc, DOT_F32)
+        unit = new_unit
+    return m_i, l_i, z_i, acc, unit, seen
+
+
+@triton.jit(do_not_specialize=["num_blocks", "max_blocks"])
+def _paged_kernel(
+    q_ptr,  # MSE keys: the rotated query (served tokens, Hq, D) float32; fp8: query
+    cache_ptr,
+    block_table_ptr,
+    table_ptr,  # (16,) fp16 centroids (MSE keys)
+    work_ptr,  # (programs, WORK_FIELDS) int32
+    o_ptr,  # (part_rows, Hq, D) float32
+    lse_ptr,  # (part_rows, Hq) float32
+    num_blocks,
+    max_blocks,
+    s_q_tok,
+    s_q_head,
+    s_q_d,
+    s_cache_block,
+    s_cache_pos,
+    s_cache_head,
+    s_bt_req,
+    s_bt_col,
+    qk_scale,  # softmax scale x log2(e)
+    HQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # the cache's positions per block
+    KEY_BITS: tl.constexpr,
+    KEY_INDEX_BYTES: tl.constexpr,
+    KEY_BYTES: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
+    VALUE_INDEX_BYTES: tl.constexpr,
+    NORM_CORRECTION: tl.constexpr,
+    FP8_E4B15: tl.constexpr,
+    Q_BF16: tl.constexpr,  # fp8 keys: the dot in bf16 (the query's dtype)
+    HALVES: tl.constexpr,  # the cache read in 16-bit loads (dequant.halves_ok)
+    Q_SPLIT: tl.constexpr,  # MSE keys: the rotated query as fp16 hi + lo
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr,  # the interpreter: dots in float32
+    LOOKUP: tl.constexpr,  # 3-bit keys: _lookup8 (GPU) instead of a gather
+):
+    """One work item (WORK_FIELDS): BLOCK_M query rows (token-major, the group's heads
+    inner) of one kv head against one split of the request's cached positions; writes
+    the split's partial (out, lse) for those rows."""
+    w = work_ptr + tl.program_id(0) * 9
+    req = tl.load(w).to(tl.int64)
+    kvh = tl.load(w + 1).to(tl.int64)
+    tok0 = tl.load(w + 2)
+    crow0 = tl.load(w + 3)
+    n_rows = tl.load(w + 4)
+    u = tl.load(w + 5) + tl.arange(0, BLOCK_M)  # the tile's rows
+    start = tl.load(w + 6)
+    end = tl.load(w + 7)
+    part0 = tl.load(w + 8)
+    row_ok = u < n_rows
+    head = kvh * GROUP + u % GROUP
+    d = tl.arange(0, BLOCK_D)
+    qmask = row_ok[:, None] & (d < D)[None, :]
+    if KEY_BITS == 8:
+        tok = (tok0 + u // GROUP).to(tl.int64)
+        q_hi = tl.load(
+            q_ptr + tok[:, None] * s_q_tok + head[:, None] * s_q_head + d * s_q_d,
+            mask=qmask,
+            other=0.0,
+        )
+        q_lo = q_hi
+        row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * qk_scale
+    else:
+        crow = (crow0 + u // GROUP).to(tl.int64)
+        q = tl.load(
+            q_ptr + crow[:, None] * s_q_tok + head[:, None] * s_q_head + d[None, :],
+            mask=qmask,
+            other=0.0,
+        )
+        # each row scaled by the power of two at or below its largest |element|
+        # (exact), so that hi + lo fits fp16 whatever the query's range; the scale
+        # goes into the scores' one multiplication
+        pw = _pow2_floor(tl.max(tl.abs(q), 1))
+        pw = tl.where(pw == 0, 1.0, pw)  # zeros or subnormals: as they are
+        q = q / pw[:, None]
+        row_scale = pw * qk_scale
+        q_hi = q.to(tl.float16)
+        q_lo = (q - q_hi.to(tl.float32)).to(tl.float16)
+    bt_row = block_table_ptr + req * s_bt_req
+    head_off = kvh * s_cache_head
+    m_i, l_i, z_i, acc, unit, seen = _split_attention(
+        q_hi, q_lo, row_scale, cache_ptr, bt_row, table_ptr, head_off, start, end,
+        num_blocks, max_blocks, s_cache_block, s_cache_pos, s_bt_col, D, BLOCK_D,
+        BLOCK_SIZE, KEY_BITS, KEY_INDEX_BYTES, KEY_BYTES, VALUE_BITS,
+        VALUE_INDEX_BYTES, NORM_CORRECTION, FP8_E4B15, Q_BF16, HALVES, Q_SPLIT,
+        BLOCK_N, DOT_F32, False, LOOKUP,
+    )  # fmt: skip
+    if seen > 0:  # a value field that is not finite: the split again, exactly
+        m_i, l_i, z_i, acc, unit, seen = _split_attention(
+            q_hi, q_lo, row_scale, cache_ptr, bt_row, table_ptr, head_off, start,
+            end, num_blocks, max_blocks, s_cache_block, s_cache_pos, s_bt_col, D,
+            BLOCK_D, BLOCK_SIZE, KEY_BITS, KEY_INDEX_BYTES, KEY_BYTES, VALUE_BITS,
+            VALUE_INDEX_BYTES, NORM_CORRECTION, FP8_E4B15, Q_BF16, HALVES, Q_SPLIT,
+            BLOCK_N, DOT_F32, True, LOOKUP,
+        )  # fmt: skip
+    acc = acc * unit + z_i[:, None]
+    empty = l_i == 0  # no key in the split (a NaN sum stays NaN: out and lse)
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(
+        empty,
+        float("-inf"),
+        (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453,
+    )
+    prow = (part0 + u // GROUP).to(tl.int64)
+    tl.store(
+        o_ptr + (prow[:, None] * HQ + head[:, None]) * D + d[None, :], out, mask=qmask
+    )
+    tl.store(lse_ptr + prow * HQ + head, lse, mask=row_ok)
+
+
+# ---------------------------------------------------------------------------
+# The combine of the splits (and the chunk's own partial)
+# ---------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["n_tokens", "max_splits"])
+def _combine_kernel(
+    po_ptr,  # (part_rows, HQ, D) float32
+    plse_ptr,  # (part_rows, HQ) float32
+    tokens_ptr,  # (served tokens, TOKEN_FIELDS) int32
+    new_ptr,  # the chunk's partial (N, HQ, D), any float dtype (HAS_NEW)
+    new_lse_ptr,  # (HQ, N) float32, FlashAttention's conventions (HAS_NEW)
+    out_ptr,  # (N, HQ, D)
+    lse_out_ptr,  # (HQ, N) float32 (WRITE_LSE)
+    n_tokens,
+    max_splits,
+    s_new_tok,
+    s_new_head,
+    s_new_lse_head,
+    s_out_tok,
+    s_out_head,
+    s_lse_head,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_NEW: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    ROUND_BF16: tl.constexpr,  # see _utils.round_bf16
+):
+    """The out (and lse) of BLOCK_T served tokens for one head: the log-sum-exp merge of
+    their splits' partials and the chunk's, with merge.py's rules (a side without keys
+    weighs nothing and is never read; a NaN sum makes the row NaN)."""
+    head = tl.program_id(1)
+    c = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # served token rows
+    live = c < n_tokens
+    fields = tokens_ptr + c * 4
+    tok = tl.load(fields, mask=live, other=0).to(tl.int64)
+    first = tl.load(fields + 1, mask=live, other=0)
+    n_splits = tl.load(fields + 2, mask=live, other=0)
+    stride = tl.load(fields + 3, mask=live, other=0)
+    d = tl.arange(0, BLOCK_D)[None, :]
+    dm = live[:, None] & (d < D)
+    # first the largest log-sum-exp and whether any is NaN
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    nan = tl.zeros([BLOCK_T], tl.int1)
+    for j in range(0, max_splits):
+        row = (first + j * stride).to(tl.int64)
+        lj = tl.load(plse_ptr + row * HQ + head, mask=live & (j < n_splits),
+                     other=float("-inf"))  # fmt: skip
+        nan = nan | (lj != lj)
+        m = tl.maximum(m, lj)
+    if HAS_NEW:
+        o_s = tl.load(
+            new_ptr + tok[:, None] * s_new_tok + head * s_new_head + d, mask=dm, other=0
+        ).to(tl.float32)
+        l_s = tl.load(new_lse_ptr + head * s_new_lse_head + tok, mask=live,
+                      other=float("-inf"))  # fmt: skip
+        # FlashAttention's +-inf: no keys (a zero row) or a sum that is not a number
+        # (a NaN row)
+        s_nan_row = tl.max(tl.where(o_s != o_s, 1, 0), axis=1) > 0
+        s_inf = (l_s == float("inf")) | (l_s == float("-inf"))
+        l_s = tl.where(s_inf, tl.where(s_nan_row, float("nan"), float("-inf")), l_s)
+        nan = nan | (l_s != l_s)
+        m = tl.maximum(m, l_s)
+    m = tl.where((m == float("-inf")) | (m != m), 0.0, m)
+    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    total = tl.zeros([BLOCK_T], tl.float32)
+    for j in range(0, max_splits):
+        row = (first + j * stride).to(tl.int64)
+        lj = tl.load(plse_ptr + row * HQ + head, mask=live & (j < n_splits),
+                     other=float("-inf"))  # fmt: skip
+        read = live & (lj != float("-inf"))  # a split without keys is never read
+        o = tl.load(
+            po_ptr + (row[:, None] * HQ + head) * D + d,
+            mask=read[:, None] & (d < D),
+            other=0.0,
+        )
+        wj = tl.exp(lj - m)
+        acc += _term(wj[:, None], o)
+        total += wj
+    if HAS_NEW:
+        w_s = tl.exp(l_s - m)
+        acc += _term(w_s[:, None], o_s)
+        total += w_s
+    o = acc * tl.where(total > 0, 1.0 / total, 0.0)[:, None]
+    o = tl.where(nan[:, None], float("nan"), o)
+    o = round_bf16(o, ROUND_BF16).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + tok[:, None] * s_out_tok + head * s_out_head + d, o, mask=dm)
+    if WRITE_LSE:
+        lse = tl.where(total > 0, m + tl.log(total), float("-inf"))
+        tl.store(
+            lse_out_ptr + head * s_lse_head + tok,
+            tl.where(nan, float("nan"), lse),
+            mask=live,
+        )
+
+
+launch_rotate = Launcher(_rotate_kernel)
+launch_paged = Launcher(_paged_kernel)
+launch_combine = Launcher(_combine_kernel)
+
+
+# ---------------------------------------------------------------------------
+# Running a plan
+# ---------------------------------------------------------------------------
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    plan: PagedPlan,
+    work: torch.Tensor,
+    tokens: torch.Tensor,
+    scratch: PagedScratch,
+    out: torch.Tensor,
+    *,
+    cfg: TQConfig,
+    centroids: torch.Tensor | None,
+    rotation: torch.Tensor | None,
+    scale: float,
+    lse: torch.Tensor | None = None,
+    new: torch.Tensor | None = None,
+    new_lse: torch.Tensor | None = None,
+    q_split: bool = True,
+    lookup: bool = True,
+) -> None:
+    """The memory-bound path for ``plan``'s tokens: ``out`` rows (and ``lse``) of each
+    served token, over its request's cached positions and, given ``new`` and
+    ``new_lse``, merged with that partial (the chunk's own causal attention, as
+    ``attention.varlen_attention`` writes and returns it).
+
+    query: (N, Hq, D) fp16/bf16, any strides. kv_cache: uint8 (num_blocks,
+    block_size, Hk, slot_bytes), unit stride over the slot. block_table: int32 (B,
+    max_blocks). work, tokens: ``plan.upload``'s int32 arrays. scratch:
+    ``plan.carve`` of a buffer of ``plan.scratch_bytes``. out: (N, Hq, D), unit
+    stride over D, any float dtype: only the served tokens' rows are written. lse:
+    (Hq, N) float32, unit stride over N, or None. new: (N, Hq, D), unit stride over D;
+    new_lse: (Hq, N) float32. q_split: the rotated query as fp16 hi + lo (two key
+    dots); off, one. lookup: 3-bit centroids by byte permutes on a GPU (off: a
+    gather, as in the interpreter; the same bits). Tensors are trusted (the caller's
+    plan validated the lengths).
+    """
+    n, hq, d = query.shape
+    hk = kv_cache.shape[2]
+    if (hq, hk, d) != (plan.num_q_heads, plan.num_kv_heads, plan.head_dim):
+        raise ValueError(
+            f"the plan is for (Hq, Hk, D) = {(plan.num_q_heads, plan.num_kv_heads, plan.head_dim)}"  # noqa: E501
+            f", got query and kv_cache of {(hq, hk, d)}"
+        )
+    if kv_cache.dtype != torch.uint8 or kv_cache.ndim != 4 or kv_cache.stride(3) != 1:
+        raise ValueError(
+            "kv_cache must be a uint8 (num_blocks, block_size, Hk, slot_bytes) tensor "
+            "with unit stride over the slot"
+        )
+    if plan.rotated and (centroids is None or centroids.numel() < 2**cfg.key_bits):
+        raise ValueError(
+            f"centroids must hold {2**cfg.key_bits} entries for {cfg.key_bits}-bit "
+            f"keys, got {None if centroids is None else centroids.numel()}"
+        )
+    if plan.rotated and (rotation is None or rotation.shape != (d, d)):
+        raise ValueError(f"rotation must be ({d}, {d}) for MSE keys")
+    interp = interpreting() or not query.is_cuda
+    block_d = triton.next_power_of_2(d)
+    if plan.num_tokens == 0:
+        return
+    if plan.rotated:
+        block_r = 16
+        launch_rotate(
+            (triton.cdiv(plan.num_tokens * hq, block_r),),
+            query,
+            rotation,
+            centroids,
+            tokens,
+            scratch.query,
+            scratch.table,
+            plan.num_tokens * hq,
+            centroids.numel(),
+            query.stride(0),
+            query.stride(1),
+            query.stride(2),
+            rotation.stride(0),
+            rotation.stride(1),
+            centroids.stride(0),
+            hq,
+            d,
+            block_d,
+            block_r,
+            min(block_d, 32),
+            num_warps=4,
+        )
+        q = scratch.query
+        s_q = (q.stride(0), q.stride(1), 1)
+    else:
+        q = query
+        s_q = query.stride()
+    if plan.programs:
+        launch_paged(
+            (plan.programs,),
+            q,
+            kv_cache,
+            block_table,
+            scratch.table,
+            work,
+            scratch.part_out,
+            scratch.part_lse,
+            kv_cache.shape[0],
+            block_table.shape[1],
+            *s_q,
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            block_table.stride(0),
+            block_table.stride(1),
+            scale * math.log2(math.e),
+            hq,
+            hq // hk,
+            d,
+            block_d,
+            kv_cache.shape[1],
+            cfg.key_bits,
+            cfg.key_index_bytes,
+            cfg.key_bytes,
+            cfg.value_bits,
+            cfg.value_index_bytes,
+            cfg.norm_correction,
+            cfg.key_fp8 and fp8_e4b15_for(query.device),
+            query.dtype == torch.bfloat16,
+            halves_ok(kv_cache, cfg),
+            q_split,
+            plan.block_m,
+            plan.block_n,
+            interp,
+            lookup and cfg.key_bits == 3 and not interp,
+            num_warps=plan.num_warps,
+            num_stages=1,
+        )
+    block_t = 16 if block_d <= 128 else 8
+    has_new = new is not None
+    launch_combine(
+        (triton.cdiv(plan.num_tokens, block_t), hq),
+        scratch.part_out,
+        scratch.part_lse,
+        tokens,
+        new if has_new else out,
+        new_lse if has_new else scratch.part_lse,
+        out,
+        lse if lse is not None else scratch.part_lse,
+        plan.num_tokens,
+        plan.max_splits,
+        new.stride(0) if has_new else 0,
+        new.stride(1) if has_new else 0,
+        new_lse.stride(0) if has_new else 0,
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0) if lse is not None else 0,
+        hq,
+        d,
+        block_d,
+        block_t,
+        has_new,
+        lse is not None,
+        interpreter_rounds_bf16(out.dtype),
+        num_warps=4,
+    )
+
+
+def paged_continuation_prefill_varlen(
+    query,
+    key,
+    value,
+    kv_cache,
+    block_table,
+    query_start_loc,
+    seq_lens,
+    *,
+    preset,
+    centroids,
+    rotation,
+    scale,
+    query_start_loc_cpu=None,
+    seq_lens_cpu=None,
+    backend="auto",
+    out=None,
+    return_lse=False,
+    lse=None,
+    q_split=True,
+    info=None,
+    **launch,
+):
+    """What ``continuation_prefill_varlen`` computes, through the memory-bound path
+    for every request: the cached positions by ``paged_attention``, the chunk's own
+    tokens by one causal varlen call, merged in the combine. Allocates its scratch and
+    work arrays (a convenience for tests and benchmarks; ``plan_paged``,
+    ``PagedPlan.carve`` and ``paged_attention`` are the allocation-free form).
+    ``launch``: ``plan_paged``'s keywords (block_m, block_n, num_warps, split_len,
+    sms, programs_per_sm). info: a dict given here receives the plan."""
+    from .attention import make_call, resolve_backend, varlen_attention
+
+    as_list = lambda x: [int(v) for v in (x.tolist() if hasattr(x, "tolist") else x)]
+    qsl = as_list(
+        query_start_loc if query_start_loc_cpu is None else query_start_loc_cpu
+    )
+    lens = as_list(seq_lens if seq_lens_cpu is None else seq_lens_cpu)
+    n, hq, d = query.shape
+    hk = kv_cache.shape[2]
+    cfg = resolve_config(preset, d)
+    if not launch.get("sms") and query.is_cuda:
+        launch["sms"] = torch.cuda.get_device_properties(
+            query.device
+        ).multi_processor_count
+    plan = plan_paged(qsl, lens, hq, hk, d, cfg, **launch)
+    if info is not None:
+        info["plan"] = plan
+    work, tokens = plan.upload(query.device)
+    buffer = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=query.device)
+    scratch = plan.carve(buffer)
+    out = torch.empty_like(query) if out is None else out
+    if return_lse and lse is None:
+        lse = torch.empty(hq, n, dtype=torch.float32, device=query.device)
+    b = len(lens)
+    q_lens = [qsl[i + 1] - qsl[i] for i in range(b)]
+    new = torch.empty_like(query)
+    backend = resolve_backend(backend, query.device, d)
+    call = make_call(q_lens, q_lens, True, query.device)
+    new_lse = varlen_attention(call, query, key, value, scale, new, backend)
+    paged_attention(
+        query,
+        kv_cache,
+        block_table,
+        plan,
+        work,
+        tokens,
+        scratch,
+        out,
+        cfg=cfg,
+        centroids=centroids,
+        rotation=rotation,
+        scale=scale,
+        lse=lse,
+        new=new,
+        new_lse=new_lse,
+        q_split=q_split,
+    )
+    return (out, lse) if return_lse else out
