@@ -8,13 +8,14 @@ and no access outside the kernels' tensors."""
 import pytest
 import torch
 from bounds import reads_within_arguments
-from conftest import TRITON_OK
+from conftest import DEVICE, TRITON_OK
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_promises import NONFINITE_CASES, check_against_oracle, poison
 
 from tq_chunked.runtime.format import PRESETS, TQConfig
 from tq_chunked.runtime.paged import (
+    MAX_GPU_TILE,
     MIN_SPLIT,
     TOKEN_FIELDS,
     WORK_FIELDS,
@@ -38,6 +39,9 @@ REQUESTS = [(70, 4), (0, 5), (33, 0), (130, 1), (45, 6)]
 # Both paths round each cached key to fp16 once; over a request of 1-3 query tokens
 # the ratio of two such independent errors spreads widely (tests/test_varlen.py).
 SHORT_REQUEST_FACTOR = 1.6
+
+# 64-row tiles on the CPU; on a GPU the largest tile it takes (paged.MAX_GPU_TILE)
+BIG_TILE = 64 if DEVICE == "cpu" else MAX_GPU_TILE
 
 
 def run(batch, out=None, **kw):
@@ -139,8 +143,9 @@ def test_decode_and_short_continuations_in_one_tile(q_len):
         seed=seed,
     )
     info = {}
-    out = run(batch, poisoned(batch), block_m=64 if q_len == 16 else None, info=info)
-    assert info["plan"].block_m >= min(4 * q_len, 64)
+    out = run(batch, poisoned(batch), block_m=BIG_TILE if q_len == 16 else None,
+              info=info)  # fmt: skip
+    assert info["plan"].block_m >= min(4 * q_len, BIG_TILE)
     assert not out.isnan().any(), f"seed {seed}: a row was not written"
     check_within_full_paths_error(batch, out)
 
@@ -155,9 +160,9 @@ def test_the_answer_does_not_depend_on_the_splits_beyond_rounding(split_len):
 
 
 def test_rows_of_a_request_with_many_tiles():
-    # 2 x 4 x 12 = 96 rows per kv head: two 64-row tiles, each decoding the slots
+    # 2 x 4 x 12 = 96 rows per kv head: several tiles, each decoding the slots
     batch = make_batch([(80, 12), (40, 3)], num_q_heads=8, num_kv_heads=2, seed=33)
-    out = run(batch, poisoned(batch), block_m=64, split_len=32)
+    out = run(batch, poisoned(batch), block_m=BIG_TILE, split_len=32)
     check_within_full_paths_error(batch, out)
 
 
@@ -180,8 +185,9 @@ def test_lse_is_one_softmaxs_over_all_keys():
         g = q.shape[1] // k.shape[0]
         s = torch.einsum("lhd,hkd->hlk", q.double(), k.repeat_interleave(g, 0))
         s = s * batch.kwargs["scale"]
-        i = torch.arange(q1 - q0)[:, None]
-        s = s.masked_fill(torch.arange(k.shape[1])[None] > i + cached, float("-inf"))
+        i = torch.arange(q1 - q0, device=s.device)[:, None]
+        later = torch.arange(k.shape[1], device=s.device)[None] > i + cached
+        s = s.masked_fill(later, float("-inf"))
         want = torch.logsumexp(s, -1)  # (Hq, q_len)
         # the window path's bound (tests/test_varlen.py): the keys' fp16 rounding
         assert rel_err(lse[:, q0:q1], want) < 1e-3, f"seed 34, request {r}"

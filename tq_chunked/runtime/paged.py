@@ -174,11 +174,18 @@ class PagedScratch:
     part_lse: torch.Tensor  # (part_rows, Hq) float32, natural log
 
 
+# The largest tile a GPU launch takes by default: 64-row tiles with 4 warps compile to
+# Hopper's wgmma, which gave wrong answers and an illegal address in this kernel under
+# Triton 3.6 on the H200 machine (NOTES.md §33, as the fused prototype's did in §26).
+MAX_GPU_TILE = 32
+
+
 def default_launch(rows: int, interpret: bool) -> tuple[int, int, int]:
     """(block_m, block_n, num_warps) for a batch whose largest request has ``rows``
-    query rows per kv head: one tile of all of them up to 64 (each slot decoded once
-    per request and kv head), 16 at least (the tensor cores' smallest tile)."""
-    block_m = min(max(triton.next_power_of_2(max(rows, 1)), 16), 64)
+    query rows per kv head: one tile of all of them up to MAX_GPU_TILE (each slot
+    decoded once per request and kv head), 16 at least (the tensor cores' smallest
+    tile)."""
+    block_m = min(max(triton.next_power_of_2(max(rows, 1)), 16), MAX_GPU_TILE)
     if interpret:
         return 16, 16, 4
     return block_m, 64 if block_m <= 32 else 32, 4
