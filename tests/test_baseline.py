@@ -147,8 +147,10 @@ def test_an_import_resolves_name_by_name():
     [
         (
             ("_continuation_prefill(self, q)", "_continuation_prefill(self, x)"),
-            r"_continuation_prefill takes \(self, x\), the installed vLLM's takes "
-            r"\(self, q\)",
+            (
+                r"_continuation_prefill takes \(self, x\), the installed vLLM's takes "
+                r"\(self, q\)"
+            ),
         ),
         (
             ("return THRESHOLD", "return super().x"),

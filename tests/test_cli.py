@@ -334,8 +334,10 @@ def test_every_committed_bench_result_renders(name, tmp_path, capsys):
             "{path} has no device, date, matmul_ceiling_tflops, baseline;",
         ),
         (
-            '{"mode": "stack", "device": "x", "date": "d", "layers": 1, "repeats": 1, '
-            '"rows": [{"workload": "w"}]}',
+            (
+                '{"mode": "stack", "device": "x", "date": "d", "layers": 1, '
+                '"repeats": 1, "rows": [{"workload": "w"}]}'
+            ),
             "{path}: row 0 has no shape, preset, requests",
         ),
     ]

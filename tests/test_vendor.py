@@ -491,8 +491,10 @@ def test_the_pair_is_reserved_only_after_tq_chunked_declines(tmp_path):
         "current_workspace_manager().get_simultaneous(((4,), torch.float32))",
         f"if {RESERVE}:\n    return",
         "shape = (1, 2, self.max_model_len, 64)",
-        "current_workspace_manager().get_simultaneous((shape, torch.float16), "
-        "(shape, torch.float16))",
+        (
+            "current_workspace_manager().get_simultaneous((shape, torch.float16), "
+            "(shape, torch.float16))"
+        ),
     ]
     assert f"+        if {RESERVE}:\n+            return\n" in out
     assert "-        # the continuation pair\n" not in out  # kept

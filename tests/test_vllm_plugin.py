@@ -481,8 +481,10 @@ def test_the_active_line_goes_through_vllms_logger():
         vllm_logger.removeHandler(handler)
         vllm_logger.setLevel(level)
     assert [r.getMessage() for r in records] == [
-        f"tq_chunked {__version__} active: prefill attention batched and windowed "
-        f"(windows of 12288 tokens, {attention}), workspace 128.0 MiB per ubatch"
+        (
+            f"tq_chunked {__version__} active: prefill attention batched and windowed "
+            f"(windows of 12288 tokens, {attention}), workspace 128.0 MiB per ubatch"
+        )
     ]
 
 

@@ -400,8 +400,10 @@ def backend_available(
         if vllm_flash(head_dim) is None:
             return (
                 False,
-                "vLLM's own FlashAttention 2 or 3 is not available for this head size "
-                "(see the debug log)",
+                (
+                    "vLLM's own FlashAttention 2 or 3 is not available for this head "
+                    "size (see the debug log)"
+                ),
             )
         return True, ""
     raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {name!r}")

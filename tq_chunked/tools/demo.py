@@ -100,9 +100,11 @@ def accuracy_lines(chunked, full, oracle):
     bound = FACTOR * e_full + SLACK
     ok = e_chunked <= bound
     lines = [
-        f"Difference between the answers: |chunked - full| / |full| = {diff:.2e} "
-        "(expected: about fp16's rounding, a few 1e-4; each path rounds the cached "
-        "keys to fp16 in its own place).",
+        (
+            f"Difference between the answers: |chunked - full| / |full| = {diff:.2e} "
+            "(expected: about fp16's rounding, a few 1e-4; each path rounds the cached "
+            "keys to fp16 in its own place)."
+        ),
         f"Error against a float64 oracle (exact attention over the decoded cache): "
         f"chunked {e_chunked:.2e}, full-buffer {e_full:.2e}. Bound (the tests'): "
         f"chunked <= {FACTOR} x full-buffer + {SLACK:.0e} = {bound:.2e}: "
