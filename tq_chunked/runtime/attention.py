@@ -415,7 +415,7 @@ def resolve_backend(backend: str, device: torch.device, head_dim: int) -> str:
     skipped); a named one is checked and never replaced."""
     if backend == "auto":
         order = ("flash", "triton") if device.type == "cuda" else ("torch",)
-        skipped = []
+        skipped: list[tuple[str, str]] = []
         for b in order:
             ok, why = backend_available(b, device, head_dim)
             if ok:
