@@ -10,11 +10,11 @@ installs.
   rewrites the reservation tests and adds its own.
 * The vendored vLLM runs ``tests/test_vllm_plugin.py`` (its vendored mode: vLLM's own
   classes as the tool left them, the plugin off), in a tree of symlinks to the install
-  (``vllm_harness.symlink_farm``: vLLM's package is about 0.9 GB). CI runs this for vLLM
-  0.33.0 (the latest release); ``TQ_CHUNKED_VENDOR_ENVS=all`` runs it for every
+  (``vllm_harness.symlink_farm``: vLLM's package is about 0.9 GB). CI runs this for the
+  newest release found (0.34.0); ``TQ_CHUNKED_VENDOR_ENVS=all`` runs it for every
   environment found (or a comma-separated list of names, e.g.
   ``vllm-0.20.2,vllm-0.23.0``). vLLM's own tests on the vendored tree, and vLLM's lint
-  of it, are ``tests/test_vllm_upstream.py``.
+  and pre-commit checks of it, are ``tests/test_vllm_upstream.py``.
 
 From an environment without vLLM the vendored runs use each ``.vllm-envs/``
 environment's Python (``bash tests/install_vllm_cpu.sh`` builds them); inside an

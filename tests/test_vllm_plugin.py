@@ -3,7 +3,7 @@
 ``tests/install_vllm_cpu.sh`` builds one virtual environment per vLLM release under
 ``.vllm-envs/`` (0.20.2, whose continuation prefill keeps per-layer buffers; 0.23.0,
 whose buffers come from a WorkspaceManager that nothing reserves for them, the release
-line that crashes; 0.33.0, whose builder reserves a max_model_len-sized pair). Run from
+line that crashes; 0.34.0, whose builder reserves a max_model_len-sized pair). Run from
 an environment without vLLM, this file re-runs itself inside each of them; there, the
 tests below use vLLM's real classes (impl, metadata, builder, WorkspaceManager, plugin
 loader). What a CPU cannot give is stood in for and said so at each place: vLLM's Triton

@@ -23,10 +23,14 @@ distribution), in that environment's Python, on a CPU (Triton's interpreter;
     reason.
   The counts are printed (``-s``), one line per release and mode.
 * vLLM's lint of the vendored tree: ``ruff check`` and ``ruff format --check`` (ruff
-  0.14.0, vLLM's pre-commit pin) with the release's pyproject.toml, at the root of the
-  tree as in a checkout: the vendored package and the added test have no finding; the
-  edited ``turboquant_attn.py`` and ``test_turboquant.py``, none that vLLM's own files
-  do not have.
+  0.17.2, this project's pin, vLLM 0.34.0's) with the release's pyproject.toml, at the
+  root of the tree as in a checkout: the vendored package and the added test have no
+  finding; the edited ``turboquant_attn.py`` and ``test_turboquant.py``, none that
+  vLLM's own files do not have.
+* vLLM's pre-commit, for the release whose ``pre-commit/`` the install script fetched
+  (the newest it built): every hook of its .pre-commit-config.yaml that checks Python
+  and selects a file the vendor tool writes, run from the release's own files and at
+  its pins, offline (``test_the_vendored_change_passes_vllms_pre_commit``).
 
 vLLM's tests that need a GPU skip here (``benchmarks/vllm_tests_gpu.sh`` runs them on
 the H200 machine).

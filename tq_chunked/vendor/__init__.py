@@ -18,10 +18,10 @@ directory). The tool
 
 A file of any other shape (or one that does not parse, or a tree without
 ``vllm/v1/attention/ops/``) is refused with the list of what was not found, and
-nothing is written; ``--check`` refuses the same trees. The unified diffs are printed, then the files added. ``--check`` prints
-the same and writes nothing. A tree this tool has already vendored with the same
-tq_chunked is reported as such (exit 0); one vendored with another is refused
-(``cli``).
+nothing is written; ``--check`` refuses the same trees. The unified diffs are printed,
+then the files added. ``--check`` prints the same and writes nothing. A tree this tool
+has already vendored with the same tq_chunked is reported as such (exit 0); one
+vendored with another is refused (``cli``).
 """
 
 from .cli import main, vendor
