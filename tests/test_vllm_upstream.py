@@ -359,7 +359,7 @@ REMOTE_HOOKS = {
         ["ruff", "format", "--force-exclude", "--no-cache", "--check", "--diff"],
         {"types_or": ["python", "pyi", "jupyter"]},
     ),
-    "typos": (["typos"], {"types": ["text"]}),
+    "typos": (["typos", "--force-exclude"], {"types": ["text"]}),
 }
 # The checks vLLM's maintainers run that a change of this kind must pass: each must run.
 REQUIRED_HOOKS = {
