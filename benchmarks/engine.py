@@ -707,9 +707,11 @@ def _profile_rows(res, names):
         return []
     rows = [
         "",
-        "| configuration | workload | GPU kernels ms (one batch, profiler) "
-        "| attention + KV cache ms | GPU busy / span ms | syncs, "
-        "allocations | largest kernels (ms) |",
+        (
+            "| configuration | workload | GPU kernels ms (one batch, profiler) "
+            "| attention + KV cache ms | GPU busy / span ms | syncs, "
+            "allocations | largest kernels (ms) |"
+        ),
         "|---|---|---|---|---|---|---|",
     ]
     for config, w, prof in found:
@@ -758,8 +760,10 @@ def _host_rows(res, names):
         return []
     return [
         "",
-        "| configuration | workload | Python time of one batch, by area "
-        "(cProfile; shares, not seconds, are the figure) |",
+        (
+            "| configuration | workload | Python time of one batch, by area "
+            "(cProfile; shares, not seconds, are the figure) |"
+        ),
         "|---|---|---|",
     ] + [f"| {config} | {w} | {_host_cell(host)} |" for config, w, host in found]
 
@@ -807,8 +811,10 @@ def markdown(data) -> str:
     rows += _host_rows(res, names)
     rows += [
         "",
-        "| answers compared (first token, top-20 logprobs) | requests | top-1 agree "
-        "| max abs dlogprob: median | max |",
+        (
+            "| answers compared (first token, top-20 logprobs) | requests "
+            "| top-1 agree | max abs dlogprob: median | max |"
+        ),
         "|---|---|---|---|---|",
     ]
     for k, v in data.get("agreement", {}).items():

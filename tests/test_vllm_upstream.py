@@ -23,10 +23,14 @@ distribution), in that environment's Python, on a CPU (Triton's interpreter;
     reason.
   The counts are printed (``-s``), one line per release and mode.
 * vLLM's lint of the vendored tree: ``ruff check`` and ``ruff format --check`` (ruff
-  0.14.0, vLLM's pre-commit pin) with the release's pyproject.toml, at the root of the
-  tree as in a checkout: the vendored package and the added test have no finding; the
-  edited ``turboquant_attn.py`` and ``test_turboquant.py``, none that vLLM's own files
-  do not have.
+  0.17.2, this project's pin, vLLM 0.34.0's) with the release's pyproject.toml, at the
+  root of the tree as in a checkout: the vendored package and the added test have no
+  finding; the edited ``turboquant_attn.py`` and ``test_turboquant.py``, none that
+  vLLM's own files do not have.
+* vLLM's pre-commit, for the release whose ``pre-commit/`` the install script fetched
+  (the newest it built): every hook of its .pre-commit-config.yaml that checks Python
+  and selects a file the vendor tool writes, run from the release's own files and at
+  its pins, offline (``test_the_vendored_change_passes_vllms_pre_commit``).
 
 vLLM's tests that need a GPU skip here (``benchmarks/vllm_tests_gpu.sh`` runs them on
 the H200 machine).
@@ -35,9 +39,11 @@ the H200 machine).
 from __future__ import annotations
 
 import ast
-import glob
 import importlib.util
 import json
+import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -47,17 +53,14 @@ from pathlib import Path
 
 import pytest
 
-from tq_chunked.tools.vllm_harness import cpu_test_env, symlink_farm
-from tq_chunked.vendor import NEW_TEST, VENDORED_DIR, VLLM_TEST
+from tq_chunked.tools.vllm_harness import cpu_test_env, symlink_farm, vllm_envs
+from tq_chunked.vendor import CI_JOBS, NEW_TEST, VENDORED_DIR, VLLM_TEST
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-ENVS = {
-    Path(p).parents[1].name: Path(p)
-    for p in sorted(glob.glob(str(ROOT / ".vllm-envs" / "*" / "bin" / "python")))
-}
+ENVS = {name: Path(python) for name, python in vllm_envs(ROOT).items()}
 SELECT = "turboquant or ultraquant"
-RUFF = "0.14.0"  # vLLM's .pre-commit-config.yaml
+RUFF = "0.17.2"  # this project's pin: vLLM 0.34.0's .pre-commit-config.yaml
 RESERVATION = ROOT / "tq_chunked" / "upstream_tests" / "turboquant_reservation.py"
 TARGET = Path("vllm/v1/attention/backends/turboquant_attn.py")
 
@@ -333,3 +336,203 @@ def test_the_vendored_tree_passes_vllms_lint(release, tmp_path):
     )
     assert not problems, "\n".join(problems)
     assert not unformatted, unformatted
+
+
+# --- vLLM's pre-commit ----------------------------------------------------------------
+
+# The hooks of vLLM's .pre-commit-config.yaml from other repositories that check Python,
+# run as their hooks run them, check-only (vLLM's ruff-check hook passes --fix; here a
+# finding fails): {id: (command, the file types their manifest selects)}.
+REMOTE_HOOKS = {
+    "ruff-check": (
+        [
+            "ruff",
+            "check",
+            "--force-exclude",
+            "--no-cache",
+            "--output-format",
+            "concise",
+        ],
+        {"types_or": ["python", "pyi", "jupyter"]},
+    ),
+    "ruff-format": (
+        ["ruff", "format", "--force-exclude", "--no-cache", "--check", "--diff"],
+        {"types_or": ["python", "pyi", "jupyter"]},
+    ),
+    "typos": (["typos", "--force-exclude"], {"types": ["text"]}),
+}
+# The checks vLLM's maintainers run that a change of this kind must pass: each must run.
+REQUIRED_HOOKS = {
+    "ruff-check",
+    "ruff-format",
+    "typos",
+    "mypy",
+    "check-spdx-header",
+    "check-forbidden-imports",
+    "check-boolean-context-manager",
+    "check-root-lazy-imports",
+    "check-test-tethering",
+}
+_TAGS = {
+    ".py": {"python"},
+    ".pyi": {"pyi"},
+    ".yaml": {"yaml"},
+    ".yml": {"yaml"},
+    ".json": {"json"},
+}
+_READ_CONFIG = """
+import json, sys
+import yaml
+config = yaml.safe_load(open(sys.argv[1]))
+hooks = [dict(h, repo=r["repo"]) for r in config["repos"] for h in r["hooks"]]
+top = {"exclude": config.get("exclude", "^$"), "files": config.get("files", "")}
+print(json.dumps(dict(top, hooks=hooks)))
+"""
+
+
+def _tags(path: str) -> set[str]:
+    """The identify tags pre-commit selects the files written here by."""
+    return {"file", "text"} | _TAGS.get(Path(path).suffix, set())
+
+
+def _selects(hook: dict, path: str) -> bool:
+    """Whether pre-commit would pass ``path`` to ``hook`` (its files, exclude, types,
+    types_or and exclude_types)."""
+    tags = _tags(path)
+    return (
+        re.search(hook.get("files") or "", path) is not None
+        and re.search(hook.get("exclude") or "^$", path) is None
+        and set(hook.get("types") or ["file"]) <= tags
+        and (not hook.get("types_or") or bool(set(hook["types_or"]) & tags))
+        and not set(hook.get("exclude_types") or []) & tags
+    )
+
+
+def _link_tree(src: Path, dest: Path) -> None:
+    """A copy of ``src`` whose files are hard links (the vendor tool replaces a file
+    it edits, so the originals stay as they are); a full copy across file systems."""
+
+    def link(a, b):
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, dest, copy_function=link)
+
+
+def _stats(root: Path) -> dict[str, tuple]:
+    return {
+        p.relative_to(root).as_posix(): (p.stat().st_ino, p.stat().st_size)
+        for p in root.rglob("*")
+        if p.is_file()
+    }
+
+
+def test_the_vendored_change_passes_vllms_pre_commit(release, tmp_path):
+    """The release's own pre-commit checks, as its .pre-commit-config.yaml runs them
+    (its tools at its pins, its tools/pre_commit/ scripts, its pyproject.toml), on
+    every file ``python -m tq_chunked.vendor`` writes into the release's source tree:
+    each hook whose filters select one of them, among those that check Python (the
+    local Python hooks, ruff, typos, mypy for Python 3.11). Offline and on the CPU:
+    ``tests/install_vllm_cpu.sh`` fetches the tree and the tools
+    (``.vllm-envs/vllm-<newest>/pre-commit/``)."""
+    pre_commit = release.python.parents[1] / "pre-commit"
+    if not (pre_commit / "ready").is_file():
+        pytest.skip(
+            f"no {pre_commit.relative_to(ROOT)}/: tests/install_vllm_cpu.sh fetches "
+            "vLLM's pre-commit checks for the newest release it builds"
+        )
+    venv = pre_commit / "venv"
+    python = str(venv / "bin" / "python")
+    tree = tmp_path / "vllm"
+    _link_tree(pre_commit / "tree", tree)
+    before = _stats(tree)
+    r = subprocess.run(
+        [sys.executable, "-m", "tq_chunked.vendor", str(tree)],
+        cwd=ROOT,
+        env=cpu_test_env(str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    after = _stats(tree)
+    written = sorted(p for p in after if before.get(p) != after[p])
+    assert NEW_TEST.as_posix() in written and len(written) >= 13, written
+    # The vendored folders as mkdir makes them (0755 under the umask tests run with).
+    mode = (tree / VENDORED_DIR).stat().st_mode & 0o777
+    assert mode == 0o777 & ~_umask(), oct(mode)
+    config = json.loads(
+        subprocess.run(
+            [python, "-c", _READ_CONFIG, str(tree / ".pre-commit-config.yaml")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    env = dict(os.environ, PATH=f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    ran, not_run, failures = [], [], []
+    for hook in config["hooks"]:
+        files = [
+            p
+            for p in written
+            if re.search(config["files"], p) and not re.search(config["exclude"], p)
+        ]
+        stages = hook.get("stages") or ["pre-commit"]
+        remote = REMOTE_HOOKS.get(hook["id"]) if hook["repo"] != "local" else None
+        if remote is not None:
+            command, selection = remote
+            files = [p for p in files if _selects(dict(hook, **selection), p)]
+        else:
+            files = [p for p in files if _selects(hook, p)]
+            command = [
+                python if word == "python" else word
+                for word in shlex.split(hook.get("entry", ""))
+            ] + list(hook.get("args") or [])
+        if not files or "pre-commit" not in stages:
+            continue
+        if hook.get("always_run") and not hook.get("files"):
+            not_run.append(f"{hook['id']} (on every commit: the repository, not files)")
+            continue
+        if remote is None and hook["repo"] != "local":
+            not_run.append(f"{hook['id']} (from {hook['repo']}: not a Python check)")
+            continue
+        if remote is None and hook.get("language") != "python":
+            not_run.append(f"{hook['id']} ({hook.get('language')}: not a Python check)")
+            continue
+        if hook.get("pass_filenames", True):
+            command += files
+        result = subprocess.run(
+            command, cwd=tree, env=env, capture_output=True, text=True, timeout=900
+        )
+        ran.append(hook["id"])
+        if result.returncode != 0:
+            failures.append(
+                f"{hook['id']} ({' '.join(command[:4])} ...):\n"
+                f"{result.stdout[-4000:]}{result.stderr[-2000:]}"
+            )
+    print(
+        f"\n{release.name}'s pre-commit on the {len(written)} files the vendor "
+        f"tool writes: ran {', '.join(ran)}; {len(failures)} failed"
+        + (f"; not run: {', '.join(not_run)}" if not_run else "")
+    )
+    assert set(ran) >= REQUIRED_HOOKS, REQUIRED_HOOKS - set(ran)
+    assert not failures, "\n\n".join(failures)
+    # Without the Buildkite job the tool adds, the added test is refused.
+    (tree / CI_JOBS).unlink()  # never write through a hard link into the install
+    shutil.copyfile(pre_commit / "tree" / CI_JOBS, tree / CI_JOBS)
+    r = subprocess.run(
+        [python, "tools/pre_commit/check_test_tethering.py", NEW_TEST.as_posix()],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"error: {NEW_TEST.as_posix()} is not run by any Buildkite job" in r.stdout
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

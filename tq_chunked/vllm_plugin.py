@@ -29,7 +29,8 @@ What it changes, detected by feature, never by version string:
   tensor back.
 
 A vLLM whose classes have another shape is left untouched, with one warning: the
-plugin patches everything or nothing. ``TQ_CHUNKED_DISABLE=1`` turns it off;
+plugin patches everything or nothing. ``TQ_CHUNKED_DISABLE=1`` turns it off (1, true,
+yes or on; 0, false, no, off or unset leave it on; anything else is refused by name);
 ``TQ_CHUNKED_WINDOW=N`` sets the window (key rows per window).
 
 With the backend patched, one more change, in the process that builds vLLM's engine
@@ -326,14 +327,29 @@ def _log_active(log, window, nbytes, attention):
 
 
 KEEP_FA2_ENV = "TQ_CHUNKED_KEEP_FA2"
+DISABLE_ENV = "TQ_CHUNKED_DISABLE"
+# The spellings of an on/off variable, case-insensitive (unset or empty: off).
+ON, OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def switch(name: str) -> bool:
+    """The on/off environment variable ``name``: 1, true, yes or on; 0, false, no,
+    off, empty or unset (case-insensitive, surrounding whitespace ignored). Anything
+    else is refused by name (ValueError), never read as either."""
+    raw = os.environ.get(name, "").strip()
+    if raw.lower() in ON:
+        return True
+    if raw.lower() in OFF + ("",):
+        return False
+    raise ValueError(
+        f"{name}: expected one of {', '.join(ON)} (on) or {', '.join(OFF)} (off), "
+        f"got {raw!r}"
+    )
 
 
 def _keep_fa2() -> bool:
-    """TQ_CHUNKED_KEEP_FA2: "1" keeps vLLM's FA2 setting; unset, "" or "0" does not."""
-    raw = os.environ.get(KEEP_FA2_ENV, "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{KEEP_FA2_ENV}: expected 0 or 1, got {raw!r}")
-    return raw == "1"
+    """TQ_CHUNKED_KEEP_FA2: on keeps vLLM's FA2 setting (``switch``)."""
+    return switch(KEEP_FA2_ENV)
 
 
 def _is_hopper() -> bool:
@@ -372,7 +388,7 @@ def restore_flash_attn_version(engine_args, config, is_hopper) -> str | None:
     if attention.flash_attn_version != 2 or asked == 2:
         return None
     if _keep_fa2():
-        return f"kept at 2 ({KEEP_FA2_ENV}=1)"
+        return f"kept at 2 ({KEEP_FA2_ENV}={os.environ[KEEP_FA2_ENV].strip()})"
     if not is_hopper():
         return "kept at 2 (not a Hopper GPU, where this is untested)"
     attention.flash_attn_version = asked
@@ -415,8 +431,13 @@ def plan_engine_patch(arg_utils) -> list:
 def register() -> bool:
     """The ``vllm.general_plugins`` entry point. Returns whether vLLM is patched."""
     log = _logger()
-    if os.environ.get("TQ_CHUNKED_DISABLE", "") == "1":
-        log.info("tq_chunked %s: disabled by TQ_CHUNKED_DISABLE=1", __version__)
+    if switch(DISABLE_ENV):
+        log.info(
+            "tq_chunked %s: disabled by %s=%s",
+            __version__,
+            DISABLE_ENV,
+            os.environ[DISABLE_ENV].strip(),
+        )
         return False
     try:
         import vllm.v1.attention.backends.turboquant_attn as tqa

@@ -400,8 +400,10 @@ def backend_available(
         if vllm_flash(head_dim) is None:
             return (
                 False,
-                "vLLM's own FlashAttention 2 or 3 is not available for this head size "
-                "(see the debug log)",
+                (
+                    "vLLM's own FlashAttention 2 or 3 is not available for this head "
+                    "size (see the debug log)"
+                ),
             )
         return True, ""
     raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {name!r}")
@@ -413,7 +415,7 @@ def resolve_backend(backend: str, device: torch.device, head_dim: int) -> str:
     skipped); a named one is checked and never replaced."""
     if backend == "auto":
         order = ("flash", "triton") if device.type == "cuda" else ("torch",)
-        skipped = []
+        skipped: list[tuple[str, str]] = []
         for b in order:
             ok, why = backend_available(b, device, head_dim)
             if ok:

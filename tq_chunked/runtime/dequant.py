@@ -766,9 +766,10 @@ def fill_window(
         )
         return
     assert k_out.dtype == v_out.dtype, "k_out and v_out: one window dtype"
-    if rotate and parts is None:
-        parts = split_rotation(rotation)
-    parts, flags = parts if rotate else (kv_cache, kv_cache)  # not read unrotated
+    if not rotate:
+        rot_parts, flags = kv_cache, kv_cache  # not read unrotated
+    else:
+        rot_parts, flags = parts if parts is not None else split_rotation(rotation)
     nflags = split_flags(cfg.head_dim) if rotate else 1
     n_heads = k_out.shape[1]
     heads = triton.next_power_of_2(n_heads)
@@ -783,7 +784,7 @@ def fill_window(
         kv_cache,
         block_table,
         centroids,
-        parts,
+        rot_parts,
         flags,
         key,
         value,

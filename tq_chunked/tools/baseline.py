@@ -46,15 +46,19 @@ ADAPTATIONS = (  # (object, attribute, value from the installed impl and layer, 
         "impl",
         "_soa_store",
         lambda impl, layer: False,
-        "the cache layout: array-of-structs, the one the installed store writes "
-        "(releases with FlyDSL's ROCm decode write struct-of-arrays there)",
+        (
+            "the cache layout: array-of-structs, the one the installed store writes "
+            "(releases with FlyDSL's ROCm decode write struct-of-arrays there)"
+        ),
     ),
     (
         "layer",
         "_tq_Pi_half",
         lambda impl, layer: layer._tq_Pi.to(torch.float16),
-        "the rotation in fp16, which later releases derive in _ensure_on_device for "
-        "their continuation prefill",
+        (
+            "the rotation in fp16, which later releases derive in _ensure_on_device "
+            "for their continuation prefill"
+        ),
     ),
 )
 

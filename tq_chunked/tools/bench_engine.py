@@ -571,8 +571,10 @@ def markdown(result) -> str:
     base = baseline_name(result)
     source = result.get("baseline_source")
     lines = [
-        f"# {result['mode']}: continuation prefill as an engine runs it, "
-        f"{result['device']}, {result['date']}",
+        (
+            f"# {result['mode']}: continuation prefill as an engine runs it, "
+            f"{result['device']}, {result['date']}"
+        ),
         "",
         f"{result['layers']} layers back to back, median of {result['repeats']} "
         "interleaved repeats. stack: first enqueue to end of GPU work; host: CPU time "
@@ -583,9 +585,11 @@ def markdown(result) -> str:
         "the query's dtype, what a BF16 cache costs). Lower is better."
         + (f" {base}: {source}." if source else ""),
         "",
-        "| workload | shape | dtype | preset | B | q tokens | cached | method | "
-        "stack ms | host ms/call | GPU ms/call | kernel ms/call | step ms | "
-        f"vs {base} | kernel vs floor | step vs floor | diff to {base} |",
+        (
+            "| workload | shape | dtype | preset | B | q tokens | cached | method | "
+            "stack ms | host ms/call | GPU ms/call | kernel ms/call | step ms | "
+            f"vs {base} | kernel vs floor | step vs floor | diff to {base} |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
@@ -614,8 +618,10 @@ def markdown(result) -> str:
     if checked:
         lines += [
             "",
-            "Layer 0's answer against the float64 oracle (relative error, per request "
-            "of 4 query tokens or more, in order):",
+            (
+                "Layer 0's answer against the float64 oracle (relative error, per "
+                "request of 4 query tokens or more, in order):"
+            ),
             "",
             "| workload | shape | method | max | per request |",
             "|---|---|---|---|---|",

@@ -22,6 +22,7 @@ and docs/benchmarks.md give the GPU figures.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -38,6 +39,14 @@ BLOCK_SIZE = 16  # tokens per cache block, vLLM's default
 # hold the whole demo context in one window; a quarter of the context shows the
 # windowing.
 CPU_WINDOWS = 4
+# Sequence lengths are int32, as vLLM keeps them: cached + new tokens at most this.
+MAX_TOKENS = 2**31 - 1
+# What the demo holds per token of the context (cached + new), measured on a CPU at 4K
+# and 32K cached tokens (586 and 1628 MiB at Hq 8, Hk 2, D 128, q 256), rounded up: per
+# (kv head x D) element, the cache, the encoder's float32 K/V, the full-buffer path's
+# fp16 buffers, the float64 oracle's K/V; per (query head x query token), the oracle's
+# float64 scores and their softmax. Plus what torch and the process take at start.
+BYTES_PER_KV_ELEMENT, BYTES_PER_SCORE, BASE_BYTES = 64, 16, 512 << 20
 # The bound the tests hold the windowed path to (tests/test_chunked.py, test_varlen.py):
 # its error against the float64 oracle at most FACTOR x the full-buffer path's + SLACK.
 FACTOR, SLACK = 1.1, 1e-4
@@ -90,6 +99,60 @@ def full_buffer_bytes(cached_len, q_len, hk, d, dtype):
     return 2 * hk * cached_len * d * 2 + 2 * hk * (cached_len + q_len) * d * elem
 
 
+def demo_bytes(cached_len, q_len, hq, hk, d):
+    """About how much memory the demo takes at these sizes (BYTES_PER_KV_ELEMENT's
+    measurement): it grows with the context, as the full-buffer path and the oracle
+    do."""
+    tokens = cached_len + q_len
+    return BASE_BYTES + tokens * (
+        hk * d * BYTES_PER_KV_ELEMENT + hq * q_len * BYTES_PER_SCORE
+    )
+
+
+def available_bytes(device):
+    """Memory free for the demo on ``device``: the GPU's free memory, or the host's
+    available memory (Linux's MemAvailable); None where the system does not say."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def size_error(cached_len, q_len, hq, hk, d, available):
+    """Why these sizes cannot run here (one line), or None: the context must fit
+    int32 lengths, and the demo's memory (``demo_bytes``) the ``available`` bytes
+    (None: not checked)."""
+    tokens = cached_len + q_len
+    if tokens > MAX_TOKENS:
+        return (
+            f"argument --cached-len: cached + new tokens must be at most {MAX_TOKENS} "
+            f"(int32 sequence lengths, as vLLM keeps them), got {cached_len} + {q_len}"
+        )
+    need = demo_bytes(cached_len, q_len, hq, hk, d)
+    if available is not None and need > available:
+        gib = 2**30
+        fits = (available - BASE_BYTES) // (
+            hk * d * BYTES_PER_KV_ELEMENT + hq * q_len * BYTES_PER_SCORE
+        )
+        return (
+            f"argument --cached-len: {cached_len} cached + {q_len} new tokens at Hq "
+            f"{hq}, Hk {hk}, D {d} need about {need / gib:.1f} GiB (the cache, the "
+            f"full-buffer path's K/V and the float64 oracle grow with the context); "
+            f"{available / gib:.1f} GiB is available here: at most about "
+            f"{max(0, fits - q_len)} cached tokens fit"
+        )
+    return None
+
+
 def accuracy_lines(chunked, full, oracle):
     """(lines to print, whether the bound holds): the two answers' difference, and each
     one's error against the float64 oracle with the bound the tests use."""
@@ -98,9 +161,11 @@ def accuracy_lines(chunked, full, oracle):
     bound = FACTOR * e_full + SLACK
     ok = e_chunked <= bound
     lines = [
-        f"Difference between the answers: |chunked - full| / |full| = {diff:.2e} "
-        "(expected: about fp16's rounding, a few 1e-4; each path rounds the cached "
-        "keys to fp16 in its own place).",
+        (
+            f"Difference between the answers: |chunked - full| / |full| = {diff:.2e} "
+            "(expected: about fp16's rounding, a few 1e-4; each path rounds the cached "
+            "keys to fp16 in its own place)."
+        ),
         f"Error against a float64 oracle (exact attention over the decoded cache): "
         f"chunked {e_chunked:.2e}, full-buffer {e_full:.2e}. Bound (the tests'): "
         f"chunked <= {FACTOR} x full-buffer + {SLACK:.0e} = {bound:.2e}: "
@@ -212,6 +277,9 @@ def main(argv=None, prog="tq-chunked demo"):
     device = torch.device("cuda" if cuda else "cpu")
     hq, hk = a.heads
     d, dtype = a.head_dim, torch.float16
+    error = size_error(a.cached_len, a.q_len, hq, hk, d, available_bytes(device))
+    if error is not None:  # one line, before anything is allocated
+        p.exit(2, f"{p.prog}: error: {error}\n")
     window = a.window or demo_window(a.cached_len, hk, d, device)
     plan = make_plan(
         (0, a.q_len),
@@ -249,12 +317,15 @@ def main(argv=None, prog="tq-chunked demo"):
     def mib(b):
         return f"{b / 2**20:.1f} MiB"
 
+    # The workspace is set by the window, not by the context: the default window's is
+    # the library's 128 MiB budget at any cached_len; the CPU demo's smaller window (a
+    # quarter of its context unless --window says) makes it small there.
     if cuda:
-        mem_c = f"peak {mib(m_c)} (workspace {mib(ws)}), independent of cached_len"
+        mem_c = f"peak {mib(m_c)} (workspace {mib(ws)}, set by the window)"
         mem_f = f"peak {mib(m_f)}, grows with cached_len"
         mem_title = "peak extra memory (measured)"
     else:
-        mem_c = f"workspace {mib(ws)}, independent of cached_len"
+        mem_c = f"workspace {mib(ws)}, set by the window, not by cached_len"
         buffers = full_buffer_bytes(a.cached_len, a.q_len, hk, d, dtype)
         mem_f = f"K/V buffers {mib(buffers)}, grows with cached_len"
         mem_title = "memory (computed: a CPU has no peak counter)"

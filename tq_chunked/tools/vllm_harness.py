@@ -144,3 +144,40 @@ def symlink_farm(vllm_dir, dest, tests_dir=None):
     if tests_dir is not None:
         shutil.copytree(tests_dir, dest / "tests")
     return dest
+
+
+def _version_key(name: str) -> tuple:
+    """``vllm-0.34.0`` -> (0, 34, 0), for ordering releases."""
+    return tuple(
+        int(p) if p.isdigit() else p for p in name.split("-", 1)[-1].split(".")
+    )
+
+
+def vllm_envs(root) -> dict[str, str]:
+    """{name: python} of the vLLM environments ``tests/install_vllm_cpu.sh`` built in
+    ``root/.vllm-envs``, oldest release first: those it completed, which have the
+    release's sources in ``src/`` (fetched after the environment passed its import
+    check). One it did not complete (a build killed before it could remove it) is left
+    out (``half_built_vllm_envs``)."""
+    from pathlib import Path
+
+    found = {}
+    for python in Path(root, ".vllm-envs").glob("*/bin/python"):
+        env = python.parents[1]
+        if (env / "src" / "pyproject.toml").is_file():
+            found[env.name] = str(python)
+    return dict(sorted(found.items(), key=lambda item: _version_key(item[0])))
+
+
+def half_built_vllm_envs(root) -> list[str]:
+    """The names of the environments in ``root/.vllm-envs`` with a Python but without
+    the sources ``tests/install_vllm_cpu.sh`` fetches last: builds it did not
+    complete."""
+    from pathlib import Path
+
+    complete = vllm_envs(root)
+    return sorted(
+        p.parents[1].name
+        for p in Path(root, ".vllm-envs").glob("*/bin/python")
+        if p.parents[1].name not in complete
+    )

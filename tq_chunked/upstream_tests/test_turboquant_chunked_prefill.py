@@ -305,14 +305,17 @@ def test_builder_reserves_the_pair_only_for_a_prefill_of_its_own(
         turboquant_attn, "is_workspace_manager_initialized", lambda: True
     )
 
-    class OwnPrefill(turboquant_attn.TurboQuantAttentionImpl):
+    # The class the fixture's module holds, imported by name so that it can be a base.
+    from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionImpl
+
+    class OwnPrefill(TurboQuantAttentionImpl):
         """A subclass with a prefill of its own (as UltraQuant's), which may take
         vLLM's continuation buffers."""
 
         def _prefill_attention(self, *args, **kwargs):
             raise NotImplementedError
 
-    impl_cls = OwnPrefill if own_prefill else turboquant_attn.TurboQuantAttentionImpl
+    impl_cls = OwnPrefill if own_prefill else TurboQuantAttentionImpl
     impl, _ = _impl_and_layer(turboquant_attn, "turboquant_3bit_nc", impl_cls)
     layer_names = ["layers.0.self_attn.attn", "layers.1.self_attn.attn"]
     max_model_len, max_num_batched_tokens = 8192, 4096

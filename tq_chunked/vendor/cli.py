@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import os
 import shutil
@@ -13,8 +14,16 @@ from pathlib import Path
 from .. import __version__
 from .edits import is_vendored, vendored_text
 from .package import package_files
-from .paths import NEW_TEST, TARGET, VENDORED, VENDORED_DIR, VLLM_TEST, VendorError
-from .vllm_tests import edited_vllm_test, new_test_text
+from .paths import (
+    CI_JOBS,
+    NEW_TEST,
+    TARGET,
+    VENDORED,
+    VENDORED_DIR,
+    VLLM_TEST,
+    VendorError,
+)
+from .vllm_tests import edited_ci_jobs, edited_vllm_test, has_ci_job, new_test_text
 
 
 def _diff(old: str, new: str, path: Path) -> str:
@@ -28,14 +37,26 @@ def _diff(old: str, new: str, path: Path) -> str:
     )
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _write_package(ops_dir: Path, files: dict[str, str]) -> Path:
     """The package written next to its place, then renamed into it (never half
-    there)."""
+    there). The directory gets the mode ``mkdir`` gives (0755 under the usual umask
+    022), not the private 0700 of the temporary directory it was written in."""
     tmp = Path(tempfile.mkdtemp(prefix=".tq_chunked-", dir=ops_dir))
-    for name, text in files.items():
-        (tmp / name).write_text(text)
-    target = ops_dir / VENDORED_DIR.name
-    tmp.rename(target)
+    try:
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+        tmp.chmod(0o777 & ~_umask())
+        target = ops_dir / VENDORED_DIR.name
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return target
 
 
@@ -48,7 +69,9 @@ def _write_file(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _refuse_vendored(root: Path, files: dict[str, str], new_test: str | None) -> None:
+def _refuse_vendored(
+    root: Path, files: dict[str, str], new_test: str | None, ci_text: str | None
+) -> None:
     """A tree that already calls the vendored package: fine (nothing to do) if it holds
     exactly what this tq_chunked writes, refused otherwise."""
     package_dir = root / VENDORED_DIR
@@ -59,14 +82,31 @@ def _refuse_vendored(root: Path, files: dict[str, str], new_test: str | None) ->
     test = root / NEW_TEST
     if new_test is not None and test.is_file():
         same = same and test.read_text() == new_test
+    if ci_text is not None:
+        same = same and has_ci_job(ci_text)
     if not same:
         raise VendorError(
-            f"{TARGET} already calls {VENDORED}, but {VENDORED_DIR}/ (or {NEW_TEST}) "
-            f"is not what tq_chunked {__version__} writes (another version, or "
-            f"edited): restore vLLM's {TARGET} (and {VLLM_TEST}), remove "
-            f"{VENDORED_DIR}/ and {NEW_TEST} (in a checkout: git checkout -- {TARGET} "
-            f"{VLLM_TEST}; rm -r {VENDORED_DIR} {NEW_TEST}), then run this again"
+            f"{TARGET} already calls {VENDORED}, but {VENDORED_DIR}/ (or {NEW_TEST}, "
+            f"or {CI_JOBS}) is not what tq_chunked {__version__} writes (another "
+            f"version, or edited): restore vLLM's {TARGET} (and {VLLM_TEST}, "
+            f"{CI_JOBS}), remove {VENDORED_DIR}/ and {NEW_TEST} (in a checkout: git "
+            f"checkout -- {TARGET} {VLLM_TEST} {CI_JOBS}; rm -r {VENDORED_DIR} "
+            f"{NEW_TEST}), then run this again"
         )
+
+
+def _read_python(root: Path, rel: Path) -> str:
+    """The text of vLLM's file ``rel``, refused by name where it does not parse (the
+    tool reads it with ``ast``)."""
+    text = (root / rel).read_text()
+    try:
+        ast.parse(text)
+    except SyntaxError as e:
+        raise VendorError(
+            f"{root / rel} does not parse as Python (line {e.lineno}: {e.msg}): "
+            "not a vLLM source file this tool can edit"
+        ) from None
+    return text
 
 
 def vendor(root: Path, check: bool = False, out=None) -> int:
@@ -80,13 +120,21 @@ def vendor(root: Path, check: bool = False, out=None) -> int:
             "(a vLLM checkout or site-packages) with the TurboQuant backend"
         )
     package_dir = root / VENDORED_DIR
+    if not package_dir.parent.is_dir():
+        raise VendorError(
+            f"{package_dir.parent} is not a directory: the vllm/ package in "
+            "VLLM_SOURCE_DIR has no vllm/v1/attention/ops/, where the vendored "
+            "package goes (not a vLLM source tree of a release this tool knows)"
+        )
     files = package_files()
-    # vLLM's tests, where the tree has them (a checkout).
+    text = _read_python(root, TARGET)
+    # vLLM's tests and their Buildkite pipelines, where the tree has them (a checkout).
     has_tests = (root / NEW_TEST).parent.is_dir()
     new_test = new_test_text() if has_tests else None
-    text = target.read_text()
+    ci_path = root / CI_JOBS
+    ci_text = ci_path.read_text() if has_tests and ci_path.is_file() else None
     if is_vendored(text):
-        _refuse_vendored(root, files, new_test)
+        _refuse_vendored(root, files, new_test, ci_text)
         print(
             f"{TARGET} already calls {VENDORED}, and {VENDORED_DIR}/ holds what "
             f"tq_chunked {__version__} writes: nothing to do",
@@ -99,17 +147,33 @@ def vendor(root: Path, check: bool = False, out=None) -> int:
                 f"{path} exists but {TARGET} does not call {VENDORED}: remove it (a "
                 "copy from another tool or an interrupted run), then run this again"
             )
+    if ci_text is not None and has_ci_job(ci_text):
+        raise VendorError(
+            f"{ci_path} already has the job of {NEW_TEST} but {TARGET} does not call "
+            f"{VENDORED}: restore it (git checkout -- {CI_JOBS}), then run this again"
+        )
     new, notes = vendored_text(text)
-    test_path, test_text, test_new = root / VLLM_TEST, None, None
-    if has_tests and test_path.is_file():
-        test_text = test_path.read_text()
+    edits = [(TARGET, text, new)]
+    if has_tests and (root / VLLM_TEST).is_file():
+        test_text = _read_python(root, VLLM_TEST)
         test_new, test_notes = edited_vllm_test(test_text)
         notes += test_notes
-    out.write(_diff(text, new, TARGET))
-    if test_new is not None:
-        out.write(_diff(test_text, test_new, VLLM_TEST))
+        if test_new is not None:
+            edits.append((VLLM_TEST, test_text, test_new))
+    if ci_text is not None:
+        ci_new, ci_notes = edited_ci_jobs(ci_text)
+        notes += ci_notes
+        if ci_new is not None:
+            edits.append((CI_JOBS, ci_text, ci_new))
+    elif has_tests:
+        notes.append(
+            f"note: no {CI_JOBS.as_posix()} in this tree: {NEW_TEST.as_posix()} is "
+            "not wired into a Buildkite job (vLLM's pre-commit asks for one)"
+        )
+    for rel, old, edited in edits:
+        out.write(_diff(old, edited, rel))
     if not check:
-        _write_all(root, files, text, new, test_text, test_new, new_test)
+        _write_all(root, files, edits, new_test)
     verb = "would add" if check else "added"
     print(
         f"{verb} {VENDORED_DIR.as_posix()}/ ({len(files)} files from tq_chunked "
@@ -130,17 +194,15 @@ def vendor(root: Path, check: bool = False, out=None) -> int:
     return 0
 
 
-def _write_all(root, files, text, new, test_text, test_new, new_test) -> None:
-    """The package, the edited files and the new test, or, if anything fails, none of
-    them."""
+def _write_all(root, files, edits, new_test) -> None:
+    """The package, the edited files (``edits``: (path in the tree, old text, new
+    text)) and the new test, or, if anything fails, none of them."""
     written = _write_package((root / VENDORED_DIR).parent, files)
     done: list[tuple[Path, str | None]] = []  # (path, text to restore; None: remove)
     try:
-        _write_file(root / TARGET, new)
-        done.append((root / TARGET, text))
-        if test_new is not None:
-            _write_file(root / VLLM_TEST, test_new)
-            done.append((root / VLLM_TEST, test_text))
+        for rel, old, new in edits:
+            _write_file(root / rel, new)
+            done.append((root / rel, old))
         if new_test is not None:
             _write_file(root / NEW_TEST, new_test)
             done.append((root / NEW_TEST, None))
@@ -178,4 +240,9 @@ def main(argv=None) -> int:
         return vendor(args.vllm_source_dir, check=args.check)
     except VendorError as e:
         print(f"tq_chunked.vendor: {e}; nothing written", file=sys.stderr)
+        return 1
+    except OSError as e:  # what was written is undone (_write_all)
+        print(
+            f"tq_chunked.vendor: writing failed ({e}); nothing written", file=sys.stderr
+        )
         return 1

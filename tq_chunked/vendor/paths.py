@@ -15,6 +15,10 @@ BACKEND_MODULE = "vllm_backend"
 # test the change adds beside them.
 VLLM_TEST = Path("tests/quantization/test_turboquant.py")
 NEW_TEST = Path("tests/quantization/test_turboquant_chunked_prefill.py")
+# The Buildkite pipeline of vLLM's quantization tests, where the new test gets a job
+# (vLLM's pre-commit refuses a test file that no job runs), and that job's key.
+CI_JOBS = Path(".buildkite/test_areas/quantization.yaml")
+CI_KEY = "turboquant-chunked-prefill"
 # The module-level ChunkedPrefill in turboquant_attn.py.
 STATE = "_tq_chunked_prefill"
 # vLLM's line length (ruff): the generated lines are formatted to fit it.

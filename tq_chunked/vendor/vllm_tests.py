@@ -7,16 +7,20 @@
   ``tq_chunked/upstream_tests/turboquant_reservation.py``, which assert tq_chunked's
   workspace in its place;
 * ``tests/quantization/test_turboquant_chunked_prefill.py``: added, from
-  ``tq_chunked/upstream_tests/``.
+  ``tq_chunked/upstream_tests/``;
+* ``.buildkite/test_areas/quantization.yaml``, where the tree has it (a checkout): a
+  job that runs the added test, as vLLM's pipelines run its tests (vLLM's pre-commit
+  refuses a test file no Buildkite job runs).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from .package import PACKAGE_DIR, header
-from .paths import NEW_TEST, PACKAGE, VendorError
+from .paths import CI_JOBS, CI_KEY, NEW_TEST, PACKAGE, TARGET, VENDORED_DIR, VendorError
 from .source import Edit, apply_edits, first_line
 
 UPSTREAM_DIR = PACKAGE_DIR / "upstream_tests"
@@ -75,3 +79,57 @@ def edited_vllm_test(text: str) -> tuple[str | None, list[str]]:
         new = template_lines[first_line(ours) : ours.end_lineno]
         edits.append(Edit(first_line(method), method.end_lineno, new, name))
     return (apply_edits(text, edits) if edits else None), notes
+
+
+# The job, in the style of the pipeline's other GPU jobs (the TurboQuant ones run on
+# an H200 slice); its commands run in vLLM's tests/ directory. On a GPU the added test
+# writes the cache with vLLM's store kernel and attends with vLLM's FlashAttention.
+CI_STEP = f"""\
+- label: ":nvidia: (H200 MIG 18GB) TurboQuant chunked prefill"
+  key: {CI_KEY}
+  timeout_in_minutes: 20
+  device: h200_18gb
+  source_file_dependencies:
+  - vllm/model_executor/layers/quantization/turboquant/
+  - {TARGET.as_posix()}
+  - {VENDORED_DIR.as_posix()}/
+  - vllm/v1/attention/ops/triton_turboquant_store.py
+  - vllm/v1/worker/workspace.py
+  - {NEW_TEST.as_posix()}
+  commands:
+  - pytest -v -s {NEW_TEST.relative_to("tests").as_posix()}
+"""
+_TOP_KEY = re.compile(r"^[A-Za-z_][\w-]*:")
+_ITEM = re.compile(r"^(\s*)- ")
+
+
+def edited_ci_jobs(text: str) -> tuple[str | None, list[str]]:
+    """(vLLM's quantization pipeline with the added test's job appended to its
+    ``steps``, or None where the file is not of the expected shape; notes). The job
+    is appended as text, at the indentation of the pipeline's other steps, so that
+    nothing else in the file changes."""
+    lines = text.splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if line.rstrip() == "steps:"]
+    if len(starts) != 1 or any(_TOP_KEY.match(x) for x in lines[starts[0] + 1 :]):
+        note = (
+            f"note: {CI_JOBS.as_posix()} has no 'steps:' list that ends the file; "
+            f"{NEW_TEST.as_posix()} is not wired into a Buildkite job (vLLM's "
+            "pre-commit asks for one)"
+        )
+        return None, [note]
+    items = [
+        m.group(1)
+        for line in lines[starts[0] + 1 :]
+        if (m := _ITEM.match(line)) and not line.lstrip().startswith("#")
+    ]
+    indent = items[0] if items else ""
+    step = "".join(
+        indent + line if line.strip() else line
+        for line in CI_STEP.splitlines(keepends=True)
+    )
+    return text + ("" if text.endswith("\n") else "\n") + "\n" + step, []
+
+
+def has_ci_job(text: str) -> bool:
+    """Whether vLLM's quantization pipeline (``text``) has the added test's job."""
+    return re.search(rf"^\s*key: {re.escape(CI_KEY)}\s*$", text, re.M) is not None
