@@ -151,7 +151,12 @@ def test_unknown_backend_shape_is_refused_whole():
 # --- inside a vLLM environment --------------------------------------------------------
 
 
-def _plain_config(max_model_len=1 << 20, max_num_batched_tokens=8192, num_heads=HQ):
+def _plain_config(
+    max_model_len=1 << 20,
+    max_num_batched_tokens=8192,
+    num_heads=HQ,
+    preset="turboquant_3bit_nc",
+):
     """The config values vLLM's TurboQuant classes read, as plain data (a CPU-only
     VllmConfig() cannot infer its device)."""
     ns = types.SimpleNamespace
@@ -163,7 +168,7 @@ def _plain_config(max_model_len=1 << 20, max_num_batched_tokens=8192, num_heads=
             get_num_attention_heads=lambda parallel_config: num_heads,
         ),
         parallel_config=ns(decode_context_parallel_size=1),
-        cache_config=ns(cache_dtype=PRESET),
+        cache_config=ns(cache_dtype=preset),
         speculative_config=None,
         scheduler_config=ns(
             max_num_seqs=4,

@@ -278,7 +278,8 @@ def _build(
     cfg, hq, hk, group, served, q0, q_len, cached, rows, busy, tiles,
     block_m, block_n, num_warps, split_len,
 ) -> PagedPlan:  # fmt: skip
-    work, tokens = [], []
+    work: list[int] = []
+    tokens: list[int] = []
     part = 0  # partial rows so far
     crow = 0  # served tokens so far
     max_splits = 0
@@ -982,6 +983,7 @@ def paged_attention(
     if plan.num_tokens == 0:
         return
     if plan.rotated:
+        assert centroids is not None and rotation is not None  # checked above
         block_r = 16
         launch_rotate(
             (triton.cdiv(plan.num_tokens * hq, block_r),),
@@ -1054,6 +1056,9 @@ def paged_attention(
         )
     block_t = 16 if block_d <= 128 else 8
     has_new = new is not None
+    new_strides = (0, 0, 0)
+    if new is not None and new_lse is not None:
+        new_strides = (new.stride(0), new.stride(1), new_lse.stride(0))
     launch_combine(
         (triton.cdiv(plan.num_tokens, block_t), hq),
         scratch.part_out,
@@ -1065,9 +1070,7 @@ def paged_attention(
         lse if lse is not None else scratch.part_lse,
         plan.num_tokens,
         plan.max_splits,
-        new.stride(0) if has_new else 0,
-        new.stride(1) if has_new else 0,
-        new_lse.stride(0) if has_new else 0,
+        *new_strides,
         out.stride(0),
         out.stride(1),
         lse.stride(0) if lse is not None else 0,

@@ -383,15 +383,17 @@ def windows(
     if capacity <= n_tok:
         raise AssertionError("capacity must exceed the query tokens (capacity())")
     packed: list[int] = []  # every device int32 array of the plan, uploaded in one copy
-    # (kind, segments [(req, pos0, cached, qrow, new rows, query rows)], causal) before
-    # upload
-    windows = []
+    # each window before the upload: (kind, segments, causal), a segment being
+    # (request, first cached position, cached rows, first new row, new rows, query rows)
+    specs: list[tuple[str, list, bool]] = []
 
     def window(kind, segs, causal):
-        windows.append((kind, segs, causal))
-        return len(windows) - 1
+        specs.append((kind, segs, causal))
+        return len(specs) - 1
 
-    steps, batch, batch_rows = [], [], 0
+    steps: list = []  # a window's index, or a long request's fields
+    batch: list[tuple[int, ...]] = []
+    batch_rows = 0
 
     def flush():
         nonlocal batch, batch_rows
@@ -432,7 +434,7 @@ def windows(
     flush()
 
     spans = []
-    for kind, segs, causal in windows:
+    for _, segs, _ in specs:
         starts = [0]
         for _, _, c, _, new, _ in segs:
             starts.append(starts[-1] + c + new)
@@ -460,17 +462,17 @@ def windows(
         dev = host.to(device)
 
     made = []
-    for (kind, segs, causal), (s0, ns, c0, nc) in zip(windows, spans):
+    for (kind, segs, causal), (s0, ns, c0, nc) in zip(specs, spans):
         nseg = len(segs)
         segs_host = tuple(packed[s0 : s0 + ns])
-        starts = segs_host[: nseg + 1]
+        cu_k_host = segs_host[: nseg + 1]
         cu_q_host = tuple(packed[c0 : c0 + nc])
         made.append(
             Window(
                 kind=kind,
                 q0=segs[0][3],
                 q1=segs[0][3] + cu_q_host[-1],
-                rows=starts[-1],
+                rows=cu_k_host[-1],
                 nseg=nseg,
                 search_steps=max(1, nseg.bit_length()),
                 segs=dev[s0 : s0 + ns],
@@ -478,7 +480,7 @@ def windows(
                 cu_q=dev[c0 : c0 + nc],
                 cu_k=dev[s0 : s0 + nseg + 1],
                 cu_q_host=cu_q_host,
-                cu_k_host=starts,
+                cu_k_host=cu_k_host,
                 max_q=max(seg[5] for seg in segs),
                 max_k=max(seg[2] + seg[4] for seg in segs),
                 causal=causal,
@@ -486,7 +488,7 @@ def windows(
                 requests=tuple(seg[0] for seg in segs if seg[5]),
             )
         )
-    out = []
+    out: list[Window | LongRequest] = []
     for s in steps:
         if isinstance(s, int):
             out.append(made[s])

@@ -229,7 +229,7 @@ def check_block_tables(device=None) -> None:
     any. Calls with ``check_block_table=True`` record bad ids on the device and report
     them at the next call without synchronizing; this synchronizes."""
     device = (
-        torch.device("cuda", torch.cuda.current_device())
+        torch.device("cuda", torch.accelerator.current_device_index())
         if device is None
         else torch.device(device)
     )
@@ -426,9 +426,10 @@ class ContinuationPrefill:
             stream=stream,
         )
         need = plan.workspace_bytes
-        if need and workspace is None:
-            workspace = torch.empty(need, dtype=torch.uint8, device=device)
-        elif need and workspace.numel() < need:
+        if workspace is None:
+            if need:
+                workspace = torch.empty(need, dtype=torch.uint8, device=device)
+        elif workspace.numel() < need:
             raise ValueError(
                 f"workspace must hold at least workspace_bytes(...) = {need} bytes for "
                 f"this step, got {workspace.numel()}"
@@ -554,42 +555,7 @@ class Step:
                 f"D={p.head_dim}), got {tuple(kv_cache.shape)}"
             )
         if not cfg.key_fp8:
-            for name, t, what in (
-                (
-                    "centroids",
-                    centroids,
-                    "the centroid table the cache was written "
-                    "with (vLLM: layer._tq_centroids)",
-                ),
-                (
-                    "rotation",
-                    rotation,
-                    "the rotation the keys were written with (vLLM: layer._tq_Pi)",
-                ),
-            ):
-                if t is None:
-                    raise ValueError(
-                        f"{name} is required for preset {p.preset_name}, whose keys "
-                        f"are centroid indices: pass {what}"
-                    )
-            check_tensor("centroids", centroids, 1, (torch.float32,), self.device)
-            if centroids.shape[0] != 2**cfg.key_bits:
-                raise ValueError(
-                    f"centroids must have {2**cfg.key_bits} entries for preset "
-                    f"{p.preset_name}, got {centroids.shape[0]}"
-                )
-            check_tensor(
-                "rotation",
-                rotation,
-                2,
-                (torch.float32, torch.float16, torch.bfloat16),
-                self.device,
-            )
-            if tuple(rotation.shape) != (p.head_dim, p.head_dim):
-                raise ValueError(
-                    f"rotation must have shape ({p.head_dim}, {p.head_dim}), got "
-                    f"{tuple(rotation.shape)}"
-                )
+            self._check_tables(centroids, rotation)
         scale = _as_scale(scale)
         if out is None:
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -629,6 +595,38 @@ class Step:
                 self, query, key, value, kv_cache, centroids, rotation, scale, out, lse
             ).run()
         return (out, lse) if return_lse else out
+
+    def _check_tables(self, centroids, rotation):
+        """The centroid table and the rotation an MSE preset's keys need."""
+        p = self.prefill
+        need = (
+            f"is required for preset {p.preset_name}, whose keys are centroid indices"
+        )
+        if centroids is None:
+            raise ValueError(
+                f"centroids {need}: pass the centroid table the cache was written with "
+                f"(vLLM: layer._tq_centroids)"
+            )
+        if rotation is None:
+            raise ValueError(
+                f"rotation {need}: pass the rotation the keys were written with (vLLM: "
+                f"layer._tq_Pi)"
+            )
+        check_tensor("centroids", centroids, 1, (torch.float32,), self.device)
+        if centroids.shape[0] != 2**p.cfg.key_bits:
+            raise ValueError(
+                f"centroids must have {2**p.cfg.key_bits} entries for preset "
+                f"{p.preset_name}, got {centroids.shape[0]}"
+            )
+        check_tensor(
+            "rotation", rotation, 2, (torch.float32, torch.float16, torch.bfloat16),
+            self.device,
+        )  # fmt: skip
+        if tuple(rotation.shape) != (p.head_dim, p.head_dim):
+            raise ValueError(
+                f"rotation must have shape ({p.head_dim}, {p.head_dim}), got "
+                f"{tuple(rotation.shape)}"
+            )
 
 
 class _Layer:

@@ -31,7 +31,7 @@ import weakref
 import torch
 
 from .plan import default_window, workspace_bytes
-from .prefill import ContinuationPrefill, continuation_prefill
+from .prefill import ContinuationPrefill, Step, continuation_prefill
 
 # The metadata attribute that holds the step planned in the builder's build.
 STEP_ATTR = "tq_chunked_step"
@@ -103,14 +103,14 @@ class Workspaces:
     def _manager(self):
         """The WorkspaceManager of vLLM, or None: this vLLM has none for the backend
         (0.20.x), or none is initialized (outside an engine)."""
-        if not self.uses_manager:
+        if self.hooks is None:
             return None
         module = importlib.import_module(self.hooks)
         initialized = getattr(module, "is_workspace_manager_initialized", None)
         if initialized is None:  # a backend module that imports only the manager
-            from vllm.v1.worker.workspace import (
-                is_workspace_manager_initialized as initialized,
-            )
+            from vllm.v1.worker import workspace
+
+            initialized = workspace.is_workspace_manager_initialized
         return module.current_workspace_manager() if initialized() else None
 
     def reserve(self, nbytes: int) -> None:
@@ -241,7 +241,11 @@ def builder_impls(builder) -> list | None:
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-    layers = get_layers_from_vllm_config(cfg, AttentionLayerBase, builder.layer_names)
+    layers = get_layers_from_vllm_config(
+        cfg,
+        AttentionLayerBase,  # type: ignore[type-abstract]
+        builder.layer_names,
+    )
     impls = [getattr(layers.get(name), "impl", None) for name in builder.layer_names]
     # Only a config where none of the layers is found is a unit test's; a layer that
     # is missing from a real one is not served (it keeps what vLLM reserves).
@@ -290,7 +294,7 @@ class ChunkedPrefill:
         # own for the prefill part of a mixed batch (made per layer, without the
         # attribute), whose block table is a view of the built one. A few entries:
         # one per ubatch and kv-cache group of the step being run.
-        self._built: dict[tuple, object] = {}
+        self._built: dict[tuple, Step] = {}
 
     def served(self, builder, impl_cls, rule=runs_windowed) -> list[bool]:
         """Per layer of vLLM's metadata ``builder``: whether its impl's prefill runs
