@@ -257,7 +257,7 @@ def main(argv=None):
             f"float32 capture, {err16:.2e} from the float16 data; sinks {s[:4]}; "
             f"outlier channels {ch[:4]}"
         )
-        for a, n, p, why in plan:
+        for a, n, _, why in plan:
             print(f"    query rows [{a}, {a + n}): {why}")
 
     meta = {

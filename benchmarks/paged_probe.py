@@ -335,9 +335,11 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
 def table(rows):
     f = lambda x: f"{x:.3f}" if isinstance(x, float) else str(x)
     lines = [
-        "| workload | preset | dtype | rows/kvh | floor ms | window ms | paged ms | "
-        "cached part ms | vLLM decode ms | paged / floor | paged / window | "
-        "quantized bytes at 4.3 TB/s ms | achieved TB/s | plan (M, N, split, progs) |",
+        (
+            "| workload | preset | dtype | rows/kvh | floor ms | window ms | paged ms | "
+            "cached part ms | vLLM decode ms | paged / floor | paged / window | "
+            "quantized bytes at 4.3 TB/s ms | achieved TB/s | plan (M, N, split, progs) |"
+        ),
         "|---" * 14 + "|",
     ]
     for r in rows:
@@ -353,8 +355,8 @@ def table(rows):
                  f(r.get("vllm_decode_ms", "-")), f"{r['paged_over_floor']:.2f}",
                  f"{r['paged_over_window']:.2f}",
                  f(r["quantized_ms_at_copy_rate"]), f"{r['achieved_tb_s']:.2f}",
-                 f"({p['block_m']}, {p['block_n']}, {p['split_len']}, "
-                 f"{p['programs']})"]
+                 (f"({p['block_m']}, {p['block_n']}, {p['split_len']}, "
+                  f"{p['programs']})")]
             ) + " |"
         )  # fmt: skip
     ok = [r for r in rows if "error" not in r]

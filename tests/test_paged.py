@@ -249,11 +249,11 @@ def test_the_plan_covers_each_requests_cached_positions_once_per_kv_head_and_til
                       block_m=16, block_n=16)  # fmt: skip
     work = torch.tensor(plan.work).view(-1, WORK_FIELDS).tolist()
     covered = {}
-    for r, h, tok0, crow0, rows, row0, p0, p1, part0 in work:
+    for r, h, tok0, _crow0, rows, row0, p0, p1, _part0 in work:
         assert tok0 == qsl[r] and rows == 4 * (qsl[r + 1] - qsl[r])
         assert p0 % plan.split_len == 0 and 0 <= p0 < p1 <= lens[r] - rows // 4
         covered.setdefault((r, h, row0), []).append((p0, p1))
-    for (r, h, row0), spans in covered.items():
+    for (r, _, _), spans in covered.items():
         cached = lens[r] - (qsl[r + 1] - qsl[r])
         spans.sort()
         assert spans[0][0] == 0 and spans[-1][1] == cached
@@ -383,7 +383,7 @@ def test_the_kernels_stay_inside_their_tensors(
     assert {"_paged_kernel", "_combine_kernel"} <= seen.kernels or not any(
         c > 0 and q > 0 for c, q in requests
     )
-    for r, (c, q) in enumerate(requests):
+    for r, (_, q) in enumerate(requests):
         rows = out[batch.query_start_loc[r] : batch.query_start_loc[r + 1]]
         if r == victim and q > 0:
             assert rows.isnan().all(), f"seed {seed}, request {r}"
