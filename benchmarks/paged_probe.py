@@ -336,9 +336,10 @@ def table(rows):
     f = lambda x: f"{x:.3f}" if isinstance(x, float) else str(x)
     lines = [
         (
-            "| workload | preset | dtype | rows/kvh | floor ms | window ms | paged ms | "
-            "cached part ms | vLLM decode ms | paged / floor | paged / window | "
-            "quantized bytes at 4.3 TB/s ms | achieved TB/s | plan (M, N, split, progs) |"
+            "| workload | preset | dtype | rows/kvh | floor ms | window ms | "
+            "paged ms | cached part ms | vLLM decode ms | paged / floor | "
+            "paged / window | quantized bytes at 4.3 TB/s ms | achieved TB/s | "
+            "plan (M, N, split, progs) |"
         ),
         "|---" * 14 + "|",
     ]
