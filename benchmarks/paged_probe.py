@@ -1,6 +1,6 @@
-"""The memory-bound path (tq_chunked/runtime/paged.py) on the H200: exactness first,
-then its GPU time beside the window path, the floor and vLLM's own decode kernel, on a
-memory-bound grid (GPU).
+"""The memory-bound path (tq_chunked/experimental/paged.py) on the H200: exactness
+first, then its GPU time beside the window path, the floor and vLLM's own decode kernel,
+on a memory-bound grid (GPU).
 
     python benchmarks/paged_probe.py [OUT_DIR] [--workloads "decode,64 hits"]
         [--skip-exactness] [--no-configs]
@@ -37,13 +37,13 @@ import torch
 from breakdown import floor_of, profile_ms
 
 from tq_chunked import continuation_prefill_varlen, default_window, workspace_bytes
-from tq_chunked.runtime.attention import make_call, resolve_backend, varlen_attention
-from tq_chunked.runtime.format import PRESETS, TQConfig
-from tq_chunked.runtime.paged import (
+from tq_chunked.experimental.paged import (
     paged_attention,
     paged_continuation_prefill_varlen,
     plan_paged,
 )
+from tq_chunked.runtime.attention import make_call, resolve_backend, varlen_attention
+from tq_chunked.runtime.format import PRESETS, TQConfig
 from tq_chunked.tools.reference import (
     full_buffer_continuation_prefill,
     oracle_continuation_prefill,

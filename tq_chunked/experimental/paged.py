@@ -56,10 +56,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import Launcher, interpreter_rounds_bf16, interpreting, round_bf16
-from .dequant import _fp16_at, _unpack, fp8_e4b15_for, halves_ok
-from .format import TQConfig, resolve_config
-from .merge import _term
+from ..runtime._utils import Launcher, interpreter_rounds_bf16, interpreting, round_bf16
+from ..runtime.dequant import _fp16_at, _unpack, fp8_e4b15_for, halves_ok
+from ..runtime.format import TQConfig, resolve_config
+from ..runtime.merge import _term
 
 # Per work item (one program of _paged_kernel), int32: the request (its block-table
 # row), the kv head, the request's first query token, its first row in the served
@@ -1105,6 +1105,7 @@ def paged_continuation_prefill_varlen(
     return_lse=False,
     lse=None,
     q_split=True,
+    lookup=True,
     info=None,
     **launch,
 ):
@@ -1114,8 +1115,9 @@ def paged_continuation_prefill_varlen(
     work arrays (a convenience for tests and benchmarks; ``plan_paged``,
     ``PagedPlan.carve`` and ``paged_attention`` are the allocation-free form).
     ``launch``: ``plan_paged``'s keywords (block_m, block_n, num_warps, split_len,
-    sms, programs_per_sm). info: a dict given here receives the plan."""
-    from .attention import make_call, resolve_backend, varlen_attention
+    sms, programs_per_sm); q_split, lookup: ``paged_attention``'s. info: a dict given
+    here receives the plan."""
+    from ..runtime.attention import make_call, resolve_backend, varlen_attention
 
     as_list = lambda x: [int(v) for v in (x.tolist() if hasattr(x, "tolist") else x)]
     qsl = as_list(
@@ -1161,5 +1163,6 @@ def paged_continuation_prefill_varlen(
         new=new,
         new_lse=new_lse,
         q_split=q_split,
+        lookup=lookup,
     )
     return (out, lse) if return_lse else out
