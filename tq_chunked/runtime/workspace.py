@@ -21,9 +21,8 @@ once per call and read by every window's fill:
         q16           (R, Hq_g, D)    fp16         bf16 queries only: the query in fp16
 
 A long request's partial results are fp16 whatever the query dtype, so that each is
-rounded once to fp16, not to bf16, before the float32 merge (bf16 partials cost
-1.08-1.25x the full path's error: benchmarks/NOTES.md §3); its last window's partial
-waits in ``out``'s own bytes for the final merge.
+rounded once to fp16, not to bf16, before the float32 merge (benchmarks/NOTES.md §3);
+its last window's partial waits in ``out``'s own bytes for the final merge.
 
 How big the windows are within a budget (default 128 MiB), and so how many bytes a
 step needs, is the planner's decision (plan.py: ``fit_window``, ``long_window``,
