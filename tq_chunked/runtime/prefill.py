@@ -454,7 +454,14 @@ class ContinuationPrefill:
 
 
 class Step:
-    """One step's plan (``ContinuationPrefill.plan``): ``run`` it once per layer."""
+    """One step's plan (``ContinuationPrefill.plan``): ``run`` it once per layer, on
+    the stream that was current when it was planned (its device integers were
+    uploaded there).
+
+    Attributes: ``prefill`` (what it was planned by), ``plan`` (plan.Plan: the windows
+    in order of their query rows), ``block_table``, ``query_start_loc`` and
+    ``seq_lens`` (host ints), ``workspace`` and ``buffers`` (each window's views of
+    it), ``backend`` (the resolved attention back end), ``device``."""
 
     def __init__(
         self,
@@ -469,11 +476,8 @@ class Step:
     ):
         self.prefill, self.plan, self.block_table = prefill, plan, block_table
         self.query_start_loc, self.seq_lens = qsl, seq_lens
-        self.workspace, self.backend, self.device = (
-            workspace,
-            backend,
-            block_table.device,
-        )
+        self.workspace, self.backend = workspace, backend
+        self.device = block_table.device
         self._lengths = lengths  # the device length tensors: checked apart from outputs
         # every layer of the step fills the same windows in the same regions
         views = {key: carve(workspace, key) for key in set(plan.step_layouts)}
