@@ -296,11 +296,13 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 def _bench_result_files():
     """The committed results JSON written by tq-chunked bench (of every version), and
-    the others (vllm_forward.py's, fill_bandwidth.py's)."""
+    the others (vllm_forward.py's, fill_bandwidth.py's, paged_probe.py's: the last
+    has rows and a device too, but no date)."""
     ours, others = [], []
     for path in sorted(RESULTS.glob("*.json")):
         keys = json.loads(path.read_text()).keys()
-        (ours if "rows" in keys and "device" in keys else others).append(path.name)
+        mine = {"rows", "device", "date"} <= keys
+        (ours if mine else others).append(path.name)
     return ours, others
 
 
