@@ -4,6 +4,7 @@ files, the demo."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -221,7 +222,11 @@ def test_tiny_cpu_bench_writes_into_the_default_directory(
         "chunked-torch-w128",
     ]
     assert all(r["error"] is None and r["time_ms"] > 0 for r in rows), rows
-    assert "results into tq-chunked-results" in capsys.readouterr().out
+    assert md.count("| 70b-tp8 | 32 | 256 | ") == 3  # under 1K: tokens, not 0K
+    out = capsys.readouterr().out
+    assert "results into tq-chunked-results" in out
+    written = [f"{bench.DEFAULT_OUT}/{stem}{x}" for x in (".json", ".md", "-time.png")]
+    assert out.rstrip().endswith("\nwrote " + ", ".join(written)), out[-300:]
 
 
 def test_demo_runs_several_windows_on_the_cpu_by_default():
@@ -289,18 +294,235 @@ def test_demo_reports_the_bound_and_fails_beyond_it(ok):
     assert lines[-1].endswith("passed." if ok else "FAILED.")
 
 
-# --- --render and results files -------------------------------------------------------
+# --- bench: bad input refused before anything runs ----------------------------------
+
+BENCH_ERROR = "tq-chunked bench: error: argument "
+SERVING_NAMES = "1 hit q512 8K, 16 hits q512 2K-16K, 16 hits q256 1K-8K, 24 hits"
+
+
+@pytest.fixture
+def nothing_runs(tmp_path, monkeypatch):
+    """In tmp_path (where the default --out would go), with every way into the
+    benchmark's work failing the test."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("run", "run_engine", "CaseData", "matmul_ceiling_tflops"):
+        monkeypatch.setattr(bench, name, lambda *a, **k: pytest.fail("it ran"))
+    return tmp_path
+
+
+def _refused(argv, capsys, code=2):
+    """The one line on stderr of a refused ``tq-chunked bench ARGV``."""
+    got, out, err = run_main(["bench", *argv], capsys)
+    assert got == code, (got, out, err)
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert not out, out
+    return err[:-1]
+
+
+NOT_A_NAME = "--tag: expected a part of a file name, without "
+NOT_POSITIVE = "expected a positive integer, got "
+NO_METHOD = "--methods: no method of this run begins with "
+NO_WORKLOAD = "--workloads: no workload of this run begins with "
+REFUSED = {  # id: (argv, the start of the error after "argument "); {tmp}: tmp_path
+    "out-a-file": (
+        ["--cpu", "--out", "{tmp}/a-file"],
+        (
+            "--out: {tmp}/a-file exists and is not a directory; expected a directory "
+            "(created if missing)"
+        ),
+    ),
+    "out-under-a-file": (
+        ["--cpu", "--out", "{tmp}/a-file/sub"],
+        "--out: cannot write into {tmp}/a-file/sub: Not a directory",
+    ),
+    "out-empty": (["--cpu", "--out", ""], "--out: expected a directory, got ''"),
+    "tag-slash": (["--cpu", "--tag", "a/b"], NOT_A_NAME + "'/', got 'a/b'"),
+    "tag-up": (["--tag", "../up"], NOT_A_NAME + "'/', got '../up'"),
+    "tag-backslash": (["--tag", "a\\b"], NOT_A_NAME + "'\\\\', got 'a\\\\b'"),
+    "tag-newline": (["--tag", "a\nb"], NOT_A_NAME + "'\\n', got 'a\\nb'"),
+    "tag-long": (
+        ["--tag", "x" * 101],
+        "--tag: expected at most 100 bytes (it goes into file names), got 101",
+    ),
+    "layers-0": (["--layers", "0"], "--layers: " + NOT_POSITIVE + "'0'"),
+    "layers-negative": (["--layers", "-2"], "--layers: " + NOT_POSITIVE + "'-2'"),
+    "layers-not-int": (["--layers", "2.5"], "--layers: " + NOT_POSITIVE + "'2.5'"),
+    "repeats-0": (["--repeats", "0"], "--repeats: " + NOT_POSITIVE + "'0'"),
+    "repeats-negative": (["--repeats", "-1"], "--repeats: " + NOT_POSITIVE + "'-1'"),
+    "methods-unknown": (
+        ["--cpu", "--methods", "full,nope"],
+        NO_METHOD + "'nope'; its methods: full, ",
+    ),
+    "methods-baseline-on-cpu": (
+        ["--cpu", "--methods", "baseline"],
+        NO_METHOD + "'baseline'; its methods: full, ",
+    ),
+    "workloads-stack": (
+        ["--stack", "--workloads", "llama3-8b,q512"],
+        NO_WORKLOAD + "'q512'; its workloads: llama3-8b q512 8K, ",
+    ),
+    "workloads-serving": (
+        ["--serving", "--workloads", "16 hits,zz,yy"],
+        NO_WORKLOAD + f"'zz' or 'yy'; its workloads: {SERVING_NAMES}",
+    ),
+    "workloads-crossover": (
+        ["--crossover", "--workloads", "1 hit q9"],
+        NO_WORKLOAD + "'1 hit q9'; its workloads: 1 hit q8 1K, 1 hit q8 8K, ",
+    ),
+    "workloads-no-mode": (
+        ["--cpu", "--workloads", "16 hits"],
+        (
+            "--workloads: selects among the workloads of --stack, --serving or "
+            "--crossover; give one of them"
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("argv, said", list(REFUSED.values()), ids=list(REFUSED))
+def test_bench_refuses_bad_input_before_it_runs(argv, said, nothing_runs, capsys):
+    """One line on stderr naming the option and what was expected, status 2, nothing
+    run and nothing written (the default --out is not created)."""
+    tmp = nothing_runs
+    (tmp / "a-file").write_text("")
+    argv = [a.replace("{tmp}", str(tmp)) for a in argv]
+    err = _refused(argv, capsys)
+    assert err.startswith(BENCH_ERROR + said.replace("{tmp}", str(tmp))), err
+    assert sorted(p.name for p in tmp.iterdir()) == ["a-file"]
+
+
+def test_bench_lists_this_runs_methods_with_an_unknown_one(nothing_runs, capsys):
+    err = _refused(["--cpu", "--windows", "64", "--methods", "chunk,x"], capsys)
+    listed = err.split("its methods: ")[1].split(" (")[0].split(", ")
+    assert listed[0] == "full" and {"chunked-torch", "chunked-torch-w64"} <= set(listed)
+    assert err.endswith("(baseline and vllm-<version> run on a GPU with vLLM)")
+
+
+def test_bench_refuses_an_unwritable_out_before_it_runs(
+    nothing_runs, capsys, monkeypatch
+):
+    """A directory that cannot take a file (as root, permissions would not show it:
+    the probe file's creation fails here instead)."""
+
+    def denied(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(bench.tempfile, "NamedTemporaryFile", denied)
+    err = _refused(["--cpu", "--out", "results"], capsys)
+    assert err == BENCH_ERROR + "--out: cannot write into results: Permission denied"
+
+
+def test_bench_out_is_created_and_left_clean(nothing_runs):
+    """The probe file is gone after the check; an existing directory is accepted."""
+    bench.prepare_out("new/deeper")
+    bench.prepare_out("new/deeper")
+    assert [p.name for p in (nothing_runs / "new" / "deeper").iterdir()] == []
+
+
+@pytest.mark.parametrize(
+    "argv, listed",
+    [
+        (["--stack", "--methods", "tq_chunked,nope"], "'nope'"),
+        (["--serving", "--methods", "full"], "'full'"),
+    ],
+    ids=["unknown", "a grid method"],
+)
+def test_bench_engine_methods_are_checked_before_it_runs(
+    argv, listed, tmp_path, capsys, monkeypatch
+):
+    """An engine mode's methods depend on the machine: checked once they are known,
+    before any workload is built or --out created (a CUDA GPU with vLLM, faked
+    here)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    baseline = argparse.Namespace(describe=lambda: "vLLM x")
+    monkeypatch.setattr(bench, "load_baseline", lambda args, prog: baseline)
+    names = ["baseline", "floor", "tq_chunked", "tq_chunked-default", "vllm-0.0"]
+    monkeypatch.setattr(
+        bench_engine, "methods_available", lambda b: dict.fromkeys(names + ["patched"])
+    )
+    monkeypatch.setattr(bench_engine, "run_workloads", lambda *a, **k: pytest.fail())
+    err = _refused(argv, capsys)
+    assert err == (
+        f"{BENCH_ERROR}--methods: no method of this run begins with {listed}; its "
+        f"methods: {', '.join(names)}, patched"
+    )
+    assert not list(tmp_path.iterdir())
+
+
+EXTRA = (
+    "tq-chunked bench: error: the benchmarks need the bench extra ({} is not "
+    'installed): pip install "tq-chunked[bench]", or pip install -e ".[bench]" in a '
+    "checkout"
+)
+
+
+@pytest.mark.parametrize("module", bench.BENCH_EXTRA)
+@pytest.mark.parametrize(
+    "argv",
+    [["--cpu"], ["--stack"], ["--render", "result.json"]],
+    ids=["grid", "engine", "render"],
+)
+def test_bench_without_its_extra_says_which_to_install(
+    module, argv, nothing_runs, capsys, monkeypatch
+):
+    monkeypatch.setitem(sys.modules, module, None)  # import module: ImportError
+    monkeypatch.setattr(bench, "render", lambda *a: pytest.fail("it rendered"))
+    assert _refused(argv, capsys, code=1) == EXTRA.format(module)
+    assert not list(nothing_runs.iterdir())
+
+
+def test_bench_without_its_extra_from_the_command_line(tmp_path):
+    """In a fresh interpreter where neither module of the extra imports: the command
+    and the bench module import, and it says which extra to install."""
+    script = (
+        "import sys; sys.modules.update(tqdm=None, matplotlib=None); "
+        "from tq_chunked.tools.cli import main; sys.exit(main(['bench', '--cpu']))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        timeout=120,
+    )
+    assert (r.returncode, r.stdout) == (1, "")
+    assert r.stderr == EXTRA.format("tqdm") + "\n"
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "cached_len, cell",
+    [(16, "16"), (512, "512"), (1024, "1K"), (1536, "1536"), (131072, "128K")],
+)
+def test_the_table_shows_cached_lengths_under_1k_as_tokens(cached_len, cell):
+    row = bench.Row("full", "turboquant_3bit_nc", "70b-tp8", 32, cached_len, 1.0)
+    result = {
+        "device": "cpu",
+        "date": "2026-01-02",
+        "matmul_ceiling_tflops": None,
+        "baseline": "full",
+        "rows": [dataclasses.asdict(row)],
+    }
+    line = bench.markdown(result).splitlines()[-1]
+    assert line.startswith(f"| turboquant_3bit_nc | 70b-tp8 | 32 | {cell} | full |")
+
+
+# --- --render and results files --------------------------------------------------
 
 RESULTS = ROOT / "benchmarks" / "results"
 
 
 def _bench_result_files():
     """The committed results JSON written by tq-chunked bench (of every version), and
-    the others (vllm_forward.py's, fill_bandwidth.py's)."""
+    the others (vllm_forward.py's, fill_bandwidth.py's, paged_probe.py's: the last
+    has rows and a device too, but no date)."""
     ours, others = [], []
     for path in sorted(RESULTS.glob("*.json")):
         keys = json.loads(path.read_text()).keys()
-        (ours if "rows" in keys and "device" in keys else others).append(path.name)
+        mine = {"rows", "device", "date"} <= keys
+        (ours if mine else others).append(path.name)
     return ours, others
 
 
@@ -355,8 +577,17 @@ def test_every_committed_bench_result_renders(name, tmp_path, capsys):
     render with the current --render."""
     path = tmp_path / name
     path.write_text((RESULTS / name).read_text())
+    before = path.read_bytes()
     code, out, err = run_main(["bench", "--render", str(path)], capsys)
     assert code in (None, 0), err
+    # It says what it wrote, and the result file is only read.
+    stem = str(path.with_suffix(""))
+    pngs = sorted(str(p) for p in tmp_path.glob("*.png"))
+    wrote = re.search(r"^wrote (.*) from (.*), which is left as it is$", out, re.M)
+    assert wrote and wrote.group(2) == str(path), out[-300:]
+    written = wrote.group(1).split(", ")
+    assert written[0] == f"{stem}.md" and sorted(written[1:]) == pngs, out[-300:]
+    assert path.read_bytes() == before
     md = path.with_suffix(".md").read_text()
     result = json.loads(path.read_text())
     assert md.startswith(("# Continuation prefill on ", f"# {result.get('mode')}: "))
@@ -395,6 +626,27 @@ def test_render_of_a_file_it_cannot_read_is_one_line(content, reason, tmp_path, 
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith("tq-chunked bench: error: argument --render: ")
     assert reason.format(path=path) in err, err
+
+
+@pytest.mark.parametrize("name", ["result.md", "result.png", "RESULT.MD"])
+def test_render_never_writes_over_the_file_it_reads(name, tmp_path, capsys):
+    """A result saved as X.md would be overwritten by its own table (X.md)."""
+    path = tmp_path / name
+    path.write_text((RESULTS / BENCH_FILES[0]).read_text())
+    code, _, err = run_main(["bench", "--render", str(path)], capsys)
+    assert code == 1
+    assert err == (
+        f"tq-chunked bench: error: argument --render: {path} would be overwritten by "
+        "its own table or plot; expected the result's .json\n"
+    )
+    assert path.read_text() == (RESULTS / BENCH_FILES[0]).read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_render_help_says_what_it_writes():
+    text = " ".join(bench.make_parser().format_help().split())
+    assert "write the Markdown table and plots of a result file" in text
+    assert "X.json is left as it is" in text and "rewrite" not in text
 
 
 def test_render_of_a_missing_file_from_the_command_line():

@@ -12,7 +12,8 @@ the median of 3 calls), the workspace bytes, the time ratio to the baseline (to 
 without vLLM), and on a GPU only: effective TFLOP/s (4*q_len*Hq*D*(cached_len +
 q_len/2)), its share of the bf16 matmul ceiling measured in the same run, and peak
 extra memory. Writes JSON, a Markdown table and PNG plots into --out; --render
-rewrites the table and plots of a result file (of any mode and version).
+writes the table and plots of a result file (of any mode and version) again, beside it,
+and leaves the file as it is.
 """
 
 from __future__ import annotations
@@ -20,19 +21,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import importlib
 import json
 import os
+import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 
 import torch
-from tqdm import tqdm
 
 from .. import PRESETS, continuation_prefill, workspace_bytes
 from ..runtime.attention import backend_available
 from ..runtime.plan import default_window
 from .reference import full_buffer_continuation_prefill
-from .testing import SHAPE_NOTES, SHAPES, build_case
+from .testing import SHAPE_NOTES, SHAPES, WORKLOADS, build_case
 
 K = 1024
 BLOCK_SIZE = 16  # cache block size of every case (vLLM's default)
@@ -73,6 +76,10 @@ SIZES = {
 # Relative to the current directory; benchmarks/results/ holds the committed runs.
 DEFAULT_OUT = "tq-chunked-results"
 BASELINE = "baseline"  # the name of vLLM's method the ratios are against
+# The modules of the bench extra (pyproject.toml): the progress bar and the plots. Both
+# are imported where they are used, so that the command can say which extra is missing.
+BENCH_EXTRA = ("tqdm", "matplotlib")
+TAG_BYTES = 100  # at most, so that the file names a tag is part of stay under 255 bytes
 
 
 @dataclass
@@ -215,21 +222,34 @@ def methods_for(device, windows, baseline):
     return ms
 
 
-def run(args, baseline=None) -> dict:
+def grid_device(args):
+    """The grid's device: the GPU unless --cpu or there is none."""
+    return torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+
+
+def grid_methods(args, baseline, prog="tq-chunked bench"):
+    """The grid's methods that --methods keeps (see methods_for); exits with one line
+    when a prefix of --methods begins no method this run has."""
+    methods = methods_for(grid_device(args), args.windows, baseline)
+    note = (
+        f" ({BASELINE} and vllm-<version> run on a GPU with vLLM)"
+        if baseline is None
+        else ""
+    )
+    keep = select(list(methods), args.methods, "--methods", "method", prog, note)
+    return {name: methods[name] for name in keep}
+
+
+def run(args, baseline=None, methods=None) -> dict:
     """The grid's result (JSON-ready). ``baseline``: a
     tq_chunked.tools.baseline.Baseline (on a GPU with vLLM), or None: this project's
-    paths only."""
-    device = torch.device(
-        "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
-    )
+    paths only. ``methods``: grid_methods's (default: computed here)."""
+    from tqdm import tqdm
+
+    device = grid_device(args)
+    if methods is None:
+        methods = grid_methods(args, baseline)
     ceiling = matmul_ceiling_tflops(device)
-    methods = methods_for(device, args.windows, baseline)
-    if args.methods:
-        methods = {
-            k: v
-            for k, v in methods.items()
-            if any(k.startswith(p) for p in args.methods)
-        }
     # (preset, shape, q_len) groups; time for time_lens, memory only for mem_lens.
     groups = [(p, s, q) for p in args.presets for s in args.shapes for q in args.q_lens]
     jobs = [(g, n, "time") for g in groups for n in args.cached_lens]
@@ -285,6 +305,12 @@ def run(args, baseline=None) -> dict:
     }
 
 
+def tokens(n) -> str:
+    """A token count for a table: whole thousands as "4K", any other count as it is
+    ("512", "1536")."""
+    return f"{n // K}K" if n >= K and n % K == 0 else str(n)
+
+
 def markdown(result) -> str:
     """The result as a Markdown table. Columns a run could not measure are left out:
     TFLOP/s and % ceiling without a GPU matmul ceiling, peak MiB where no row has a
@@ -296,7 +322,7 @@ def markdown(result) -> str:
         ("preset", lambda r: r["preset"]),
         ("shape", lambda r: r["shape"]),
         ("q_len", lambda r: str(r["q_len"])),
-        ("cached", lambda r: f"{r['cached_len'] // K}K"),
+        ("cached", lambda r: tokens(r["cached_len"])),
         ("method", lambda r: r["method"]),
         ("time ms", lambda r: f(r["time_ms"], 2)),
     ]
@@ -530,8 +556,63 @@ def _name_list(known, what):
     return parse_list
 
 
+def _positive_int(text):
+    """Argparse type: one positive integer."""
+    if not text.strip().isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _tag(text):
+    """Argparse type: a tag, which goes into the output file names; it must keep
+    each of them one file name (no path separator, nothing unprintable) short enough
+    for a file system."""
+    bad = sorted({c for c in text if c in "/\\" or not c.isprintable()})
+    if bad:
+        raise argparse.ArgumentTypeError(
+            "expected a part of a file name, without "
+            f"{' or '.join(map(repr, bad))}, got {text!r}"
+        )
+    if len(text.encode()) > TAG_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"expected at most {TAG_BYTES} bytes (it goes into file names), got "
+            f"{len(text.encode())}"
+        )
+    return text
+
+
+def refuse(prog, message):
+    """Exit with status 2 and one line on stderr, as argparse's errors do (without the
+    usage, which --help gives)."""
+    sys.stderr.write(f"{prog}: error: {message}\n")
+    raise SystemExit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line: the bench's usage is ten lines of
+    options, which would bury the one that is wrong."""
+
+    def error(self, message):
+        refuse(self.prog, message)
+
+
+def select(names, prefixes, option, what, prog, note=""):
+    """The names that begin with one of the prefixes (all of them without prefixes),
+    in order. A prefix that begins none is refused with one line that lists the names:
+    it would otherwise select nothing, or silently less than was asked for."""
+    unknown = [x for x in prefixes if not any(n.startswith(x) for n in names)]
+    if unknown:
+        refuse(
+            prog,
+            f"argument {option}: no {what} of this run begins with "
+            f"{' or '.join(map(repr, unknown))}; its {what}s: "
+            f"{', '.join(dict.fromkeys(names))}{note}",
+        )
+    return [n for n in names if not prefixes or any(n.startswith(x) for x in prefixes)]
+
+
 def make_parser(prog="tq-chunked bench"):
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=prog,
         description=__doc__,
         epilog=_epilog(),
@@ -592,7 +673,9 @@ def make_parser(prog="tq-chunked bench"):
         default=[],
         metavar="PREFIXES",
         help="keep only the methods whose name starts with one of these, e.g. "
-        "full,chunked-torch",
+        "full,chunked-torch (the engine modes': baseline, floor, tq_chunked, "
+        "tq_chunked-default, vllm-<version>, patched); a prefix that begins none is "
+        "an error",
     )
     p.add_argument(
         "--no-vllm",
@@ -612,14 +695,20 @@ def make_parser(prog="tq-chunked bench"):
         default=DEFAULT_OUT,
         metavar="DIR",
         help="directory for the JSON, Markdown and PNG files, created if missing "
-        "(default: ./%(default)s)",
+        "and checked to be writable before anything runs (default: ./%(default)s)",
     )
-    p.add_argument("--tag", default="", help="appended to the output file names")
+    p.add_argument(
+        "--tag",
+        type=_tag,
+        default="",
+        help="appended to the output file names (part of a file name: no slash)",
+    )
     p.add_argument(
         "--render",
         metavar="JSON",
-        help="only rewrite the Markdown table and plots of a result file (of any "
-        "mode), next to it",
+        help="run nothing: write the Markdown table and plots of a result file (of "
+        "any mode and version) beside it, from its rows (for X.json: X.md and "
+        "X-*.png, an engine mode's X.png), and say which; X.json is left as it is",
     )
     engine = p.add_argument_group(
         "engine-shaped modes (a GPU with vLLM; see bench_engine.py): layers back to "
@@ -647,14 +736,14 @@ def make_parser(prog="tq-chunked bench"):
     )
     engine.add_argument(
         "--layers",
-        type=int,
+        type=_positive_int,
         default=32,
         metavar="L",
         help="layers called back to back (default 32)",
     )
     engine.add_argument(
         "--repeats",
-        type=int,
+        type=_positive_int,
         default=5,
         metavar="R",
         help="interleaved repeats, the median reported (default 5)",
@@ -670,7 +759,8 @@ def make_parser(prog="tq-chunked bench"):
         type=lambda s: [x for x in s.split(",") if x],
         default=[],
         metavar="NAMES",
-        help="keep only the workloads whose name starts with one of these",
+        help="keep only the workloads whose name starts with one of these; a prefix "
+        "that begins none is an error",
     )
     return p
 
@@ -689,6 +779,14 @@ def parse(argv=None, prog="tq-chunked bench"):
             )
     engine_modes = [m for m in ("stack", "serving", "crossover") if getattr(a, m)]
     a.engine_mode = engine_modes[0] if engine_modes else None
+    if a.workloads and not a.engine_mode and not a.render:
+        p.error(
+            "argument --workloads: selects among the workloads of --stack, --serving "
+            "or --crossover; give one of them"
+        )
+    if a.engine_mode:  # the workloads are fixed per mode: checked before anything runs
+        names = [w.name for w in WORKLOADS[a.engine_mode]()]
+        select(names, a.workloads, "--workloads", "workload", prog)
     a.mode = "cpu" if a.cpu else "quick" if a.quick else "full"
     for name, value in SIZES[a.mode].items():
         if getattr(a, name) is None:
@@ -731,6 +829,40 @@ def load_baseline(args, prog):
         raise SystemExit(f"{prog}: error: argument --baseline-source: {e}") from None
 
 
+def prepare_out(path, prog="tq-chunked bench"):
+    """Create --out if missing and write a probe file into it, so that a run cannot
+    end unable to save what it measured; exits with one line when it cannot."""
+    if not path:
+        refuse(prog, "argument --out: expected a directory, got ''")
+    if os.path.exists(path) and not os.path.isdir(path):
+        refuse(
+            prog,
+            f"argument --out: {path} exists and is not a directory; expected a "
+            "directory (created if missing)",
+        )
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".tq-chunked-probe-"):
+            pass  # deleted on closing
+    except OSError as e:
+        refuse(prog, f"argument --out: cannot write into {path}: {e.strerror or e}")
+
+
+def missing_extra(prog="tq-chunked bench"):
+    """None, or the one-line error for a module of the bench extra that does not
+    import here."""
+    for name in BENCH_EXTRA:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            return (
+                f"{prog}: error: the benchmarks need the bench extra ({name} is not "
+                'installed): pip install "tq-chunked[bench]", or pip install -e '
+                '".[bench]" in a checkout'
+            )
+    return None
+
+
 def run_engine(args, prog="tq-chunked bench"):
     """--stack, --serving or --crossover: bench_engine's workloads, written like the
     grid."""
@@ -744,18 +876,14 @@ def run_engine(args, prog="tq-chunked bench"):
             f"{prog}: error: --{args.engine_mode} needs vLLM installed (its "
             "TurboQuant backend does not import here)"
         )
-    workloads = be.WORKLOADS[args.engine_mode]()
-    if args.workloads:
-        workloads = [
-            w for w in workloads if any(w.name.startswith(p) for p in args.workloads)
-        ]
+    workloads = WORKLOADS[args.engine_mode]()
+    names = [w.name for w in workloads]
+    keep = select(names, args.workloads, "--workloads", "workload", prog)
+    workloads = [w for w in workloads if w.name in keep]
     methods = be.methods_available(baseline)
-    if args.methods:
-        methods = {
-            k: v
-            for k, v in methods.items()
-            if any(k.startswith(p) for p in args.methods)
-        }
+    keep = select(list(methods), args.methods, "--methods", "method", prog)
+    methods = {name: methods[name] for name in keep}
+    prepare_out(args.out, prog)
     print(
         f"{prog} --{args.engine_mode}: {len(workloads)} workloads, methods "
         f"{', '.join(methods)}, {args.layers} layers, {args.repeats} repeats; "
@@ -776,11 +904,8 @@ def run_engine(args, prog="tq-chunked bench"):
         "baseline_source": baseline.describe(),
         "rows": rows,
     }
-    os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, output_stem(result, args) + f"-{args.engine_mode}")
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    print(write_report(result, stem))
+    save(result, stem)
 
 
 # What --render needs of a result file: the top-level keys and each row's keys, per
@@ -842,9 +967,9 @@ def read_result(path):
     return result, kind
 
 
-def write_report(result, stem) -> str:
+def write_report(result, stem):
     """Write STEM.md and the plots of a result beside STEM; returns the Markdown and
-    the list of files written."""
+    the paths written."""
     from . import bench_engine as be
 
     if "mode" in result:  # an engine result
@@ -856,38 +981,56 @@ def write_report(result, stem) -> str:
         paths = plot(result, os.path.dirname(stem) or ".", os.path.basename(stem))
     with open(stem + ".md", "w") as f:
         f.write(md)
-    written = [p for p in (stem + ".json", stem + ".md") if os.path.exists(p)]
-    return md + "\nwrote " + ", ".join(written + paths)
+    return md, [stem + ".md"] + paths
+
+
+def save(result, stem):
+    """A run's end: STEM.json, the Markdown and the plots, and what was written."""
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    md, paths = write_report(result, stem)
+    print(md + "\nwrote " + ", ".join([stem + ".json"] + paths))
 
 
 def render(path, prog="tq-chunked bench"):
-    """--render: rewrite the Markdown and plots of a result file, beside it."""
+    """--render: write the Markdown and plots of a result file beside it (STEM.md and
+    the plots for STEM.json), and say which; the result file is only read."""
+    stem, ext = os.path.splitext(path)
+    if ext.lower() in (".md", ".png"):  # what would be written: the file itself
+        raise SystemExit(
+            f"{prog}: error: argument --render: {path} would be overwritten by its "
+            "own table or plot; expected the result's .json"
+        )
     try:
         result, _ = read_result(path)
     except ResultError as e:
         raise SystemExit(f"{prog}: error: argument --render: {e}") from None
-    print(write_report(result, os.path.splitext(path)[0]))
+    md, paths = write_report(result, stem)
+    print(md + f"\nwrote {', '.join(paths)} from {path}, which is left as it is")
 
 
 def main(argv=None, prog="tq-chunked bench"):
+    # Everything that can be refused is, before any benchmark work: the options
+    # (parse), the extra, then per mode the machine, the baseline, --methods and --out.
     args = parse(argv, prog)
+    error = missing_extra(prog)
+    if error:
+        raise SystemExit(error)
     if args.render:
         return render(args.render, prog)
     if args.engine_mode:
         return run_engine(args, prog)
     baseline = load_baseline(args, prog)
+    methods = grid_methods(args, baseline, prog)
+    prepare_out(args.out, prog)
     print(
         f"{prog} on the {'CPU' if args.cpu else 'GPU'}, {args.mode} mode (its sizes "
         f"for the options not given): {' '.join(_sizes_options(vars(args)))}; "
         + (f"baseline: {baseline.describe()}; " if baseline else "")
         + f"results into {args.out}"
     )
-    result = run(args, baseline)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, output_stem(result, args))
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    print(write_report(result, stem))
+    result = run(args, baseline, methods)
+    save(result, os.path.join(args.out, output_stem(result, args)))
 
 
 if __name__ == "__main__":

@@ -52,19 +52,11 @@ from .testing import (
     LAYER_GEMMS,
     SHAPES,
     build_batch,
-    crossover_workloads,
-    serving_workloads,
-    stack_workloads,
 )
 
 K = 1024
 LAYERS = 32
 BASELINE = "baseline"  # the baseline method's name in new results
-WORKLOADS = {  # engine mode -> its workloads
-    "stack": stack_workloads,
-    "serving": serving_workloads,
-    "crossover": crossover_workloads,
-}
 
 
 def baseline_name(result) -> str:

@@ -522,3 +522,13 @@ def crossover_workloads():
         for q in (8, 32, 128)
         for c in (1 * K, 8 * K, 64 * K)
     ]
+
+
+# The engine benchmark's modes (tq-chunked bench --stack, --serving, --crossover) ->
+# their workloads. Here rather than in bench_engine so that the bench can check
+# --workloads without importing what the run needs.
+WORKLOADS = {
+    "stack": stack_workloads,
+    "serving": serving_workloads,
+    "crossover": crossover_workloads,
+}
