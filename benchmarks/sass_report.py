@@ -38,6 +38,7 @@ the Triton release of the H200 machine for comparable figures (3.6.0 there).
 
 import argparse
 import collections
+import hashlib
 import os
 import re
 import subprocess
@@ -50,7 +51,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import tq_chunked.runtime.dequant as dq
-from tq_chunked.runtime.format import TQConfig, hadamard, lloyd_max_centroids
+from tq_chunked.runtime.format import PRESETS, TQConfig, hadamard, lloyd_max_centroids
 from tq_chunked.runtime.plan import cached_window, windows
 
 
@@ -380,6 +381,63 @@ def main_paged(a):
     print("  " + ", ".join(f"{k} {v}" for k, v in ops.most_common(30)))
 
 
+def sass_lines(sass: str):
+    """The SASS instructions as text, without addresses and encodings: two compiles
+    of the same code give the same lines."""
+    out = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if m:
+            out.append(m.group(1))
+    return out
+
+
+GRID_DIMS = (64, 128, 256)
+
+
+def main_grid(a):
+    """Every preset at D 64, 128 and 256, one request's window and a batch window, at
+    FILL's configuration: registers, stack (spilled registers), shared memory, the
+    local-memory instructions (spills), the SASS instructions and a hash of their text
+    (equal hashes: the same instructions in the same order)."""
+    print(
+        "| preset | D | window | registers | stack B | STL+LDL | shared B "
+        "| SASS instructions | per slot | SASS sha1 |\n"
+        "|---|---|---|---|---|---|---|---|---|---|"
+    )
+    for preset in PRESETS:
+        for d in GRID_DIMS:
+            for chunk in (False, True):
+                kernel, grid, args, options = record_fill(
+                    preset, d, a.kv_heads, chunk, None
+                )
+                ck = compile_sm90(kernel, args, options)
+                sass, res = sass_of(ck.asm["cubin"])
+                lines = sass_lines(sass)
+                window = "batch" if chunk else "one request"
+                if a.dump:
+                    os.makedirs(a.dump, exist_ok=True)
+                    name = f"{preset}-d{d}-{window.replace(' ', '-')}.sass"
+                    with open(os.path.join(a.dump, name), "w") as f:
+                        f.write("\n".join(lines) + "\n")
+                names = [p.name for p in kernel.params]
+                slots = args[names.index("BLOCK_T")] * args[names.index("HEADS")]
+                warps = options.get("num_warps", 4)
+                regs = re.search(r"REG:(\d+)", res).group(1)
+                stack = re.search(r"STACK:(\d+)", res).group(1)
+                local = sum(
+                    re.match(r"(?:@!?U?P\w+\s+)?(STL|LDL)\b", op) is not None
+                    for op in lines
+                )
+                sha = hashlib.sha1("\n".join(lines).encode()).hexdigest()[:12]
+                print(
+                    f"| {preset} | {d} | {window} | {regs} | {stack} | {local} | "
+                    f"{ck.metadata.shared} | {len(lines)} | "
+                    f"{len(lines) * warps / slots:.0f} | {sha} |",
+                    flush=True,
+                )
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="turboquant_3bit_nc")
@@ -399,7 +457,15 @@ def main():
     ap.add_argument(
         "--gather", action="store_true", help="--paged: 3-bit keys gathered"
     )
+    ap.add_argument(
+        "--grid",
+        action="store_true",
+        help="every preset at D 64/128/256, both windows, FILL's configuration",
+    )
+    ap.add_argument("--dump", default=None, help="--grid: each case's SASS here")
     a = ap.parse_args()
+    if a.grid:
+        return main_grid(a)
     if a.fused:
         return main_fused(a)
     if a.paged:
