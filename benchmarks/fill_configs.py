@@ -3,17 +3,17 @@
     python benchmarks/fill_configs.py [OUT_DIR] [--rotation hadamard|random]
                                       [--sweep joint|split] [--presets P,...]
 
-A configuration is (cache slots per program, output columns per dot, warps[, split[,
-sylvester]]): a program fills slots / Hk window rows of all Hk kv heads (with split,
-two programs do: one the values, one the keys; with sylvester, vLLM's Hadamard is
-un-rotated in groups of 16 columns). Two windows per case, Hk 8, block size 16: one
-request's 65536 cached tokens (one segment), and a batch window of 24 requests of
-1000-3000 cached tokens with 384 new ones each (48 segments with the gaps between them,
-the shape of a serving step). The rotation is vLLM's Hadamard (one magnitude: the
-one-dot un-rotation), or random (the two-dot one). ``--sweep joint`` (the default)
-tries tiles and warps for one program per tile, ``split`` the programs of their own
-(NOTES.md §20). Bytes counted as in fill_bandwidth.py (the new rows counted as written
-only). Prints a row as each configuration ends and writes fill-configs.json.
+A configuration is a ``FillLaunch`` (cache slots per program, output columns per dot,
+warps, split, sylvester): a program fills slots / Hk window rows of all Hk kv heads
+(with split, two programs do: one the values, one the keys; with sylvester, vLLM's
+Hadamard is un-rotated in groups of 16 columns). Two windows per case, Hk 8, block size
+16: one request's 65536 cached tokens (one segment), and a batch window of 24 requests
+of 1000-3000 cached tokens with 384 new ones each (48 segments with the gaps between
+them, the shape of a serving step). The rotation is vLLM's Hadamard (one magnitude: the
+one-dot un-rotation), or random (the two-dot one). ``--sweep joint`` (the default) tries
+tiles and warps for one program per tile, ``split`` the programs of their own (NOTES.md
+§20). Bytes counted as in fill_bandwidth.py (the new rows counted as written only).
+Prints a row as each configuration ends and writes fill-configs.json.
 """
 
 import argparse
@@ -26,7 +26,7 @@ import torch
 import triton.testing
 from fill_bandwidth import HK, TOKENS, copy_rate
 
-from tq_chunked.runtime.dequant import FILL, fill_window, split_rotation
+from tq_chunked.runtime.dequant import FILL, FillLaunch, fill_window, split_rotation
 from tq_chunked.runtime.format import TQConfig, hadamard, lloyd_max_centroids
 from tq_chunked.runtime.plan import cached_window, windows
 
@@ -37,57 +37,70 @@ CASES = [
     ("turboquant_3bit_nc", 64),
     ("turboquant_k3v4_nc", 256),
 ]
-# (slots, columns, warps[, split, sylvester]): one program per tile, for values and
-# keys. Registers and shared memory per program on sm_90 (benchmarks/sass_report.py)
-# set the resident warps per SM: D 128 (64, 64, 4) 132 / 48 KB -> 12, (128, 64, 8) 114
-# / 64 KB -> 16, (128, 32, 8) 102 / 48 KB -> 16, (64, 32, 4) 104 / 32 KB -> 16; D 64
-# (128, 64, 8) 79 / 32 KB -> 24; D 256 (64, 64, 4) 218 / 96 KB -> 8 (255 with the
-# Sylvester path), (64, 32, 4) 160 / 64 KB -> 12; k8v4 (128, 128, 8) 78 / 8 KB -> 24
+F = FillLaunch
+# One program per tile, for values and keys. Registers and shared memory per program on
+# sm_90 (benchmarks/sass_report.py) set the resident warps per SM: D 128 (64, 64, 4) 132
+# / 48 KB -> 12, (128, 64, 8) 114 / 64 KB -> 16, (128, 32, 8) 102 / 48 KB -> 16, (64,
+# 32, 4) 104 / 32 KB -> 16; D 64 (128, 64, 8) 79 / 32 KB -> 24; D 256 (64, 64, 4) 218 /
+# 96 KB -> 8 (255 with the Sylvester path), (64, 32, 4) 160 / 64 KB -> 12; k8v4 (128,
+# 128, 8) 78 / 8 KB -> 24
 JOINT = {
-    (64, True): [(64, 64, 4), (128, 64, 8), (128, 32, 8), (64, 32, 4)],
-    (128, True): [(64, 64, 4), (128, 64, 8), (128, 32, 8), (64, 32, 4), (64, 64, 8)],
-    (128, False): [(64, 128, 4), (128, 128, 8), (128, 128, 4), (32, 128, 4)],
+    (64, True): [F(64, 64, 4), F(128, 64, 8), F(128, 32, 8), F(64, 32, 4)],
+    (128, True): [
+        F(64, 64, 4),
+        F(128, 64, 8),
+        F(128, 32, 8),
+        F(64, 32, 4),
+        F(64, 64, 8),
+    ],
+    (128, False): [F(64, 128, 4), F(128, 128, 8), F(128, 128, 4), F(32, 128, 4)],
     (256, True): [
         FILL[(256, True)],
-        (64, 64, 4),
-        (64, 32, 4),
-        (128, 64, 8),
-        (32, 64, 4),
+        F(64, 64, 4),
+        F(64, 32, 4),
+        F(128, 64, 8),
+        F(32, 64, 4),
     ],
 }
-# (slots, columns, warps[, split: values and keys in programs of their own])
+# Values and keys in programs of their own (split) beside the default.
 SPLIT = {
     (64, True): [
-        (64, 64, 4),
-        (64, 64, 4, True),
-        (128, 64, 4, True),
-        (128, 64, 8, True),
-        (32, 64, 4, True),
+        F(64, 64, 4),
+        F(64, 64, 4, split=True),
+        F(128, 64, 4, split=True),
+        F(128, 64, 8, split=True),
+        F(32, 64, 4, split=True),
     ],
     (128, True): [
-        (64, 64, 4),
-        (64, 64, 4, True),
-        (32, 64, 4, True),
-        (64, 32, 4, True),
-        (64, 128, 4, True),
-        (64, 64, 8, True),
-        (128, 64, 8, True),
+        F(64, 64, 4),
+        F(64, 64, 4, split=True),
+        F(32, 64, 4, split=True),
+        F(64, 32, 4, split=True),
+        F(64, 128, 4, split=True),
+        F(64, 64, 8, split=True),
+        F(128, 64, 8, split=True),
     ],
     (128, False): [
-        (64, 128, 4),
-        (64, 128, 4, True),
-        (128, 128, 4, True),
-        (128, 128, 8, True),
-        (256, 128, 8, True),
+        F(64, 128, 4),
+        F(64, 128, 4, split=True),
+        F(128, 128, 4, split=True),
+        F(128, 128, 8, split=True),
+        F(256, 128, 8, split=True),
     ],
     (256, True): [
-        (64, 64, 4),
-        (64, 64, 4, True),
-        (32, 64, 4, True),
-        (64, 64, 8, True),
-        (64, 128, 8, True),
+        F(64, 64, 4),
+        F(64, 64, 4, split=True),
+        F(32, 64, 4, split=True),
+        F(64, 64, 8, split=True),
+        F(64, 128, 8, split=True),
     ],
 }
+
+
+def short(c: FillLaunch) -> str:
+    """(slots, columns, warps[, split][, sylvester]), as the notes write a launch."""
+    flags = [n for n in ("split", "sylvester") if getattr(c, n)]
+    return "(" + ", ".join([str(c.slots), str(c.block_n), str(c.warps), *flags]) + ")"
 
 
 def serving_window(device):
@@ -224,7 +237,13 @@ def main():
                 # a configuration that does not compile (out of resources)
                 except Exception as e:  # noqa: BLE001
                     print(
-                        preset, d, label, c, "failed:", type(e).__name__, str(e)[:100]
+                        preset,
+                        d,
+                        label,
+                        short(c),
+                        "failed:",
+                        type(e).__name__,
+                        str(e)[:100],
                     )
                     continue
                 tbs = nbytes / ms / 1e9
@@ -233,8 +252,8 @@ def main():
                         preset=preset,
                         head_dim=d,
                         window=label,
-                        config=c,
-                        default=tuple(c) == tuple(FILL[(d, not cfg.key_fp8)]),
+                        config=short(c),
+                        default=c == FILL[(d, not cfg.key_fp8)],
                         ms=ms,
                         tb_s=tbs,
                         of_copy=tbs / rate,
@@ -242,7 +261,8 @@ def main():
                 )
                 mark = " (default)" if rows[-1]["default"] else ""
                 print(
-                    f"| {preset} | {d} | {label} | {c}{mark} | {ms:.3f} | {tbs:.2f} | "
+                    f"| {preset} | {d} | {label} | {short(c)}{mark} | {ms:.3f} | "
+                    f"{tbs:.2f} | "
                     f"{tbs / rate:.0%} |",
                     flush=True,
                 )

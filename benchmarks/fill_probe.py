@@ -1,8 +1,7 @@
 """Where the window fill's time goes (GPU): each case timed whole, without the
-un-rotation, and (where the fill can write them alone) its values and its keys alone,
-with the compiled kernel's registers, spills and shared memory (the last compiled
-specialization: the whole fill's); ``--ncu`` launches each case once for a profiler,
-nothing timed.
+un-rotation, and its values alone (the value programs of the split launch:
+``values_alone``), with the compiled kernel's registers, spills and shared memory (the
+whole fill's); ``--ncu`` launches each case once for a profiler, nothing timed.
 
     python benchmarks/fill_probe.py [OUT_DIR]
     ncu --clock-control none --kernel-name regex:_fill_kernel \
@@ -14,8 +13,8 @@ tokens, and the first batch window of 24 hits of 1000-3000 cached + 384 new toke
 written; new rows as written only). Writes fill-probe.json.
 """
 
+import dataclasses
 import functools
-import inspect
 import json
 import os
 import sys
@@ -25,6 +24,7 @@ import triton.testing
 from fill_bandwidth import copy_rate
 from fill_configs import case_inputs
 
+import tq_chunked.runtime.dequant as dq
 from tq_chunked.runtime.dequant import FILL, fill_window, launch_fill
 
 CASES = [
@@ -34,6 +34,28 @@ CASES = [
     ("turboquant_3bit_nc", 64),
     ("turboquant_3bit_nc", 256),
 ]
+
+
+def values_alone(fn, d, rotate):
+    """A function that fills the values alone: ``fn``'s fill launched with values and
+    keys in programs of their own (the split launch), recorded, then issued on the
+    first column of its grid only (programs (i, 0) write tile i's values; the key
+    programs are not launched). The runtime's own kernel, nothing compiled for the
+    probe."""
+    seen = {}
+    saved = dq.launch_fill
+    dq.launch_fill = lambda grid, *args, **options: seen.update(
+        grid=grid, args=args, options=options
+    )
+    try:
+        split = dataclasses.replace(
+            FILL[(triton.next_power_of_2(d), rotate)], split=True
+        )
+        fn(config=split)
+    finally:
+        dq.launch_fill = saved
+    grid = (seen["grid"][0], 1)
+    return lambda: launch_fill(grid, *seen["args"], **seen["options"])
 
 
 def main():
@@ -47,8 +69,8 @@ def main():
         print(f"copy rate {rate:.2f} TB/s")
         print(
             "| preset | D | window | ms | of copy | ms, no un-rotation | values alone "
-            "| keys alone | regs | spills | smem |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| regs | spills | smem |\n"
+            "|---|---|---|---|---|---|---|---|---|---|",
             flush=True,
         )
     for preset, d in CASES:
@@ -68,16 +90,12 @@ def main():
             meta = dict(
                 regs=kern.n_regs, spills=kern.n_spills, smem=kern.metadata.shared
             )
-            # the values and the keys alone, where this version's fill can say so
-            alone = {}
-            if "write" in inspect.signature(fill_window).parameters:
-                for what in ("values", "keys"):
-                    alone[what] = triton.testing.do_bench(
-                        functools.partial(fn, write=what),
-                        warmup=5,
-                        rep=40,
-                        return_mode="median",
-                    )
+            ms_values = triton.testing.do_bench(
+                values_alone(fn, d, not cfg.key_fp8),
+                warmup=5,
+                rep=40,
+                return_mode="median",
+            )
             ms_plain = None
             if not cfg.key_fp8:
                 # the same tile as the fill's, so that the difference is the
@@ -95,15 +113,11 @@ def main():
                     ms=ms,
                     of_copy=nbytes / ms / 1e9 / rate,
                     ms_no_unrotation=ms_plain,
-                    ms_values_alone=alone.get("values"),
-                    ms_keys_alone=alone.get("keys"),
+                    ms_values_alone=ms_values,
                     **meta,
                 )
             )
-            shown = [
-                "-" if x is None else f"{x:.3f}"
-                for x in (ms_plain, alone.get("values"), alone.get("keys"))
-            ]
+            shown = ["-" if x is None else f"{x:.3f}" for x in (ms_plain, ms_values)]
             print(
                 f"| {preset} | {d} | {label} | {ms:.3f} | {rows[-1]['of_copy']:.0%} | "
                 f"{' | '.join(shown)} | {meta['regs']} | {meta['spills']} | "

@@ -3,8 +3,8 @@ shared memory, and the SASS instructions per cache slot, by kind (no device time
 
     python benchmarks/sass_report.py [--preset P] [--head-dim D] [--kv-heads H]
         [--chunk] [--config SLOTS,COLUMNS,WARPS[,SPLIT[,SYLVESTER]]]
-        [--write both|values|keys]
         [--sass FILE]
+    python benchmarks/sass_report.py --grid [--kv-heads H] [--dump DIR]
     python benchmarks/sass_report.py --fused ROWS,POSITIONS,WARPS [--preset P]
         [--head-dim D] [--group G]
     python benchmarks/sass_report.py --paged ROWS,POSITIONS,WARPS [--preset P]
@@ -32,12 +32,18 @@ besides the segment search's few iterations the fill is straight-line code, so t
 static count is near what a warp issues, with both branches of the rotation counted
 (the H200 machine's profiler counted 154 warp instructions per slot for 3bit_nc at D
 128 with 0.4.0's fill, where this count gives 192: benchmarks/NOTES.md §20). With a
-split config the two programs' branches are counted together: take ``--write``. Needs
-the Triton release of the H200 machine for comparable figures (3.6.0 there).
+split config the two programs' branches are counted together. Needs the Triton release
+of the H200 machine for comparable figures (3.6.0 there).
+
+With --grid, every preset at D 64, 128 and 256, one request's window and a batch
+window, at FILL's configuration: registers, stack, spill instructions, shared memory,
+the SASS instructions and a hash of their text, so that two versions of the fill can
+be compared (benchmarks/NOTES.md §34); --dump writes each case's SASS.
 """
 
 import argparse
 import collections
+import hashlib
 import os
 import re
 import subprocess
@@ -50,11 +56,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import tq_chunked.runtime.dequant as dq
-from tq_chunked.runtime.format import TQConfig, hadamard, lloyd_max_centroids
+from tq_chunked.runtime.format import PRESETS, TQConfig, hadamard, lloyd_max_centroids
 from tq_chunked.runtime.plan import cached_window, windows
 
 
-def record_fill(preset, d, hk, chunk, config, write="both"):
+def record_fill(preset, d, hk, chunk, config):
     """(kernel, grid, args, options) of the fill launch for the case."""
     seen = {}
 
@@ -93,7 +99,6 @@ def record_fill(preset, d, hk, chunk, config, write="both"):
             err=torch.zeros(1, dtype=torch.int64),
             config=config,
             parts=parts,
-            write=write,
         )
     finally:
         dq.launch_fill, dq.interpreting, dq.use_triton = saved
@@ -380,6 +385,63 @@ def main_paged(a):
     print("  " + ", ".join(f"{k} {v}" for k, v in ops.most_common(30)))
 
 
+def sass_lines(sass: str):
+    """The SASS instructions as text, without addresses and encodings: two compiles
+    of the same code give the same lines."""
+    out = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if m:
+            out.append(m.group(1))
+    return out
+
+
+GRID_DIMS = (64, 128, 256)
+
+
+def main_grid(a):
+    """Every preset at D 64, 128 and 256, one request's window and a batch window, at
+    FILL's configuration: registers, stack (spilled registers), shared memory, the
+    local-memory instructions (spills), the SASS instructions and a hash of their text
+    (equal hashes: the same instructions in the same order)."""
+    print(
+        "| preset | D | window | registers | stack B | STL+LDL | shared B "
+        "| SASS instructions | per slot | SASS sha1 |\n"
+        "|---|---|---|---|---|---|---|---|---|---|"
+    )
+    for preset in PRESETS:
+        for d in GRID_DIMS:
+            for chunk in (False, True):
+                kernel, grid, args, options = record_fill(
+                    preset, d, a.kv_heads, chunk, None
+                )
+                ck = compile_sm90(kernel, args, options)
+                sass, res = sass_of(ck.asm["cubin"])
+                lines = sass_lines(sass)
+                window = "batch" if chunk else "one request"
+                if a.dump:
+                    os.makedirs(a.dump, exist_ok=True)
+                    name = f"{preset}-d{d}-{window.replace(' ', '-')}.sass"
+                    with open(os.path.join(a.dump, name), "w") as f:
+                        f.write("\n".join(lines) + "\n")
+                names = [p.name for p in kernel.params]
+                slots = args[names.index("BLOCK_T")] * args[names.index("HEADS")]
+                warps = options.get("num_warps", 4)
+                regs = re.search(r"REG:(\d+)", res).group(1)
+                stack = re.search(r"STACK:(\d+)", res).group(1)
+                local = sum(
+                    re.match(r"(?:@!?U?P\w+\s+)?(STL|LDL)\b", op) is not None
+                    for op in lines
+                )
+                sha = hashlib.sha1("\n".join(lines).encode()).hexdigest()[:12]
+                print(
+                    f"| {preset} | {d} | {window} | {regs} | {stack} | {local} | "
+                    f"{ck.metadata.shared} | {len(lines)} | "
+                    f"{len(lines) * warps / slots:.0f} | {sha} |",
+                    flush=True,
+                )
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="turboquant_3bit_nc")
@@ -388,7 +450,6 @@ def main():
     ap.add_argument("--chunk", action="store_true")
     ap.add_argument("--config", default=None)
     ap.add_argument("--sass", default=None, help="write the SASS here")
-    ap.add_argument("--write", default="both", choices=("both", "values", "keys"))
     ap.add_argument("--fused", default=None, help="ROWS,POSITIONS,WARPS")
     ap.add_argument("--group", type=int, default=4, help="--fused, --paged: Hq / Hk")
     ap.add_argument("--paged", default=None, help="ROWS,POSITIONS,WARPS")
@@ -399,14 +460,25 @@ def main():
     ap.add_argument(
         "--gather", action="store_true", help="--paged: 3-bit keys gathered"
     )
+    ap.add_argument(
+        "--grid",
+        action="store_true",
+        help="every preset at D 64/128/256, both windows, FILL's configuration",
+    )
+    ap.add_argument("--dump", default=None, help="--grid: each case's SASS here")
     a = ap.parse_args()
+    if a.grid:
+        return main_grid(a)
     if a.fused:
         return main_fused(a)
     if a.paged:
         return main_paged(a)
-    config = tuple(int(x) for x in a.config.split(",")) if a.config else None
+    config = None
+    if a.config:
+        v = [int(x) for x in a.config.split(",")]
+        config = dq.FillLaunch(*v[:3], *(bool(x) for x in v[3:]))
     kernel, grid, args, options = record_fill(
-        a.preset, a.head_dim, a.kv_heads, a.chunk, config, a.write
+        a.preset, a.head_dim, a.kv_heads, a.chunk, config
     )
     ck = compile_sm90(kernel, args, options)
     sass, res = sass_of(ck.asm["cubin"])
@@ -426,8 +498,7 @@ def main():
     slots = args[names.index("BLOCK_T")] * args[names.index("HEADS")]
     regs = re.search(r"REG:(\d+)", res)
     print(
-        f"{a.preset} D {a.head_dim} Hk {a.kv_heads} chunk {a.chunk} config {config} "
-        f"{a.write}: "
+        f"{a.preset} D {a.head_dim} Hk {a.kv_heads} chunk {a.chunk} config {config}: "
         f"{regs.group(1) if regs else '?'} registers, {ck.metadata.shared} B shared, "
         f"{total} SASS instructions x {warps} warps / {slots} slots = "
         f"{total * warps / slots:.0f} warp instructions per slot"

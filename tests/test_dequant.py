@@ -10,6 +10,7 @@ from conftest import TRITON_OK
 from tq_chunked.runtime.dequant import (
     GAP_ROW,
     SPLIT_BLOCK,
+    FillLaunch,
     fill_window,
     halves_ok,
     split_flags,
@@ -194,7 +195,7 @@ def test_every_launch_path_writes_the_same_rows(preset, head_dim, launch):
     batch = four_requests(preset, head_dim, seed)
     if "bytes" in launch:
         batch.kv_cache = at_odd_address(batch.kv_cache)
-    config = (64, 64, 4, "split" in launch)
+    config = FillLaunch(64, 64, 4, split="split" in launch)
     for unrotate in (False, True):
         check(batch, 48, unrotate, tag=f"seed {seed}", config=config)
 
@@ -213,7 +214,7 @@ def test_unrotated_keys_are_within_half_an_fp16_ulp_of_float64(
     # vLLM's Hadamard through either un-rotation, whatever FILL compiles at this size
     seed = 3 * head_dim + len(preset)
     batch = four_requests(preset, head_dim, seed, rotation=rotation)
-    config = (64, 64, 4, False, sylvester)
+    config = FillLaunch(64, 64, 4, sylvester=sylvester)
     check(batch, 48, unrotate=True, tag=f"seed {seed}", config=config)
 
 
@@ -300,7 +301,7 @@ def test_a_bad_block_id_is_nan_and_recorded_on_every_launch_path(
     w = windows_of(batch, 400)[0]
     assert w.requests == (0, 1)
     err = torch.full((1,), 2**63 - 1, dtype=torch.int64, device=batch.query.device)
-    config = (64, 64, 4, launch == "split")
+    config = FillLaunch(64, 64, 4, split=launch == "split")
     k, v = fill(batch, w, cfg, dtype, not cfg.key_fp8, err, config=config)
     rows = w.segment(2)[0] + torch.arange(16)  # request 1, tokens 0-15: column 0
     assert k[rows].isnan().all() and v[rows].isnan().all()
@@ -308,27 +309,6 @@ def test_a_bad_block_id_is_nan_and_recorded_on_every_launch_path(
     others[rows] = False
     assert not k[others].isnan().any() and not v[others].isnan().any()
     assert int(err[0]) == 1 << 32  # request 1, column 0
-
-
-@pytest.mark.parametrize("write", ["values", "keys"])
-def test_a_fill_of_values_or_keys_alone_leaves_the_other_as_it_was(write):
-    # the benchmarks' stage timing (fill_probe.py); anything else is refused
-    batch = make_batch(
-        [(70, 1), (30, 2)], "turboquant_3bit_nc", num_q_heads=2, num_kv_heads=2, seed=3
-    )
-    cfg = TQConfig.from_preset("turboquant_3bit_nc", 64)
-    w = windows_of(batch, 48)[0]
-    k_ref, v_ref = fill(batch, w, cfg, torch.float16, True)
-    k = torch.full_like(k_ref, float("nan"))
-    v = torch.full_like(v_ref, float("nan"))
-    args = (batch.kv_cache, batch.block_table, cfg, batch.kwargs["centroids"])
-    args += (batch.kwargs["rotation"], batch.key, batch.value, w, 0, k, v)
-    fill_window(*args, write=write)
-    done, left = (v, k) if write == "values" else (k, v)
-    assert torch.equal(done, v_ref if write == "values" else k_ref)
-    assert left.isnan().all()
-    with pytest.raises(ValueError, match='write must be "both", "values" or "keys"'):
-        fill_window(*args, write="value")
 
 
 def _rotation(kind, d):
@@ -446,7 +426,7 @@ def test_the_flags_choose_the_dot(flag, compiled):
         k,
         v,
         parts=(parts, flags),
-        config=(64, 64, 4, False, compiled),
+        config=FillLaunch(64, 64, 4, sylvester=compiled),
     )
     _, _, k_rot = reference_rows(batch, cfg, w, False, torch.float16)
     if flag == 3 and compiled:

@@ -135,8 +135,8 @@ def check_overlaps(written, read, checked: dict | None = None):
     ``written`` and ``read`` are lists of (name, tensor or None). ``checked``: the
     caller's record of the places already found apart (address, shape, strides and
     element size fix the byte ranges; every layer of every step passes the same
-    places), kept to 256 entries: 33-52 us of host per call on the H200 machine
-    otherwise (benchmarks/NOTES.md §14)."""
+    places), kept to 256 entries (the checks' host time per call: benchmarks/NOTES.md
+    §14)."""
     key = tuple(
         None if t is None else (t.data_ptr(), t.shape, t.stride(), t.element_size())
         for _, t in written + read
@@ -272,16 +272,14 @@ class Launcher:
     time.
 
     Triton's launch path binds and specializes every argument, builds a cache key
-    string and checks globals on each call: 33-48 us of host per launch on the H200
-    machine (Triton 3.6, 25-40 arguments; benchmarks/NOTES.md), where the launch itself
-    is a few. The key here (``_Keyer``) is at least as fine as Triton's specialization
-    (each tensor's dtype and 16-byte alignment, each specialized int's value class, the
-    constexprs and options), so a kept kernel is the one Triton would pick; a fill
-    launch took 35-84 us of host with it, 47-112 us with 0.4.0's loop over every
-    parameter (NOTES.md §18). Used on
-    CUDA only, with Triton's launch hooks unset and a launch path of the known shape;
-    otherwise every call goes through ``kernel[grid]``. ``args`` are all of the
-    kernel's parameters, in order, constexprs included.
+    string and checks globals on each call, which costs more host time than the launch
+    itself (benchmarks/NOTES.md §4, §14, §18). The key here (``_Keyer``) is at least as
+    fine as Triton's specialization (each tensor's dtype and 16-byte alignment, each
+    specialized int's value class, the constexprs and options), so a kept kernel is the
+    one Triton would pick. Used on CUDA only, with Triton's launch hooks unset and a
+    launch path of the known shape; otherwise every call goes through
+    ``kernel[grid]``. ``args`` are all of the kernel's parameters, in order, constexprs
+    included.
     """
 
     direct = None  # decided on first use: _passes_constexprs(), None if unusable
@@ -301,8 +299,8 @@ class Launcher:
     def _key(self, args, options, device):
         """The kept kernel's key: the argument types (fixing which positions hold
         tensors, ints and other values), then per position what Triton specializes
-        on, each group read with one itemgetter (a loop over all parameters with
-        isinstance checks took 41 us for the fill's 55 on the H200 machine)."""
+        on, each group read with one itemgetter (not a loop over all parameters with
+        isinstance checks: benchmarks/NOTES.md §18)."""
         types = tuple(map(type, args))
         keyer = self._keyers.get(types)
         if keyer is None:

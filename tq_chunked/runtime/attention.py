@@ -305,21 +305,12 @@ FA_VERSION_ENV = "TQ_CHUNKED_FA_VERSION"
 
 
 def _windows_fa_version(version, fa_utils) -> int | None:
-    """The FlashAttention version the windows use, from vLLM's pick ``version``.
-
-    vLLM's pick depends on where it is asked. Its argument parsing (0.20.0 to 0.33.0 at
-    least) sets ``attention_config.flash_attn_version = 2`` for any ``turboquant_*``
-    cache (its comment: FA3's boundary layers assert ``FlashAttentionImpl``), and
-    ``get_flash_attn_version`` returns that setting wherever a vLLM config is current:
-    model loading and the metadata builders' construction, but (0.20.0's worker) not the
-    forward pass, where it returns FA3 on Hopper. ``vllm_flash`` keeps its first answer
-    for the process, so the windows' version hung on which came first. The setting
-    concerns vLLM's own attention layers, not a call of the varlen kernel over this
-    project's buffers: on Hopper, where vLLM's build has FA3, the windows take FA3
-    wherever they are first asked, as in every GPU test and benchmark here (FA2 windows
-    took 1.26x the time to first token of a 60000-token prompt in vLLM 0.21.0's
-    engine, benchmarks/NOTES.md §28). ``TQ_CHUNKED_FA_VERSION=2`` (or 3) names the
-    version instead; another value, or one vLLM's build cannot run, is an error.
+    """The FlashAttention version the windows use, from vLLM's pick ``version``: FA3
+    on Hopper where vLLM's build has it, else vLLM's pick. vLLM pins FA2 for TurboQuant
+    caches for its own layers, and only where its config is current, so that its answer
+    depends on where it is first asked (benchmarks/NOTES.md §28, §29).
+    ``TQ_CHUNKED_FA_VERSION=2`` (or 3) names the version instead; another value, or one
+    vLLM's build cannot run, is an error.
     """
     env = os.environ.get(FA_VERSION_ENV, "").strip()
     supported = getattr(fa_utils, "is_fa_version_supported", None)

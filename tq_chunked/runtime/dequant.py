@@ -14,8 +14,8 @@ loads (every field of a slot starts on an even byte; a cache at an odd address o
 odd strides is read byte by byte instead) and bit-packed indices are unpacked sixteen
 at a time: indices ``16g .. 16g + 15`` of a ``BITS``-wide stream are the ``BITS``
 halfwords from halfword ``g * BITS``, one 64-bit word (byte by byte: eight at a time,
-the ``BITS`` bytes from byte ``g * BITS``). This fill took 0.82-0.93x the time of
-0.4.0's, which read bytes, on the H200 machine (benchmarks/NOTES.md §20).
+the ``BITS`` bytes from byte ``g * BITS``). (16-bit loads and the unpacking:
+benchmarks/NOTES.md §20.)
 
 MSE keys are cached in the rotated space ``k_rot = k @ rotation^T``. With ``unrotate``
 the same program turns each cached key back, ``k = fp16(k_rot) @ rotation``, on the
@@ -44,6 +44,8 @@ Head sizes that are not a power of two are padded with masks.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -258,10 +260,127 @@ def _slot_keys(
 
 
 @triton.jit
+def _tile(
+    seg_ptr,
+    block_table_ptr,
+    err_ptr,
+    n_rows,
+    nseg,
+    steps,
+    head0,
+    n_heads,
+    num_blocks,
+    max_blocks,
+    s_cache_block,
+    s_cache_pos,
+    s_cache_head,
+    s_bt_req,
+    s_bt_col,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CHECK: tl.constexpr,
+    HEADS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """What each of a program's M = BLOCK_T x HEADS slots is (row-major: window row,
+    then kv head of the group): its window ``row`` and kv head ``h2`` (M, 1), the
+    columns ``d`` (1, BLOCK_D), and, each (M,), whether it is ``live`` (a row of the
+    window, a head of the group) and for a cached row the first byte of its cache
+    ``slot`` where ``ok`` (0 elsewhere), or ``bad`` where its block id is outside the
+    cache (nothing read; with CHECK, program part 0 records the smallest (request,
+    column) in ``err``). For new tokens, each (M, 1): the row of key/value ``crow`` (<
+    0 in a gap), whether the slot is a new or gap row ``chunk``, whether it is read
+    from key/value ``cmask``; and ``new_rows``, 1 where the tile has any such row, else
+    0. These are unused, and compiled out, in a window without new tokens."""
+    M: tl.constexpr = BLOCK_T * HEADS
+    part = tl.program_id(1)  # 0 without SPLIT
+    m = tl.arange(0, M)
+    t = tl.program_id(0) * BLOCK_T + m // HEADS  # (M,) window row
+    head = (m % HEADS).to(tl.int64)  # (M,) kv head within the group
+    in_rows = t < n_rows
+    live = in_rows & (head < n_heads)
+    tt = tl.where(in_rows, t, 0)
+    seg = _segment_of(seg_ptr, tt, nseg, steps)
+    # the per-segment arrays follow the nseg + 1 starts
+    fields = seg_ptr + nseg + 1 + seg
+    off = tt - tl.load(seg_ptr + seg)
+    cached = tl.load(fields + 2 * nseg)
+    in_cache = live & (off < cached)
+    req = tl.load(fields).to(tl.int64)
+    pos = tl.load(fields + nseg) + off  # cache position of a cached row
+    col = pos // BLOCK_SIZE
+    block = tl.load(
+        block_table_ptr + req * s_bt_req + col * s_bt_col,
+        mask=in_cache & (col < max_blocks),
+        other=-1,
+    ).to(tl.int64)
+    ok = in_cache & (block >= 0) & (block < num_blocks)  # anything else reads nothing
+    bad = in_cache & ((block < 0) | (block >= num_blocks))
+    # the smallest (request, column) with a bad id, for the caller's report (once)
+    if CHECK and (part == 0):
+        tl.atomic_min(
+            err_ptr + tl.zeros_like(m), (req << 32) + col.to(tl.int64), mask=bad
+        )
+    slot = tl.where(
+        ok,
+        block * s_cache_block
+        + (pos % BLOCK_SIZE).to(tl.int64) * s_cache_pos
+        + (head0 + head) * s_cache_head,
+        0,
+    )
+    row = t.to(tl.int64)[:, None]
+    h2 = head[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    crow = (tl.load(fields + 3 * nseg) + off - cached).to(tl.int64)
+    chunk = (live & (off >= cached))[:, None]
+    cmask = chunk & (crow >= 0)[:, None]
+    crow = crow[:, None]
+    new_rows = tl.max(chunk.to(tl.int32))
+    return row, h2, d, live, slot, ok, bad, crow, chunk, cmask, new_rows
+
+
+@triton.jit
 def _with_new_rows(x, ptr, mask, chunk):
     """``x`` with the rows of new tokens (``chunk``) read at ``ptr`` (the chunk's key
     or value; ``mask`` off reads nothing and gives 0: a gap's zeros)."""
     return tl.where(chunk, tl.load(ptr, mask=mask, other=0.0).to(x.dtype), x)
+
+
+@triton.jit
+def _window_rows(
+    x,
+    cols,
+    src_ptr,
+    s_src_tok,
+    s_src_head,
+    s_src_d,
+    h2,
+    head0,
+    crow,
+    chunk,
+    cmask,
+    any_new,
+    D: tl.constexpr,
+    WHOLE: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    """What the fill stores at columns ``cols`` (1, C) of the tile's rows (``_tile``):
+    float32 ``x`` (M, C) in the window dtype, with the rows of new tokens copied from
+    the chunk's key or value (``src_ptr``, kv heads ``head0 + h2``) and a gap's as
+    zeros, in a tile that has any (``any_new``). WHOLE: ``cols`` are a whole row's,
+    read up to D; else a block of columns of a row without padding (D == BLOCK_D)."""
+    x = _to_window(x, OUT_BF16, ROUND_BF16)
+    if HAS_CHUNK:  # noqa: SIM102 (any_new is a tensor only then)
+        if any_new:
+            src = src_ptr + crow * s_src_tok + (head0 + h2) * s_src_head
+            src = src + cols * s_src_d
+            new_mask = cmask
+            if WHOLE:
+                new_mask = cmask & (cols < D)
+            x = _with_new_rows(x, src, new_mask, chunk)
+    return x
 
 
 @triton.jit
@@ -356,71 +475,48 @@ def _fill_kernel(
     SPLIT: tl.constexpr,
     # the Sylvester un-rotation compiled (taken where the rotation's flags are 3)
     SYLVESTER: tl.constexpr,
-    # which rows are written (both but where a benchmark times one alone)
-    WRITE_V: tl.constexpr,
-    WRITE_K: tl.constexpr,
     HEADS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NFLAGS: tl.constexpr,
 ):
     """The fill (module docstring): BLOCK_T window rows x HEADS kv heads (n_heads of
-    them real) per program, values, then keys un-rotated with ROTATE; with SPLIT,
-    program (i, 0) writes tile i's values and (i, 1) its keys."""
-    M: tl.constexpr = BLOCK_T * HEADS
-    part = tl.program_id(1)  # 0 without SPLIT
-    m = tl.arange(0, M)
-    t = tl.program_id(0) * BLOCK_T + m // HEADS  # (M,) window row
-    head = (m % HEADS).to(tl.int64)  # (M,) kv head within the group
-    in_rows = t < n_rows
-    live = in_rows & (head < n_heads)
-    tt = tl.where(in_rows, t, 0)
-    seg = _segment_of(seg_ptr, tt, nseg, steps)
-    # the per-segment arrays follow the nseg + 1 starts
-    fields = seg_ptr + nseg + 1 + seg
-    off = tt - tl.load(seg_ptr + seg)
-    cached = tl.load(fields + 2 * nseg)
-    in_cache = live & (off < cached)
-    req = tl.load(fields).to(tl.int64)
-    pos = tl.load(fields + nseg) + off  # cache position of a cached row
-    col = pos // BLOCK_SIZE
-    block = tl.load(
-        block_table_ptr + req * s_bt_req + col * s_bt_col,
-        mask=in_cache & (col < max_blocks),
-        other=-1,
-    ).to(tl.int64)
-    ok = in_cache & (block >= 0) & (block < num_blocks)  # anything else reads nothing
-    bad = in_cache & ((block < 0) | (block >= num_blocks))
-    # the smallest (request, column) with a bad id, for the caller's report (once)
-    if CHECK and (part == 0):
-        tl.atomic_min(
-            err_ptr + tl.zeros_like(m), (req << 32) + col.to(tl.int64), mask=bad
-        )
-    # (M,) each slot's first byte (0 where nothing is read)
-    slot = tl.where(
-        ok,
-        block * s_cache_block
-        + (pos % BLOCK_SIZE).to(tl.int64) * s_cache_pos
-        + (head0 + head) * s_cache_head,
-        0,
+    them real) per program (``_tile``); its values, then its keys, un-rotated with
+    ROTATE, each stored with the chunk's new rows copied in (``_window_rows``); with
+    SPLIT, program (i, 0) writes tile i's values and (i, 1) its keys. The stores and
+    the un-rotation in column blocks are written here rather than in helpers: a
+    helper's inlined scope adds debug labels to the PTX, where ptxas schedules
+    differently (benchmarks/NOTES.md §34)."""
+    row, h2, d, live, slot, ok, bad, crow, chunk, cmask, new_rows = _tile(
+        seg_ptr,
+        block_table_ptr,
+        err_ptr,
+        n_rows,
+        nseg,
+        steps,
+        head0,
+        n_heads,
+        num_blocks,
+        max_blocks,
+        s_cache_block,
+        s_cache_pos,
+        s_cache_head,
+        s_bt_req,
+        s_bt_col,
+        BLOCK_D,
+        BLOCK_SIZE,
+        CHECK,
+        HEADS,
+        BLOCK_T,
     )
-    row = t.to(tl.int64)[:, None]  # (M, 1) window row
-    h2 = head[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]  # (1, BLOCK_D)
-    if HAS_CHUNK:
-        # row of key/value; < 0 in a gap
-        crow = (tl.load(fields + 3 * nseg) + off - cached).to(tl.int64)
-        chunk = (live & (off >= cached))[:, None]
-        cmask = chunk & (crow >= 0)[:, None]
-        crow = crow[:, None]
-        # whether any row of the tile is a new token or a gap: most tiles of a batch
-        # window hold cached rows alone and skip the copy's instructions (tested
-        # under "if HAS_CHUNK:", not with "and": Triton before 3.4 evaluates both
-        # sides of an "and", and new_rows exists only here)
-        new_rows = tl.max(chunk.to(tl.int32)) > 0
+    # whether any row of the tile is a new token or a gap: most tiles of a batch window
+    # hold cached rows alone and skip the copy (unused, and compiled out, in a window
+    # without new tokens)
+    any_new = new_rows > 0
+    part = tl.program_id(1)  # 0 without SPLIT
 
     # Values: index * scale + zero; a bad block id gives NaN through its scale
-    if WRITE_V and ((part == 0) | (not SPLIT)):
+    if (part == 0) | (not SPLIT):
         v = _slot_values(
             cache_ptr,
             slot,
@@ -433,11 +529,25 @@ def _fill_kernel(
             VALUE_INDEX_BYTES,
             HALVES,
         )
-        vw = _to_window(v, OUT_BF16, ROUND_BF16)
-        if HAS_CHUNK:  # noqa: SIM102 (new_rows exists only then)
-            if new_rows:
-                vc = value_ptr + crow * s_val_tok + (head0 + h2) * s_val_head
-                vw = _with_new_rows(vw, vc + d * s_val_d, cmask & (d < D), chunk)
+        vw = _window_rows(
+            v,
+            d,
+            value_ptr,
+            s_val_tok,
+            s_val_head,
+            s_val_d,
+            h2,
+            head0,
+            crow,
+            chunk,
+            cmask,
+            any_new,
+            D,
+            True,
+            HAS_CHUNK,
+            OUT_BF16,
+            ROUND_BF16,
+        )
         tl.store(
             v_out_ptr + row * s_v_tok + h2 * s_v_head + d,
             vw,
@@ -445,7 +555,7 @@ def _fill_kernel(
         )
 
     # Keys; a bad block id gives NaN through its norm (fp8 keys: set)
-    if WRITE_K and ((part == 1) | (not SPLIT)):
+    if (part == 1) | (not SPLIT):
         k = _slot_keys(
             cache_ptr,
             slot,
@@ -461,13 +571,12 @@ def _fill_kernel(
             FP8_E4B15,
             HALVES,
         )
+        whole = True  # stored whole: not rotated, or un-rotated in groups of 16
         if ROTATE:
-            # k = fp16(k_rot) @ rotation, with split_rotation's parts: vLLM's
-            # normalized Sylvester Hadamard (flags 3) in groups of 16 columns and a
-            # Walsh-Hadamard transform over the groups, then stored whole below; any
-            # other rotation in column blocks: one of one magnitude s (flags 1) is s *
-            # signs, one dot of exact products, any other two exact fp16 products per
-            # term; sums in float32
+            # k = fp16(k_rot) @ rotation: vLLM's normalized Sylvester Hadamard in
+            # groups of 16 columns (compiled with SYLVESTER, taken where the flags
+            # say so), any other rotation in blocks of BLOCK_N columns, each stored
+            # as it is made
             flags = tl.load(
                 flags_ptr + tl.arange(0, NFLAGS),
                 mask=tl.arange(0, NFLAGS) < nflags,
@@ -476,7 +585,6 @@ def _fill_kernel(
             uniform = tl.min(flags & 1, 0) == 1
             mag = tl.load(flags_ptr + nflags).to(tl.float32, bitcast=True)
             a = k.to(tl.float16)
-            # (compiled with SYLVESTER, taken where the flags say)
             sylvester = False
             if SYLVESTER:
                 sylvester = tl.min(flags, 0) == 3
@@ -485,57 +593,74 @@ def _fill_kernel(
                     signs = parts_ptr + 2 * BLOCK_D * BLOCK_D
                     s16 = tl.load(signs + c16[:, None] * BLOCK_D + c16[None, :])
                     k = _sylvester_unrotate(a, s16, BLOCK_D, DOT_F64) * mag
-        if ROTATE:  # noqa: SIM102 (sylvester exists only then)
             if not sylvester:
+                # in blocks of BLOCK_N columns, from the parts in the workspace: s *
+                # signs where the rotation has one magnitude s (one dot), else the
+                # fp16 part plus the remainder scaled by 2^12 (two dots); each block
+                # stored as it is made
                 if DOT_F64:
                     a = a.to(tl.float64)
+                ACC: tl.constexpr = tl.float64 if DOT_F64 else tl.float32
                 dr = tl.arange(0, BLOCK_D)[:, None]
                 for n0 in tl.static_range(0, BLOCK_D, BLOCK_N):
                     n = n0 + tl.arange(0, BLOCK_N)[None, :]
                     if uniform:
                         sg = tl.load(
                             parts_ptr + 2 * BLOCK_D * BLOCK_D + dr * BLOCK_D + n
-                        )
-                        if DOT_F64:
-                            acc = tl.dot(a, sg.to(tl.float64), out_dtype=tl.float64)
-                            acc = acc.to(tl.float32) * mag
-                        else:
-                            acc = tl.dot(a, sg, out_dtype=tl.float32) * mag
+                        ).to(a.dtype)
+                        acc = tl.dot(a, sg, out_dtype=ACC).to(tl.float32) * mag
                     else:
-                        hi = tl.load(parts_ptr + dr * BLOCK_D + n)
-                        lo = tl.load(parts_ptr + BLOCK_D * BLOCK_D + dr * BLOCK_D + n)
-                        if DOT_F64:
-                            acc = (
-                                tl.dot(a, lo.to(tl.float64), out_dtype=tl.float64)
-                                / 4096.0
-                            )
-                            acc = tl.dot(
-                                a, hi.to(tl.float64), acc, out_dtype=tl.float64
-                            )
-                            acc = acc.to(tl.float32)
-                        else:
-                            acc = tl.dot(a, lo, out_dtype=tl.float32) * (1.0 / 4096.0)
-                            acc = tl.dot(a, hi, acc, out_dtype=tl.float32)
-                    kn = _to_window(acc, OUT_BF16, ROUND_BF16)
-                    if HAS_CHUNK:  # noqa: SIM102 (new_rows exists only then)
-                        if new_rows:
-                            kc = key_ptr + crow * s_key_tok + (head0 + h2) * s_key_head
-                            kn = _with_new_rows(kn, kc + n * s_key_d, cmask, chunk)
+                        hi = tl.load(parts_ptr + dr * BLOCK_D + n).to(a.dtype)
+                        lo = tl.load(
+                            parts_ptr + BLOCK_D * BLOCK_D + dr * BLOCK_D + n
+                        ).to(a.dtype)
+                        acc = tl.dot(a, lo, out_dtype=ACC) * (1.0 / 4096.0)
+                        acc = tl.dot(a, hi, acc, out_dtype=ACC).to(tl.float32)
+                    kn = _window_rows(
+                        acc,
+                        n,
+                        key_ptr,
+                        s_key_tok,
+                        s_key_head,
+                        s_key_d,
+                        h2,
+                        head0,
+                        crow,
+                        chunk,
+                        cmask,
+                        any_new,
+                        D,
+                        False,
+                        HAS_CHUNK,
+                        OUT_BF16,
+                        ROUND_BF16,
+                    )
                     tl.store(
                         k_out_ptr + row * s_k_tok + h2 * s_k_head + n,
                         kn,
                         mask=live[:, None],
                     )
-        # the keys stored whole: not rotated, or un-rotated as a Sylvester Hadamard
-        whole = True
-        if ROTATE:
             whole = sylvester
         if whole:
-            kw = _to_window(k, OUT_BF16, ROUND_BF16)
-            if HAS_CHUNK:  # noqa: SIM102 (new_rows exists only then)
-                if new_rows:
-                    kc = key_ptr + crow * s_key_tok + (head0 + h2) * s_key_head
-                    kw = _with_new_rows(kw, kc + d * s_key_d, cmask & (d < D), chunk)
+            kw = _window_rows(
+                k,
+                d,
+                key_ptr,
+                s_key_tok,
+                s_key_head,
+                s_key_d,
+                h2,
+                head0,
+                crow,
+                chunk,
+                cmask,
+                any_new,
+                D,
+                True,
+                HAS_CHUNK,
+                OUT_BF16,
+                ROUND_BF16,
+            )
             tl.store(
                 k_out_ptr + row * s_k_tok + h2 * s_k_head + d,
                 kw,
@@ -671,35 +796,40 @@ def split_rotation(
     return parts, flags
 
 
-# The fill's launch configuration, (slots per program, output columns per dot, warps),
-# by padded head size and whether keys are un-rotated: 64 slots and 4 warps were the
-# fastest of 4-7 configurations at D 64, 128 and 256 on the H200 machine, for one
-# request's window and for a window of 24 requests (but 4bit_nc at D 128 in the 24-hit
-# window: 0.312 against 0.309 ms at 128 slots), in benchmarks/fill_configs.py's sweep of
-# the first version (two dots, NOTES.md §16); 16 and 32 follow D 64. Swept again with
-# vLLM's Hadamard (one dot, §22): still the fastest or within 4 % for every MSE preset.
-# For fp8 keys (no un-rotation) 32 slots took 0.95x / 0.90x of 64 (one request's window
-# / the 24-hit window, NOTES.md §23; its GPU tests passed with it). A fourth
-# element, True, puts values and keys in programs of their own: 1.00-1.17x the time of
-# one program for both, at every preset and head size of the sweep (NOTES.md §20). A
-# fifth, True, compiles the un-rotation of vLLM's Sylvester Hadamard in groups of 16
-# columns beside the column blocks (taken where split_rotation's flags say so): at D
-# 256 it took 0.92x / 0.88x the fill's time, at D 128 1.08x / 1.08x (registers capped
-# at 168) and at D 64 1.21x / 1.25x, where the second path's registers cost more than
-# its dot saves (benchmarks/fill_probe.py, NOTES.md §24). Keys not un-rotated (fp8
-# keys; MSE keys left rotated, as reference.py's full-buffer path reads them) take the
-# (D, False) entries.
+@dataclass(frozen=True)
+class FillLaunch:
+    """How the fill is launched: ``slots`` cache slots per program (window rows x the
+    kv heads of the group), ``block_n`` output columns per dot of the un-rotation in
+    column blocks, ``warps`` per program; ``split``: values and keys in programs of
+    their own; ``sylvester``: the un-rotation of vLLM's Hadamard in groups of 16
+    columns compiled beside the column blocks (taken where split_rotation's flags say
+    so)."""
+
+    slots: int
+    block_n: int
+    warps: int
+    split: bool = False
+    sylvester: bool = False
+
+
+# The fill's launch by padded head size and whether keys are un-rotated (fp8 keys, and
+# MSE keys left rotated as reference.py reads them, are not), from
+# benchmarks/fill_configs.py's sweeps on the H200: 64 slots and 4 warps for MSE keys,
+# the fastest or within 4 % (NOTES.md §16, §22; D 16 and 32 take D 64's tile); 32
+# slots for fp8 keys at D 128 (§23); values and keys in one program (§20); the
+# Sylvester un-rotation at D 256 only, where its smaller operand saves more than its
+# registers cost (§24).
 FILL = {
-    (16, True): (64, 16, 4),
-    (32, True): (64, 32, 4),
-    (64, True): (64, 64, 4),
-    (128, True): (64, 64, 4),
-    (256, True): (64, 64, 4, False, True),
-    (16, False): (64, 16, 4),
-    (32, False): (64, 32, 4),
-    (64, False): (64, 64, 4),
-    (128, False): (32, 128, 4),
-    (256, False): (64, 256, 4),
+    (16, True): FillLaunch(64, 16, 4),
+    (32, True): FillLaunch(64, 32, 4),
+    (64, True): FillLaunch(64, 64, 4),
+    (128, True): FillLaunch(64, 64, 4),
+    (256, True): FillLaunch(64, 64, 4, sylvester=True),
+    (16, False): FillLaunch(64, 16, 4),
+    (32, False): FillLaunch(64, 32, 4),
+    (64, False): FillLaunch(64, 64, 4),
+    (128, False): FillLaunch(32, 128, 4),
+    (256, False): FillLaunch(64, 256, 4),
 }
 
 
@@ -717,9 +847,8 @@ def fill_window(
     v_out: torch.Tensor,
     err: torch.Tensor | None = None,
     unrotate: bool = True,
-    config: tuple | None = None,
+    config: FillLaunch | None = None,
     parts: tuple | None = None,
-    write: str = "both",
 ) -> None:
     """Write the rows of ``window`` (a ``plan.Window``), kv heads [head0, head0 +
     k_out.shape[1]), into k_out and v_out.
@@ -732,22 +861,16 @@ def fill_window(
     k_out, v_out: fp16 or bf16, both the same (>= window.rows, Hk_group, D), unit
     stride over D. err: int64 (1,) on the device, or None: lowered to ``request << 32
     | column`` of a bad block id read. unrotate: False writes MSE keys in the rotated
-    space. config: the launch configuration (slots per program, columns per dot,
-    warps[, split: values and keys in programs of their own[, sylvester: compile the
-    un-rotation of vLLM's Hadamard in groups of 16 columns]]); default: FILL. parts:
-    ``split_rotation(rotation)``'s (parts, flags) (a caller that fills several windows
-    splits once); made here when None. write: "both", or "values" / "keys" alone (a
-    benchmark's stage timing; the other rows are left as they were). Arguments are
-    trusted: ``continuation_prefill_varlen`` validates them.
+    space. config: the launch (``FillLaunch``); default: FILL's for the head size.
+    parts: ``split_rotation(rotation)``'s (parts, flags) (a caller that fills several
+    windows splits once); made here when None. Arguments are trusted:
+    ``continuation_prefill_varlen`` validates them.
     """
-    if write not in ("both", "values", "keys"):
-        raise ValueError(f'write must be "both", "values" or "keys", got {write!r}')
     if window.rows <= 0:
         return
     rotate = unrotate and not cfg.key_fp8
     block_d = triton.next_power_of_2(cfg.head_dim)
-    conf = tuple(config) if config is not None else FILL[(block_d, rotate)]
-    slots, block_n, warps, split, sylvester = conf + (False, False)[len(conf) - 3 :]
+    launch = config if config is not None else FILL[(block_d, rotate)]
     fp8_e4b15 = cfg.key_fp8 and fp8_e4b15_for(kv_cache.device)
     if not use_triton(kv_cache):
         _fill_torch(
@@ -760,8 +883,8 @@ def fill_window(
             value,
             window,
             head0,
-            k_out if write != "values" else None,
-            v_out if write != "keys" else None,
+            k_out,
+            v_out,
             fp8_e4b15,
         )
         return
@@ -777,10 +900,10 @@ def fill_window(
     # past 64 heads, one row of all of them), so that each row's un-rotation is the
     # same dot, and the same bits, however a call groups its kv heads. The
     # interpreter: small tiles of 32 slots.
-    block_t = max(1, (32 if interpreting() else slots) // heads)
+    block_t = max(1, (32 if interpreting() else launch.slots) // heads)
     centroids = centroids if centroids is not None else kv_cache  # fp8 keys: not read
     launch_fill(
-        (triton.cdiv(window.rows, block_t), 2 if split else 1),
+        (triton.cdiv(window.rows, block_t), 2 if launch.split else 1),
         kv_cache,
         block_table,
         centroids,
@@ -833,15 +956,13 @@ def fill_window(
         interpreter_rounds_bf16(k_out.dtype),
         not kv_cache.is_cuda,
         halves_ok(kv_cache, cfg),
-        split,
-        sylvester and rotate,
-        write in ("both", "values"),
-        write in ("both", "keys"),
+        launch.split,
+        launch.sylvester and rotate,
         heads,
         block_t,
-        min(block_n, block_d),
+        min(launch.block_n, block_d),
         triton.next_power_of_2(nflags),
-        num_warps=warps,
+        num_warps=launch.warps,
         enable_fp_fusion=False,
     )
 
@@ -860,11 +981,8 @@ def _fill_torch(
     v_out,
     fp8_e4b15,
 ):
-    """The same rows through the reference decoder, one segment at a time (CPU); k_out
-    or v_out None: not written."""
-    hk = (k_out if k_out is not None else v_out).shape[1]
-    heads = slice(head0, head0 + hk)
-    outs = [(o, src) for o, src in ((k_out, key), (v_out, value)) if o is not None]
+    """The same rows through the reference decoder, one segment at a time (CPU)."""
+    heads = slice(head0, head0 + k_out.shape[1])
     for s in range(window.nseg):
         start, req, pos0, cached, qrow = window.segment(s)
         if cached:
@@ -880,12 +998,10 @@ def _fill_torch(
             k = k.transpose(0, 1).half()
             if rotation is not None:
                 k = (k.float() @ rotation.float()).half()
-            if k_out is not None:
-                k_out[start : start + cached] = k
-            if v_out is not None:
-                v_out[start : start + cached] = v.transpose(0, 1).half()
+            k_out[start : start + cached] = k
+            v_out[start : start + cached] = v.transpose(0, 1).half()
         end = window.segment_end(s)
-        for o, src in outs:
+        for o, src in ((k_out, key), (v_out, value)):
             if end > start + cached and qrow == GAP_ROW:
                 o[start + cached : end] = 0
             elif end > start + cached:
