@@ -349,6 +349,37 @@ def test_a_step_is_planned_without_a_sync_and_run_per_layer_without_sync_or_mall
     assert torch.isfinite(out).all() and not torch.equal(out, ref)
 
 
+def test_a_step_run_on_another_stream_waits_for_its_plan():
+    """A step planned on one stream and run on another gives the same bits: the run's
+    stream waits for the plan's upload (the integers are not yet there when the plan's
+    stream is kept busy)."""
+    b = build_batch(
+        "turboquant_3bit_nc", [(9000, 16), (500, 40)], 32, 8, 128, 16, torch.float16,
+        "cuda", seed=5,
+    )  # fmt: skip
+    kw = b["kwargs"]
+    prefill = ContinuationPrefill(
+        32, 8, 128, preset="turboquant_3bit_nc", block_size=16, window=4096
+    )
+    layer = (b["query"], b["key"], b["value"], b["kv_cache"])
+    tensors = dict(
+        centroids=kw["centroids"], rotation=kw["rotation"], scale=kw["scale"]
+    )
+    plan = lambda: prefill.plan(
+        b["block_table"],
+        query_start_loc_cpu=b["query_start_loc"],
+        seq_lens_cpu=b["seq_lens"],
+    )
+    ref = plan().run(*layer, **tensors)
+    side = torch.cuda.Stream()
+    torch.cuda._sleep(50_000_000)  # the plan's stream busy: its upload waits behind
+    step = plan()
+    with torch.cuda.stream(side):
+        out = step.run(*layer, **tensors)
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
 def test_a_bad_block_id_is_reported_at_the_next_call_and_its_request_is_nan():
     from tq_chunked import check_block_tables
 

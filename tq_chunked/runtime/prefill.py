@@ -434,8 +434,15 @@ class ContinuationPrefill:
                 f"workspace must hold at least workspace_bytes(...) = {need} bytes for "
                 f"this step, got {workspace.numel()}"
             )
+        uploaded = None
+        if stream is not None:  # for a run on another stream to wait for
+            uploaded = torch.cuda.Event()
+            uploaded.record(stream)
         lengths = (("query_start_loc", query_start_loc), ("seq_lens", seq_lens))
-        return Step(self, plan, block_table, qsl, lens, workspace, backend, lengths)
+        return Step(
+            self, plan, block_table, qsl, lens, workspace, backend, lengths,
+            stream, uploaded,
+        )  # fmt: skip
 
     def workspace_bytes(self, max_query_tokens: int) -> int:
         """The bytes of workspace that serve every step of up to ``max_query_tokens``
@@ -454,9 +461,10 @@ class ContinuationPrefill:
 
 
 class Step:
-    """One step's plan (``ContinuationPrefill.plan``): ``run`` it once per layer, on
-    the stream that was current when it was planned (its device integers were
-    uploaded there).
+    """One step's plan (``ContinuationPrefill.plan``): ``run`` it once per layer. Its
+    device integers were uploaded on the stream current at ``plan``; a run on another
+    stream first makes that stream wait for the upload, and marks the integers as used
+    there (so that the allocator does not hand their memory out while it reads them).
 
     Attributes: ``prefill`` (what it was planned by), ``plan`` (plan.Plan: the windows
     in order of their query rows), ``block_table``, ``query_start_loc`` and
@@ -473,8 +481,11 @@ class Step:
         workspace: torch.Tensor | None,
         backend: str,
         lengths: tuple,
+        stream=None,
+        uploaded=None,
     ):
         self.prefill, self.plan, self.block_table = prefill, plan, block_table
+        self._stream, self._uploaded = stream, uploaded
         self.query_start_loc, self.seq_lens = qsl, seq_lens
         self.workspace, self.backend = workspace, backend
         self.device = block_table.device
@@ -651,6 +662,13 @@ class _Layer:
     def run(self):
         step = self.step
         device = step.device
+        if step._stream is not None:
+            current = torch.cuda.current_stream(device)
+            if current != step._stream:
+                current.wait_event(step._uploaded)
+                first = step.plan.steps[0]  # every window's integers share one tensor
+                w = first.windows[0] if isinstance(first, LongRequest) else first
+                w.segs.record_stream(current)
         err = None
         if step.prefill.check_block_table:
             if device.type == "cuda":
