@@ -171,7 +171,7 @@ def main():
                 device=torch.device("cuda"),
                 stream=torch.cuda.current_stream(),
             )
-            steps = p.steps
+            steps = p.units
             count = sum(
                 len(s.windows) if isinstance(s, LongRequest) else 1 for s in steps
             )

@@ -22,7 +22,7 @@ import triton.testing
 
 from tq_chunked.runtime.dequant import fill_window, split_rotation
 from tq_chunked.runtime.format import PRESETS, TQConfig, hadamard, lloyd_max_centroids
-from tq_chunked.runtime.plan import cached_window
+from tq_chunked.tools.reference import cached_window
 
 TOKENS, HK = 65536, 8
 

@@ -28,7 +28,8 @@ from fill_bandwidth import HK, TOKENS, copy_rate
 
 from tq_chunked.runtime.dequant import FILL, FillLaunch, fill_window, split_rotation
 from tq_chunked.runtime.format import TQConfig, hadamard, lloyd_max_centroids
-from tq_chunked.runtime.plan import cached_window, windows
+from tq_chunked.runtime.plan import windows
+from tq_chunked.tools.reference import cached_window
 
 CASES = [
     ("turboquant_3bit_nc", 128),

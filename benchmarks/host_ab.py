@@ -57,7 +57,7 @@ def windows_of(step) -> int:
     hk = step.prefill.num_kv_heads
     return sum(
         len(s.windows) * (hk // s.kv_heads) if isinstance(s, LongRequest) else 1
-        for s in step.plan.steps
+        for s in step.plan.units
     )
 
 

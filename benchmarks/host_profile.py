@@ -110,7 +110,7 @@ def profile_case(name, requests):
         device=torch.device("cuda"),
         stream=torch.cuda.current_stream(),
     )
-    steps = p.steps
+    steps = p.units
     cap = p.capacity
     windows = [
         w for s in steps for w in (s.windows if isinstance(s, LongRequest) else (s,))

@@ -49,8 +49,8 @@ def call_blocks(workload, tile=128) -> list[int]:
         budget=DEFAULT_WORKSPACE_BYTES,
         device=torch.device("cpu"),
     )
-    steps = p.steps
-    groups = tuple(s.kv_heads if isinstance(s, LongRequest) else hk for s in p.steps)
+    steps = p.units
+    groups = tuple(s.kv_heads if isinstance(s, LongRequest) else hk for s in p.units)
     blocks = []
     for step, hk_g in zip(steps, groups):
         # a long request runs its windows once per group of hk_g kv heads

@@ -69,7 +69,7 @@ def probe(w, window):
         device=torch.device("cuda"),
         stream=torch.cuda.current_stream(),
     )
-    steps = p.steps
+    steps = p.units
     cap = p.capacity
     need = p.workspace_bytes
     if any(isinstance(s, LongRequest) for s in steps):

@@ -57,7 +57,8 @@ from triton.compiler import ASTSource
 
 import tq_chunked.runtime.dequant as dq
 from tq_chunked.runtime.format import PRESETS, TQConfig, hadamard, lloyd_max_centroids
-from tq_chunked.runtime.plan import cached_window, windows
+from tq_chunked.runtime.plan import windows
+from tq_chunked.tools.reference import cached_window
 
 
 def record_fill(preset, d, hk, chunk, config):

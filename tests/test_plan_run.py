@@ -52,7 +52,7 @@ def test_one_plan_runs_every_layer_as_the_one_call_does(preset, dtype):
         query_start_loc_cpu=first.query_start_loc,
         seq_lens_cpu=first.seq_lens,
     )
-    assert len(step.plan.steps) > 1  # several windows: the plan is worth sharing
+    assert len(step.plan.units) > 1  # several windows: the plan is worth sharing
     for i, (query, cache) in enumerate(layers):
         out = torch.full_like(query, float("nan"))
         res = step.run(query, first.key, first.value, cache, **_tensors(first), out=out)
@@ -186,8 +186,12 @@ def test_vllm_plans_in_build_and_every_layer_runs_that_plan(mixed, monkeypatch):
     nd, ndt = (2, 2) if mixed else (0, 0)
     chunked = vllm_backend.ChunkedPrefill(window=128)
     plans = []
-    real_plan = chunked._plan
-    monkeypatch.setattr(chunked, "_plan", lambda *a: plans.append(a) or real_plan(*a))
+    real_plan = vllm_backend.ContinuationPrefill.plan
+    monkeypatch.setattr(
+        vllm_backend.ContinuationPrefill,
+        "plan",
+        lambda *a, **k: plans.append(a) or real_plan(*a, **k),
+    )
     meta = _metadata(b, nd, ndt)
     chunked.plan_step(_builder(b, preset), meta, None)
     assert len(plans) == 1 and meta.tq_chunked_step.num_tokens == b.query.shape[0] - ndt
@@ -232,3 +236,49 @@ def test_a_step_built_for_other_lengths_is_not_run(monkeypatch):
     assert step is not built and step.seq_lens == tuple(part.seq_lens_cpu.tolist())
     same = _prefill_part(meta, 1, 1)
     assert chunked._step_for(impl, b.query[1:], b.key[1:], b.kv_cache, same) is built
+
+
+def test_a_build_that_plans_nothing_leaves_no_older_step_to_run():
+    """VLLM 0.20's forward gives a mixed batch's prefill metadata no host copies: it is
+    matched to the built step by its block table's place, token count and longest
+    request alone. A later build for the same block table that plans nothing (here:
+    its metadata without host copies) drops the older step, so that a forward whose
+    lengths differ is planned anew from its own lengths, never run on the old plan."""
+    preset = "turboquant_3bit_nc"
+    b = make_batch([(60, 1), (1000, 16), (500, 16)], preset, seed=10)
+    chunked = vllm_backend.ChunkedPrefill(window=128)
+    builder = _builder(b, preset)
+    meta = _metadata(b, 1, 1)
+    chunked.plan_step(builder, meta, None)
+    built = meta.tq_chunked_step
+    part = _prefill_part(meta, 1, 1)
+    part.query_start_loc_cpu = part.seq_lens_cpu = None  # as 0.20's forward makes it
+    impl = types.SimpleNamespace(kv_cache_dtype=preset, scale=b.kwargs["scale"])
+    layer = (impl, b.query[1:], b.key[1:], b.kv_cache)
+    assert chunked._step_for(*layer, part) is built
+    # the next step: the same block table, the second request 200 tokens shorter
+    b.seq_lens[2] -= 200
+    later = _metadata(b, 1, 1)
+    later.query_start_loc_cpu = later.seq_lens_cpu = None
+    chunked.plan_step(builder, later, None)
+    part = _prefill_part(meta, 1, 1)
+    part.seq_lens = later.seq_lens[1:]
+    part.query_start_loc_cpu = part.seq_lens_cpu = None
+    part.max_seq_len = max(built.seq_lens)  # what would have matched the old step
+    step = chunked._step_for(*layer, part)
+    assert step is not built and step.seq_lens == tuple(b.seq_lens[1:])
+
+
+def test_a_layer_of_another_shape_than_the_built_step_plans_its_own():
+    """The step is planned in build from vLLM's config; a layer whose heads or preset
+    differ (another kv-cache group's, a config that disagrees) is planned at the
+    layer for its own shape, not run on a step made for another."""
+    preset = "turboquant_3bit_nc"
+    b = make_batch(REQUESTS, preset, seed=11)
+    chunked = vllm_backend.ChunkedPrefill(window=128)
+    builder = _builder(b, "turboquant_k3v4_nc")  # the config names another preset
+    meta = _metadata(b, 0, 0)
+    chunked.plan_step(builder, meta, None)
+    impl = types.SimpleNamespace(kv_cache_dtype=preset, scale=b.kwargs["scale"])
+    step = chunked._step_for(impl, b.query, b.key, b.kv_cache, meta)
+    assert step is not meta.tq_chunked_step and step.prefill.preset_name == preset

@@ -156,7 +156,7 @@ def check(layer, preset, dtype):
         dtype=dtype,
         budget=ws.numel(),
         device=torch.device(DEVICE),
-    ).steps
+    ).units
     last_start = {
         s.request: s.windows[-1].segment(0)[2]
         for s in steps

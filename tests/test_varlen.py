@@ -91,8 +91,8 @@ def schedule(qsl, lens, window, hq, hk, d, dtype, budget, device):
         budget=budget,
         device=device,
     )
-    groups = tuple(s.kv_heads if isinstance(s, LongRequest) else hk for s in p.steps)
-    return p.steps, groups, p.capacity, p.workspace_bytes
+    groups = tuple(s.kv_heads if isinstance(s, LongRequest) else hk for s in p.units)
+    return p.units, groups, p.capacity, p.workspace_bytes
 
 
 def schedule_of(batch, window, budget, dtype=torch.float16):

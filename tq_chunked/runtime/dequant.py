@@ -39,7 +39,7 @@ Never reads outside its tensors (a last group of sixteen 4-bit values, at a head
 of 8 mod 16, reads the slot's scale and zero after the indices, in the same slot): a
 block id outside ``[0, num_blocks)`` is not read;
 its token decodes to NaN (so the request's answer is visibly invalid, never finite and
-wrong), and with ``err`` its (request, column) is recorded for the caller (chunked.py).
+wrong), and with ``err`` its (request, column) is recorded for the caller (prefill.py).
 Head sizes that are not a power of two are padded with masks.
 """
 

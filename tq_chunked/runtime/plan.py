@@ -17,7 +17,7 @@ dequantized, new tokens copied after them.
   then a **last window** with the rest of its cached tokens and all its new ones
   (causal); the partial results are merged exactly (merge.py). Its windows hold
   ``long_capacity[r]`` rows (its own, sized from what its state leaves of the
-  workspace: workspace.long_window), more than its ``q_r`` so that the new tokens and
+  workspace: long_window), more than its ``q_r`` so that the new tokens and
   at least one cached token always fit the last window; ``capacity > N`` (the batch's
   query tokens), so a first chunk always fits a batch window.
 
@@ -107,10 +107,11 @@ class Plan:
 
     num_tokens: int  # N, query rows
     capacity: int  # key rows per batch window
-    steps: tuple  # Window (batch) or LongRequest, in order of their query rows
-    max_window_rows: int  # the most rows any window fills
-    workspace_bytes: int  # the most bytes any step's layout takes (0: no step)
-    step_layouts: tuple  # each step's workspace.layout key
+    # the units of work, in order of their query rows: a Window (a batch window) or a
+    # LongRequest (its windows, once per group of its kv heads)
+    units: tuple
+    workspace_bytes: int  # the most bytes any unit's layout takes (0: none)
+    unit_layouts: tuple  # each unit's workspace.layout key
 
 
 # ---------------------------------------------------------------------------
@@ -320,7 +321,7 @@ def make_plan(
             longs[r] = long_window(
                 q, num_q_heads, num_kv_heads, head_dim, cap, dtype, budget
             )
-    steps = windows(
+    units = windows(
         qsl,
         seq_lens,
         cap,
@@ -331,35 +332,31 @@ def make_plan(
         else None,
     )
     out, keys = [], []
-    for step in steps:
-        if isinstance(step, LongRequest):
-            hk_g = longs[step.request][0]
-            step = LongRequest(
-                step.request, step.q0, step.q1, step.capacity, step.windows, hk_g
+    for unit in units:
+        if isinstance(unit, LongRequest):
+            hk_g = longs[unit.request][0]
+            unit = LongRequest(
+                unit.request, unit.q0, unit.q1, unit.capacity, unit.windows, hk_g
             )
             key = long_layout(
-                step.q1 - step.q0,
+                unit.q1 - unit.q0,
                 num_q_heads,
                 num_kv_heads,
                 hk_g,
                 head_dim,
-                step.capacity,
+                unit.capacity,
                 dtype,
             )
         else:
             key = batch_layout(num_q_heads, num_kv_heads, head_dim, cap, dtype)
-        out.append(step)
+        out.append(unit)
         keys.append(key)
-    every = [
-        w for s in out for w in (s.windows if isinstance(s, LongRequest) else (s,))
-    ]
     return Plan(
         num_tokens=n,
         capacity=cap,
-        steps=tuple(out),
-        max_window_rows=max((w.rows for w in every), default=0),
+        units=tuple(out),
         workspace_bytes=max((layout_bytes(*k) for k in set(keys)), default=0),
-        step_layouts=tuple(keys),
+        unit_layouts=tuple(keys),
     )
 
 
@@ -391,7 +388,7 @@ def windows(
         specs.append((kind, segs, causal))
         return len(specs) - 1
 
-    steps: list = []  # a window's index, or a long request's fields
+    units: list = []  # a window's index, or a long request's fields
     batch: list[tuple[int, ...]] = []
     batch_rows = 0
 
@@ -399,7 +396,7 @@ def windows(
         nonlocal batch, batch_rows
         if batch:
             # the last request's gap is not needed
-            steps.append(window("batch", batch[:-1], True))
+            units.append(window("batch", batch[:-1], True))
         batch, batch_rows = [], 0
 
     for r in range(b):
@@ -430,7 +427,7 @@ def windows(
             for i in range(parts)
         ]
         ids.append(window("last", [(r, head, tail, qsl[r], q, q)], True))
-        steps.append((r, qsl[r], qsl[r + 1], cap, ids))
+        units.append((r, qsl[r], qsl[r + 1], cap, ids))
     flush()
 
     spans = []
@@ -489,38 +486,10 @@ def windows(
             )
         )
     out: list[Window | LongRequest] = []
-    for s in steps:
+    for s in units:
         if isinstance(s, int):
             out.append(made[s])
         else:
             r, q0, q1, cap, ids = s
             out.append(LongRequest(r, q0, q1, cap, tuple(made[i] for i in ids)))
     return tuple(out)
-
-
-def cached_window(
-    request: int, start: int, length: int, device: torch.device
-) -> Window:
-    """A window of one request's cached tokens [start, start + length) and nothing else
-    (the full-buffer reference path dequantizes a whole prefix with it)."""
-    segs = (0, length, request, start, length, 0)
-    dev = torch.tensor(segs, dtype=torch.int32, device=device)
-    return Window(
-        kind="part",
-        q0=0,
-        q1=0,
-        rows=length,
-        nseg=1,
-        search_steps=1,
-        segs=dev,
-        segs_host=segs,
-        cu_q=dev[:2],
-        cu_k=dev[:2],
-        cu_q_host=(0, 0),
-        cu_k_host=(0, length),
-        max_q=0,
-        max_k=length,
-        causal=False,
-        has_chunk=False,
-        requests=(request,),
-    )

@@ -178,6 +178,14 @@ def _check_block_ids_on_host(block_table, qsl, lens, block_size, num_blocks):
                 )
 
 
+def _check_workspace_size(workspace, need):
+    if workspace.numel() < need:
+        raise ValueError(
+            f"workspace must hold at least workspace_bytes(...) = {need} bytes for "
+            f"this step, got {workspace.numel()}"
+        )
+
+
 def _check_written(name, t):
     if self_overlapping(t):
         raise ValueError(
@@ -192,7 +200,8 @@ def _check_written(name, t):
 
 _NO_ERROR = 2**63 - 1
 # device -> [device int64 (1,), pinned host int64 (1,), event or None]: one record per
-# device for the life of the process (the only allocation outside the workspace)
+# device for the life of the process (beside each plan's index tensor, the only device
+# allocation outside the workspace)
 _block_errors: dict = {}
 
 
@@ -345,11 +354,10 @@ class ContinuationPrefill:
         query_start_loc_cpu=None,
         seq_lens_cpu=None,
         workspace: torch.Tensor | None = None,
-        _names=("query_start_loc", "seq_lens[{r}]"),
     ) -> Step:
         """The step's plan, on ``block_table``'s device: the lengths checked, the
-        windows drawn, their device integers uploaded (one asynchronous copy on the
-        current stream, the stream ``run`` must use), the workspace carved.
+        windows drawn within the budget, their device integers uploaded (one
+        asynchronous copy on the current stream; a run on another stream waits for it).
 
         Args:
             block_table: int32 (B, max_blocks), any strides: each request's blocks.
@@ -363,10 +371,12 @@ class ContinuationPrefill:
                 copies are what the step computes with: the device copies, when both
                 are given, are never read (only their shapes are checked), so the two
                 must agree.
-            workspace: a contiguous uint8 buffer on the device, of at least
+            workspace: the buffer the layers run in unless ``run`` is given one: a
+                contiguous uint8 buffer on the device, of at least
                 ``workspace_bytes(N, Hq, Hk, D, window, dtype, max_bytes=budget)``
                 bytes for N query tokens; its bytes (if fewer than the budget) are the
-                budget. Allocated here, at the size this step needs, when None.
+                budget, and its views are carved here. Without one the step takes the
+                one ``run`` is given, or allocates what it needs at its first run.
 
         """
         check_tensor("block_table", block_table, 2, (torch.int32,))
@@ -392,7 +402,10 @@ class ContinuationPrefill:
             _check_device_lengths("query_start_loc", query_start_loc, b + 1, device)
         if seq_lens_cpu is not None:
             _check_device_lengths("seq_lens", seq_lens, b, device)
-        _check_lengths(qsl, lens, self.block_size, block_table.shape[1], _names)
+        _check_lengths(
+            qsl, lens, self.block_size, block_table.shape[1],
+            ("query_start_loc", "seq_lens[{r}]"),
+        )  # fmt: skip
         budget = self.budget
         if workspace is not None:
             check_tensor(
@@ -425,15 +438,8 @@ class ContinuationPrefill:
             device=device,
             stream=stream,
         )
-        need = plan.workspace_bytes
-        if workspace is None:
-            if need:
-                workspace = torch.empty(need, dtype=torch.uint8, device=device)
-        elif workspace.numel() < need:
-            raise ValueError(
-                f"workspace must hold at least workspace_bytes(...) = {need} bytes for "
-                f"this step, got {workspace.numel()}"
-            )
+        if workspace is not None:
+            _check_workspace_size(workspace, plan.workspace_bytes)
         uploaded = None
         if stream is not None:  # for a run on another stream to wait for
             uploaded = torch.cuda.Event()
@@ -487,12 +493,28 @@ class Step:
         self.prefill, self.plan, self.block_table = prefill, plan, block_table
         self._stream, self._uploaded = stream, uploaded
         self.query_start_loc, self.seq_lens = qsl, seq_lens
-        self.workspace, self.backend = workspace, backend
+        self.backend = backend
         self.device = block_table.device
         self._lengths = lengths  # the device length tensors: checked apart from outputs
-        # every layer of the step fills the same windows in the same regions
-        views = {key: carve(workspace, key) for key in set(plan.step_layouts)}
-        self.buffers = tuple(views[key] for key in plan.step_layouts)
+        # The buffer the layers run in and each window's views of it (every layer of
+        # the step fills the same windows in the same regions): the plan's, or the
+        # last one run was given (a micro-batch's own, in vLLM), carved once.
+        self.workspace: torch.Tensor | None = None
+        self.buffers: tuple = ()
+        self._place: tuple | None = None
+        if workspace is not None:
+            self._take(workspace)
+
+    def _take(self, workspace: torch.Tensor) -> None:
+        """Run in ``workspace`` from now on (checked by the caller); its views are
+        carved only where it is another buffer (an engine hands each layer a new view
+        of the same bytes)."""
+        place = (workspace.data_ptr(), workspace.numel())
+        if place != self._place:
+            views = {key: carve(workspace, key) for key in set(self.plan.unit_layouts)}
+            self.buffers = tuple(views[key] for key in self.plan.unit_layouts)
+            self._place = place
+        self.workspace = workspace
 
     @property
     def num_tokens(self) -> int:
@@ -511,6 +533,7 @@ class Step:
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
         return_lse: bool = False,
+        workspace: torch.Tensor | None = None,
         _names=("key", "value"),
     ):
         """Attention of the step's prefill chunks, each over its cached prefix and
@@ -536,6 +559,11 @@ class Step:
                 (natural log), returned with ``return_lse``.
             return_lse: also return the log-sum-exp (allocated where ``lse`` is
                 None).
+            workspace: the buffer to run in, instead of the plan's (a contiguous uint8
+                buffer on the device of at least ``plan.workspace_bytes`` bytes; an
+                engine's micro-batch passes its own); without one and without the
+                plan's, the step allocates what it needs at its first run and keeps
+                it.
 
         Returns:
             (N, Hq, D) in the query's dtype; with return_lse, (out, lse).
@@ -591,8 +619,28 @@ class Step:
             _check_written("lse", lse)
         elif return_lse:
             lse = torch.empty(p.num_q_heads, n, dtype=torch.float32, device=self.device)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                "a continuation prefill cannot run inside CUDA graph capture: its "
+                "windows are drawn on the host from the lengths of each step"
+            )
+        need = self.plan.workspace_bytes
+        if workspace is not None:
+            check_tensor(
+                "workspace", workspace, 1, (torch.uint8,), self.device,
+                device_of="the plan",
+            )  # fmt: skip
+            if not workspace.is_contiguous():
+                raise ValueError("workspace must be contiguous")
+            _check_workspace_size(workspace, need)
+        elif self.workspace is None and need:
+            workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
         check_overlaps(
-            [("out", out), ("lse", lse), ("workspace", self.workspace)],
+            [
+                ("out", out),
+                ("lse", lse),
+                ("workspace", workspace if workspace is not None else self.workspace),
+            ],
             [
                 ("query", query),
                 (_names[0], key),
@@ -605,6 +653,8 @@ class Step:
             ],
             p._apart,
         )
+        if workspace is not None:
+            self._take(workspace)
         if n:
             _Layer(
                 self, query, key, value, kv_cache, centroids, rotation, scale, out, lse
@@ -666,7 +716,7 @@ class _Layer:
             current = torch.cuda.current_stream(device)
             if current != step._stream:
                 current.wait_event(step._uploaded)
-                first = step.plan.steps[0]  # every window's integers share one tensor
+                first = step.plan.units[0]  # every window's integers share one tensor
                 w = first.windows[0] if isinstance(first, LongRequest) else first
                 w.segs.record_stream(current)
         err = None
@@ -683,11 +733,11 @@ class _Layer:
                     self.kv_cache.shape[0],
                 )
         self.err = err[0] if err is not None else None
-        for s, bufs in zip(step.plan.steps, step.buffers):
-            if isinstance(s, LongRequest):
-                self.long_request(s, bufs)
+        for unit, bufs in zip(step.plan.units, step.buffers):
+            if isinstance(unit, LongRequest):
+                self.long_request(unit, bufs)
             else:
-                self.batch_window(s, bufs)
+                self.batch_window(unit, bufs)
         if err is not None:
             # the bad-id record, copied back for the next call to read (no sync)
             err[1].copy_(err[0], non_blocking=True)
@@ -728,13 +778,13 @@ class _Layer:
         if self.lse is not None:
             self.lse[:, rows].copy_(lse)
 
-    def long_request(self, step, bufs):
-        """A request longer than a window, step.kv_heads kv heads at a time: part
+    def long_request(self, req, bufs):
+        """A request longer than a window, req.kv_heads kv heads at a time: part
         windows merged into a float32 state, then the last window (its new tokens
         too), merged into out."""
-        hk, hk_g = self.key.shape[1], step.kv_heads
+        hk, hk_g = self.key.shape[1], req.kv_heads
         g = self.query.shape[1] // hk
-        rows = slice(step.q0, step.q1)
+        rows = slice(req.q0, req.q1)
         scratch = (
             self.out
             if self.out.dtype == torch.float16
@@ -754,7 +804,7 @@ class _Layer:
                 if self.lse is None
                 else (self.lse[:, rows] if whole else self.lse[heads, rows])
             )
-            for i, w in enumerate(step.windows):
+            for i, w in enumerate(req.windows):
                 self._fill(w, kv0, bufs)
                 part_lse = varlen_attention(
                     w,

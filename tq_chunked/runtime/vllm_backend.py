@@ -122,6 +122,13 @@ class Workspaces:
             self.reserved[manager] = max(self.reserved.get(manager, 0), nbytes)
             manager.get_simultaneous(((self.reserved[manager],), torch.uint8))
 
+    def budget(self) -> int | None:
+        """The bytes reserved in the current WorkspaceManager, which each layer then
+        gets (``get``): the budget a step is planned within before any buffer is
+        taken. None without a manager, or before a reservation."""
+        manager = self._manager()
+        return None if manager is None else self.reserved.get(manager)
+
     def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
         manager = self._manager()
         if manager is not None:
@@ -195,6 +202,18 @@ def builder_workspace_bytes(builder, window) -> tuple[int, int]:
 def _ints(x) -> list[int]:
     """A host copy of lengths (a CPU tensor, a numpy array or a sequence) as ints."""
     return x.tolist() if hasattr(x, "tolist") else [int(v) for v in x]
+
+
+def _shape_of(prefill: ContinuationPrefill) -> dict:
+    """The layer shape a ContinuationPrefill was made for (``_step_for``'s keys)."""
+    return dict(
+        num_q_heads=prefill.num_q_heads,
+        num_kv_heads=prefill.num_kv_heads,
+        head_dim=prefill.head_dim,
+        block_size=prefill.block_size,
+        dtype=prefill.dtype,
+        preset=prefill.preset_name,
+    )
 
 
 def _place(t: torch.Tensor) -> tuple:
@@ -276,7 +295,7 @@ class ChunkedPrefill:
     """The bodies of vLLM's ``TurboQuantAttentionImpl._prefill_attention`` and
     ``_continuation_prefill`` and the workspace reservation of its metadata builder,
     with the state they share: the window (tokens of the cached prefix per window;
-    None: the default, ``workspace.default_window``) and the workspace. One per
+    None: the default, ``plan.default_window``) and the workspace. One per
     process, shared by every layer and builder.
 
     ``hooks``: the name of vLLM's backend module where it takes its buffers from a
@@ -287,13 +306,14 @@ class ChunkedPrefill:
         self.workspaces = Workspaces(hooks)
         self.window = window
         # one ContinuationPrefill per model shape (heads, head size, dtype, preset,
-        # block size): what does not change between steps
+        # block size) and budget: what does not change between steps
         self._prefills: dict[tuple, ContinuationPrefill] = {}
-        # The steps the latest builds planned, by the place of the block table of
-        # their prefill part: vLLM's forward hands _prefill_attention a metadata of its
-        # own for the prefill part of a mixed batch (made per layer, without the
-        # attribute), whose block table is a view of the built one. A few entries:
-        # one per ubatch and kv-cache group of the step being run.
+        # The step the latest build planned for each block table, by the place of the
+        # block table of its prefill part: vLLM's forward hands _prefill_attention a
+        # metadata of its own for the prefill part of a mixed batch (made per layer,
+        # without the attribute), whose block table is a view of the built one. Each
+        # build replaces its block table's entry (or drops it, where it plans
+        # nothing): one entry per ubatch and kv-cache group of the step being run.
         self._built: dict[tuple, Step] = {}
 
     def served(self, builder, impl_cls, rule=runs_windowed) -> list[bool]:
@@ -310,27 +330,17 @@ class ChunkedPrefill:
         module = importlib.import_module(hooks) if hooks else None
         return [not getattr(module, "is_flydsl_available", lambda: False)()]
 
-    def _prefill(self, **shape) -> ContinuationPrefill:
-        key = tuple(sorted(shape.items(), key=lambda kv: kv[0]))
+    def _prefill(self, budget=None, **shape) -> ContinuationPrefill:
+        key = (budget, *sorted(shape.items(), key=lambda kv: kv[0]))
         prefill = self._prefills.get(key)
         if prefill is None:
             prefill = self._prefills[key] = ContinuationPrefill(
                 **shape,
                 window=self.window,
+                max_workspace_bytes=budget,
                 check_block_table=False,  # vLLM's block tables index its own cache
             )
         return prefill
-
-    def _plan(self, prefill, block_table, qsl, seq_lens, qsl_cpu, seq_lens_cpu, n):
-        ws = self.workspaces.get(prefill.workspace_bytes(n), block_table.device)
-        return prefill.plan(
-            block_table,
-            qsl,
-            seq_lens,
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_lens_cpu,
-            workspace=ws,
-        )
 
     def plan_step(self, builder, metadata, impl_cls) -> None:
         """In the builder's ``build``: plan the prefill part of the step (the requests
@@ -346,6 +356,11 @@ class ChunkedPrefill:
             plans = builder._tq_chunked_plans = any(
                 self.served(builder, impl_cls, reaches_here)
             )
+        nd = getattr(metadata, "num_decodes", 0)
+        ndt = getattr(metadata, "num_decode_tokens", 0)
+        block_table = metadata.block_table[nd:]
+        place = _place(block_table)
+        self._built.pop(place, None)  # no layer of this step runs an older plan
         qsl_cpu, seq_lens_cpu = _host_lengths(metadata)
         cache = getattr(builder.vllm_config, "cache_config", None)
         preset = getattr(cache, "cache_dtype", None)
@@ -357,41 +372,28 @@ class ChunkedPrefill:
             or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
         ):
             return
-        nd = getattr(metadata, "num_decodes", 0)
-        ndt = getattr(metadata, "num_decode_tokens", 0)
-        block_table = metadata.block_table[nd:]
         qsl = [q - ndt for q in _ints(qsl_cpu)[nd:]]
         lens = _ints(seq_lens_cpu)[nd:]
-        prefill = self._prefill(**builder_shape(builder), preset=str(preset))
-        step = self._plan(prefill, block_table, None, None, qsl, lens, qsl[-1])
+        # Planned within what each layer will be given (the reservation), but no
+        # buffer is taken here: vLLM builds every micro-batch's metadata in one thread,
+        # and each micro-batch runs in its own buffer, which its layers take.
+        prefill = self._prefill(
+            self.workspaces.budget(), **builder_shape(builder), preset=str(preset)
+        )
+        step = prefill.plan(block_table, query_start_loc_cpu=qsl, seq_lens_cpu=lens)
         setattr(metadata, STEP_ATTR, step)
-        place = _place(block_table)
-        self._built.pop(place, None)
         self._built[place] = step
         while len(self._built) > 8:
             self._built.pop(next(iter(self._built)))
 
     def _step_for(self, impl, query, key, kv_cache, meta):
-        """The step ``meta`` was planned with in build, or one planned now (a
-        metadata vLLM's forward made for the prefill part of a mixed batch is matched
-        to the built step by its block table and lengths; a metadata no build
-        planned, e.g. a test's, is planned here)."""
-        step = getattr(meta, STEP_ATTR, None)
-        if step is not None:
-            return step
+        """The step ``meta`` was planned with in build, if it was planned for this
+        layer's shape, or one planned now. A metadata vLLM's forward made for the
+        prefill part of a mixed batch is matched to the built step by its block table
+        and host lengths (0.20's forward gives it none: by its token count and longest
+        request); a metadata no build planned (a test's) is planned here."""
         n, hq, d = query.shape
-        qsl_cpu, seq_lens_cpu = _host_lengths(meta)
-        step = self._built.get(_place(meta.block_table))
-        if step is not None and step.num_tokens == n:
-            if qsl_cpu is None:  # 0.20's forward: no host copies on its own metadata
-                if max(step.seq_lens, default=0) == getattr(meta, "max_seq_len", -1):
-                    return step
-            elif (
-                tuple(_ints(qsl_cpu)) == step.query_start_loc
-                and tuple(_ints(seq_lens_cpu)) == step.seq_lens
-            ):
-                return step
-        prefill = self._prefill(
+        shape = dict(
             num_q_heads=hq,
             num_kv_heads=key.shape[1],
             head_dim=d,
@@ -399,14 +401,29 @@ class ChunkedPrefill:
             dtype=query.dtype,
             preset=impl.kv_cache_dtype,
         )
-        return self._plan(
-            prefill,
+        qsl_cpu, seq_lens_cpu = _host_lengths(meta)
+        step = getattr(meta, STEP_ATTR, None)
+        if step is None:
+            step = self._built.get(_place(meta.block_table))
+            if step is not None and not (
+                step.num_tokens == n
+                and (
+                    max(step.seq_lens, default=0) == getattr(meta, "max_seq_len", -1)
+                    if qsl_cpu is None
+                    else tuple(_ints(qsl_cpu)) == step.query_start_loc
+                    and tuple(_ints(seq_lens_cpu)) == step.seq_lens
+                )
+            ):
+                step = None
+        if step is not None and _shape_of(step.prefill) == shape:
+            return step
+        prefill = self._prefill(self.workspaces.budget(), **shape)
+        return prefill.plan(
             meta.block_table,
             meta.query_start_loc,
             meta.seq_lens,
-            qsl_cpu,
-            seq_lens_cpu,
-            n,
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_lens_cpu,
         )
 
     def prefill_attention(
@@ -417,6 +434,8 @@ class ChunkedPrefill:
         ``impl`` is vLLM's TurboQuantAttentionImpl (its preset and scale)."""
         _check_layout(impl)
         step = self._step_for(impl, query, key, kv_cache, attn_metadata)
+        # this micro-batch's buffer, taken by the layer (vLLM keeps one per ubatch)
+        ws = self.workspaces.get(step.plan.workspace_bytes, query.device)
         return step.run(
             query,
             key,
@@ -425,6 +444,7 @@ class ChunkedPrefill:
             centroids=centroids,
             rotation=Pi,
             scale=impl.scale,
+            workspace=ws,
         )
 
     def continuation_prefill(

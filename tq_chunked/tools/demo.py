@@ -294,7 +294,7 @@ def main(argv=None, prog="tq-chunked demo"):
     )
     rows = plan.capacity
     windows = sum(
-        len(s.windows) if isinstance(s, LongRequest) else 1 for s in plan.steps
+        len(s.windows) if isinstance(s, LongRequest) else 1 for s in plan.units
     )
 
     print(

@@ -15,7 +15,7 @@ from ..runtime._utils import as_int, check_tensor
 from ..runtime.attention import make_call, resolve_backend, varlen_attention
 from ..runtime.dequant import fill_window
 from ..runtime.format import dequantize_reference, resolve_config
-from ..runtime.plan import cached_window
+from ..runtime.plan import Window
 
 
 def full_buffer_continuation_prefill(
@@ -125,3 +125,33 @@ def oracle_continuation_prefill(
             ).sum(-2)
         out[:, h * g : (h + 1) * g] = rearrange(o, "g l d -> l g d")
     return out
+
+
+def cached_window(
+    request: int, start: int, length: int, device: torch.device
+) -> Window:
+    """A window of one request's cached tokens [start, start + length) and nothing else,
+    for the fill alone (the full-buffer path dequantizes a whole prefix with it; the
+    benchmarks time the fill with it). It answers no query rows."""
+    segs = (0, length, request, start, length, 0)
+    dev = torch.tensor(segs, dtype=torch.int32, device=device)
+    no_queries = torch.zeros(2, dtype=torch.int32, device=device)
+    return Window(
+        kind="part",
+        q0=0,
+        q1=0,
+        rows=length,
+        nseg=1,
+        search_steps=1,
+        segs=dev,
+        segs_host=segs,
+        cu_q=no_queries,
+        cu_k=dev[:2],
+        cu_q_host=(0, 0),
+        cu_k_host=(0, length),
+        max_q=0,
+        max_k=length,
+        causal=False,
+        has_chunk=False,
+        requests=(request,),
+    )
