@@ -20,6 +20,8 @@
 #                                              #   prototype (FUSED_WORKLOADS; the 2nd, 3rd, 4th launch)
 #   bash benchmarks/run_on_device.sh ncu-fused-source # carry .gpu-carry: the same, per line
 #                                              #   of Python (instructions, stall samples; ncu_lines.py)
+#   bash benchmarks/run_on_device.sh dispatch  # carry .gpu-carry: the plan's crossover between the
+#                                              #   windows and the memory-bound path (dispatch_sweep.py)
 #   bash benchmarks/run_on_device.sh paged     # carry .gpu-carry: the memory-bound path's tests,
 #                                              #   then paged_probe.py (exactness, then its time beside
 #                                              #   the window path, the floor, vLLM's decode kernel)
@@ -68,7 +70,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|forward|engine-stage|engine ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|dispatch|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|forward|engine-stage|engine ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -108,12 +110,17 @@ for mode in "$@"; do
         ${FUSED_WORKLOADS:+--workloads "$FUSED_WORKLOADS"} 2>&1 | tee "$OUT/fused-probe.md" \
         | grep -E "^\||Error|error" | tail -20 ;;
     paged)
-      # the memory-bound path (NOTES.md §32): its tests on the GPU, then the probe
-      carry .gpu-carry timeout 200 python3 -m pytest -q tests/test_paged.py -p no:cacheprovider \
-        2>&1 | tee "$OUT/paged-gpu.log" | tail -3
+      # the memory-bound path (NOTES.md §32, §35): its tests and the dispatch's on the
+      # GPU, then the probe (PAGED_ARGS: e.g. --skip-exactness --no-configs)
+      carry .gpu-carry timeout 260 python3 -m pytest -q tests/test_paged.py tests/test_dispatch.py \
+        -p no:cacheprovider 2>&1 | tee "$OUT/paged-gpu.log" | tail -3
       carry .gpu-carry timeout "${PAGED_TIMEOUT:-360}" python3 benchmarks/paged_probe.py "$OUT" \
-        ${PAGED_WORKLOADS:+--workloads "$PAGED_WORKLOADS"} 2>&1 | tee "$OUT/paged-probe.md" \
-        | tail -25 ;;
+        ${PAGED_WORKLOADS:+--workloads "$PAGED_WORKLOADS"} ${PAGED_ARGS:-} 2>&1 \
+        | tee "$OUT/paged-probe.md" | tail -25 ;;
+    dispatch)
+      # the plan's crossover: windows against the memory-bound path (NOTES.md §35)
+      carry .gpu-carry timeout 420 python3 benchmarks/dispatch_sweep.py "$OUT" 2>&1 \
+        | grep -v "points:" | tail -20 ;;
     fused-nov3)
       # the probe again with Triton's wgmma turned off (DISABLE_MMA_V3, read when a
       # kernel compiles: a fresh cache), so that 64-row tiles compile to mma.sync

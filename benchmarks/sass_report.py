@@ -18,7 +18,7 @@ instructions per decoded slot-row (a tile of ROWS rows decodes each slot once;
 benchmarks/NOTES.md §27).
 
 With --paged, the memory-bound path's attention kernel
-(tq_chunked/experimental/paged.py, one request of Q query tokens, default 1: decode, G
+(tq_chunked/runtime/paged.py, one request of Q query tokens, default 1: decode, G
 query heads per kv head) at that launch, the same way: its hot loop's SASS instructions
 x warps / positions = warp instructions per decoded slot-row (the tile holds all Q x G
 rows of the kv head, so each slot-row is decoded once; the exact loop for non-finite
@@ -219,7 +219,7 @@ def record_paged(
     """(kernel, args, options) of ``paged_attention``'s attention launch for one
     request of ``q_len`` query tokens over 600 cached, at launch (rows, positions,
     warps), with the arguments a CUDA call passes."""
-    import tq_chunked.experimental.paged as pg
+    import tq_chunked.runtime.paged as pg
     from tq_chunked.tools.testing import make_batch
 
     seen = {}

@@ -131,6 +131,7 @@ def test_the_window_path_stays_inside_its_tensors(preset, d, dtype, odd_cache):
             query_start_loc_cpu=b["query_start_loc"],
             seq_lens_cpu=b["seq_lens"],
             window=40,  # requests 0 and 3 in several windows
+            path="window",
             backend="triton",
             check_block_table=False,
         )

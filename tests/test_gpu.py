@@ -264,18 +264,39 @@ def _runtime_calls(fn, times):
     ]
 
 
+# (cached, q_len) at Hq / Hk = 32 / 8: windows (a long request, a first chunk, 64 and
+# 160 rows a kv head), and the memory-bound path (4-32 rows a kv head) with a first
+# chunk in a window between its two paged runs
+@pytest.fixture
+def any_cached_length(monkeypatch):
+    """Small batches on the memory-bound path: "auto" takes it for runs of any cached
+    length (its threshold is tested in test_dispatch.py)."""
+    from tq_chunked.runtime import plan
+
+    monkeypatch.setattr(plan, "PAGED_MIN_CACHED", 1)
+
+
+STEPS = {
+    "windows": [(20000, 300), (0, 64), (9000, 16), (500, 40)],
+    "memory-bound": [(9000, 1), (20000, 4), (0, 6), (500, 2), (3000, 8)],
+}
+
+
+@pytest.mark.parametrize("requests", list(STEPS))
 @pytest.mark.parametrize("check", [True, False])
 def test_a_step_is_planned_without_a_sync_and_run_per_layer_without_sync_or_malloc(
-    check,
+    check, requests, any_cached_length
 ):
     """The engine's path: ``ContinuationPrefill.plan`` once per step never
     synchronizes (sync debug mode), ``Step.run`` per layer neither synchronizes nor
     allocates device memory (profiler: no cudaMalloc, no synchronizing call, and the
     allocator's reserved bytes unchanged), and every layer's answer is the one call's
-    (``continuation_prefill_varlen``) bit for bit."""
+    (``continuation_prefill_varlen``) bit for bit; on both paths."""
+    from tq_chunked.runtime.plan import PagedRun
+
     b = build_batch(
         "turboquant_3bit_nc",
-        [(20000, 300), (0, 64), (9000, 16), (500, 40)],
+        STEPS[requests],
         32,
         8,
         128,
@@ -294,7 +315,8 @@ def test_a_step_is_planned_without_a_sync_and_run_per_layer_without_sync_or_mall
         window=8192,
         check_block_table=check,
     )
-    ws = torch.empty(prefill.workspace_bytes(420), dtype=torch.uint8, device="cuda")
+    n = b["query"].shape[0]
+    ws = torch.empty(prefill.workspace_bytes(n), dtype=torch.uint8, device="cuda")
     layer = (b["query"], b["key"], b["value"], b["kv_cache"])
     out = torch.empty_like(b["query"])
     plan = lambda lens: prefill.plan(
@@ -319,6 +341,8 @@ def test_a_step_is_planned_without_a_sync_and_run_per_layer_without_sync_or_mall
         other = plan([s + 1 if s > 64 else s for s in b["seq_lens"]])
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    paged = any(isinstance(u, PagedRun) for u in step.plan.units)
+    assert paged == (requests == "memory-bound")
     ref = continuation_prefill_varlen(
         *layer,
         b["block_table"],
@@ -349,13 +373,13 @@ def test_a_step_is_planned_without_a_sync_and_run_per_layer_without_sync_or_mall
     assert torch.isfinite(out).all() and not torch.equal(out, ref)
 
 
-def test_a_step_run_on_another_stream_waits_for_its_plan():
+@pytest.mark.parametrize("requests", [[(9000, 16), (500, 40)], [(9000, 1), (500, 4)]])
+def test_a_step_run_on_another_stream_waits_for_its_plan(requests, any_cached_length):
     """A step planned on one stream and run on another gives the same bits: the run's
     stream waits for the plan's upload (the integers are not yet there when the plan's
-    stream is kept busy)."""
+    stream is kept busy); windows, then the memory-bound path."""
     b = build_batch(
-        "turboquant_3bit_nc", [(9000, 16), (500, 40)], 32, 8, 128, 16, torch.float16,
-        "cuda", seed=5,
+        "turboquant_3bit_nc", requests, 32, 8, 128, 16, torch.float16, "cuda", seed=5,
     )  # fmt: skip
     kw = b["kwargs"]
     prefill = ContinuationPrefill(
@@ -380,12 +404,15 @@ def test_a_step_run_on_another_stream_waits_for_its_plan():
     assert torch.equal(out, ref)
 
 
-def test_a_bad_block_id_is_reported_at_the_next_call_and_its_request_is_nan():
+@pytest.mark.parametrize("q_lens", [(64, 32), (2, 1)], ids=["windows", "memory-bound"])
+def test_a_bad_block_id_is_reported_at_the_next_call_and_its_request_is_nan(
+    q_lens, any_cached_length
+):
     from tq_chunked import check_block_tables
 
     b = build_batch(
         "turboquant_3bit_nc",
-        [(3000, 64), (2000, 32)],
+        [(3000, q_lens[0]), (2000, q_lens[1])],
         16,
         4,
         128,
@@ -409,11 +436,42 @@ def test_a_bad_block_id_is_reported_at_the_next_call_and_its_request_is_nan():
         seq_lens_cpu=b["seq_lens"],
     )
     out = call(bt)
-    assert out[64:].isnan().all() and torch.isfinite(out[:64]).all()
+    q0 = q_lens[0]
+    assert out[q0:].isnan().all() and torch.isfinite(out[:q0]).all()
     with pytest.raises(ValueError, match=r"block_table\[1, 7\]"):
         check_block_tables()
     call(b["block_table"])
     check_block_tables()  # reported once, then clear
+
+
+def test_a_step_refuses_to_run_inside_cuda_graph_capture(any_cached_length):
+    """Its windows and splits are drawn on the host from each step's lengths: a
+    captured run would replay another step's, so run() refuses capture by name."""
+    b = build_batch(
+        "turboquant_3bit_nc", [(3000, 2), (500, 40)], 32, 8, 128, 16, torch.float16,
+        "cuda", seed=9,
+    )  # fmt: skip
+    kw = b["kwargs"]
+    step = ContinuationPrefill(
+        32, 8, 128, preset="turboquant_3bit_nc", block_size=16
+    ).plan(
+        b["block_table"],
+        query_start_loc_cpu=b["query_start_loc"],
+        seq_lens_cpu=b["seq_lens"],
+    )
+    layer = (b["query"], b["key"], b["value"], b["kv_cache"])
+    tensors = dict(
+        centroids=kw["centroids"], rotation=kw["rotation"], scale=kw["scale"]
+    )
+    out = torch.empty_like(b["query"])
+    step.run(*layer, **tensors, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with (
+        pytest.raises(ValueError, match="cannot run inside CUDA graph capture"),
+        torch.cuda.graph(graph),
+    ):
+        step.run(*layer, **tensors, out=out)
 
 
 def test_peak_memory_is_output_plus_workspace():

@@ -1,4 +1,4 @@
-"""The memory-bound path (tq_chunked/experimental/paged.py) against the float64 oracle
+"""The memory-bound path (tq_chunked/runtime/paged.py) against the float64 oracle
 and the full path: every request within the full path's error (every preset, fp16 and
 bf16, both cache layouts, block sizes 16 and 32, GQA 1/4/7/8, D 64 and 128, decode and
 short continuations, splits that cut through blocks), every served row written,
@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_promises import NONFINITE_CASES, check_against_oracle, poison
 
-from tq_chunked.experimental.paged import (
+from tq_chunked.runtime.format import PRESETS, TQConfig
+from tq_chunked.runtime.paged import (
     MAX_GPU_TILE,
     MIN_SPLIT,
     TOKEN_FIELDS,
@@ -22,7 +23,6 @@ from tq_chunked.experimental.paged import (
     paged_continuation_prefill_varlen,
     plan_paged,
 )
-from tq_chunked.runtime.format import PRESETS, TQConfig
 from tq_chunked.tools.reference import (
     full_buffer_continuation_prefill,
     oracle_continuation_prefill,

@@ -655,6 +655,29 @@ def test_a_bad_off_switch_is_refused_by_name_before_anything_is_patched(
         vllm_plugin.register()
 
 
+def test_a_bad_path_is_refused_by_name_before_anything_is_patched(monkeypatch):
+    """TQ_CHUNKED_PATH names the path the plan may pick (auto, window, paged); any
+    other value stops the registration with the variable's name, and a good one
+    reaches every ContinuationPrefill the plugin makes."""
+    from tq_chunked import vllm_plugin
+    from tq_chunked.runtime.vllm_backend import ChunkedPrefill
+
+    monkeypatch.setenv("TQ_CHUNKED_PATH", "fast")
+    monkeypatch.setattr(
+        vllm_plugin, "plan_patches", lambda *a: pytest.fail("patched anyway")
+    )
+    with pytest.raises(ValueError, match="^TQ_CHUNKED_PATH must be one of .*'fast'"):
+        vllm_plugin.register()
+    monkeypatch.setenv("TQ_CHUNKED_PATH", "window")
+    prefill = ChunkedPrefill()._prefill(
+        None, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16,
+        preset="turboquant_3bit_nc", block_size=16,
+    )  # fmt: skip
+    assert prefill.path == "window"
+    monkeypatch.delenv("TQ_CHUNKED_PATH")
+    assert ChunkedPrefill().path == "auto"
+
+
 class _Platform:
     """What _is_hopper asks of vLLM's platform: stands in for a GPU this machine has
     not got."""

@@ -31,7 +31,8 @@ What it changes, detected by feature, never by version string:
 A vLLM whose classes have another shape is left untouched, with one warning: the
 plugin patches everything or nothing. ``TQ_CHUNKED_DISABLE=1`` turns it off (1, true,
 yes or on; 0, false, no, off or unset leave it on; anything else is refused by name);
-``TQ_CHUNKED_WINDOW=N`` sets the window (key rows per window).
+``TQ_CHUNKED_WINDOW=N`` sets the window (key rows per window); ``TQ_CHUNKED_PATH``
+which requests read their cache through the memory-bound path (auto, window, paged).
 
 With the backend patched, one more change, in the process that builds vLLM's engine
 config (``EngineArgs.create_engine_config``): vLLM sets ``flash_attn_version = 2`` for
@@ -66,6 +67,7 @@ from .runtime.vllm_backend import (
     ChunkedPrefill,
     attach_host_lengths,
     builder_workspace_bytes,
+    path_from_env,
     reaches_here,
     window_from_env,
 )
@@ -439,6 +441,7 @@ def register() -> bool:
             os.environ[DISABLE_ENV].strip(),
         )
         return False
+    path_from_env()  # read again by each ChunkedPrefill; a bad value is refused here
     try:
         import vllm.v1.attention.backends.turboquant_attn as tqa
     except ImportError as e:

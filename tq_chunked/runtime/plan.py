@@ -21,18 +21,36 @@ dequantized, new tokens copied after them.
   at least one cached token always fit the last window; ``capacity > N`` (the batch's
   query tokens), so a first chunk always fits a batch window.
 
+* A request with few query rows per kv head (``q_r x Hq / Hk <= PAGED_MAX_ROWS``)
+  over a cached prefix is bound by the bytes of its cache: it takes the **memory-bound
+  path** (paged.py) instead of windows, where consecutive such requests hold
+  PAGED_MIN_CACHED cached tokens together (fp16 queries, MSE keys). They form a
+  **paged run**: one causal attention call over their own tokens, then their cached
+  positions read straight from the paged cache (split over the SMs, no fp16 K/V
+  anywhere), merged with that call's partial.
+
     requests   A: 900 + 40 | B: 300 + 20 | C: 30000 cached + 600 new | D: 0 + 64
-    windows    [ batch: A, B ][ part: C ][ part: C ][ last: C ...+ new ][ batch: D ]
+               | E: 200000 + 1 | F: 90000 + 4     (Hq / Hk = 4: E 4 rows, F 16)
+    units      [ batch: A, B ][ part: C ][ part: C ][ last: C ...+ new ][ batch: D ]
+               [ paged: E, F ]
+
+Which path a request takes (``path``): "auto" (the rule above, where Triton runs: on a
+GPU or under the interpreter), "window" (every request through windows) or "paged"
+(every request with query tokens through the memory-bound path). Either gives the same
+answer within the exactness bound; the crossover is measured in benchmarks/NOTES.md
+§35.
 
 A plan depends only on host integers (the lengths, the heads, the window and the
 budget), so one plan serves every layer of a forward step (``prefill.ContinuationPrefill
 .plan`` makes it once per step). Its device integers are uploaded in one asynchronous
 copy and never written again.
 
-This module is the only one that plans: the window sizes within the workspace budget
-(``fit_window``, ``long_window``, ``workspace_bytes``), the windows, each long
-request's kv-head group, and the bytes of workspace the step needs
-(``workspace.layout`` says where each region lies).
+This module is the only one that plans: the path of each request, the window sizes
+within the workspace budget (``fit_window``, ``long_window``, ``workspace_bytes``), the
+windows, each long request's kv-head group, the memory-bound path's splits
+(``paged.plan_paged``, within the bytes of the step's batch window) and the bytes of
+workspace the step needs (``workspace.layout`` and ``PagedPlan.regions`` say where each
+region lies).
 """
 
 from __future__ import annotations
@@ -41,10 +59,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ._utils import as_int
+from ._utils import as_int, interpreting
 from .attention import Call
 from .dequant import GAP_ROW, SEG_FIELDS
-from .workspace import DEFAULT_WINDOW_BYTES, DEFAULT_WORKSPACE_BYTES, layout_bytes
+from .format import TQConfig
+from .paged import DEFAULT_SMS, TOKEN_FIELDS, WORK_FIELDS, PagedPlan, plan_paged
+from .workspace import (
+    ALIGN,
+    DEFAULT_WINDOW_BYTES,
+    DEFAULT_WORKSPACE_BYTES,
+    layout_bytes,
+    rotation_bytes,
+)
 
 # Zero key rows between two requests of a batch window, as a sequence of no queries. A
 # FlashAttention-3 tile reads past the end of its sequence (up to its key-tile size, at
@@ -54,6 +80,17 @@ from .workspace import DEFAULT_WINDOW_BYTES, DEFAULT_WORKSPACE_BYTES, layout_byt
 # attention ends, and the tile reads zeros.
 GAP = 256
 FIT_ROWS = 256  # a window fitted to the budget is a multiple of this (fit_window)
+# "auto" sends a request to the memory-bound path where it has cached tokens and at
+# most PAGED_MAX_ROWS query rows per kv head (q_r x Hq / Hk: one tile of the paged
+# kernel, paged.MAX_GPU_TILE), the query is fp16, the keys are centroid indices (not
+# fp8), and the consecutive such requests hold at least PAGED_MIN_CACHED cached tokens
+# together: where it measured faster than the windows for every head shape tried
+# (0.27-0.73x). Below that the launches' fixed cost weighs against it; bf16 queries
+# and fp8 keys came out at up to 1.24x the full path's error on real activations
+# there, over the 1.1x the windows keep (benchmarks/NOTES.md §35).
+PAGED_MAX_ROWS = 32
+PAGED_MIN_CACHED = 256 * 1024
+PATHS = ("auto", "window", "paged")
 
 
 @dataclass(frozen=True)
@@ -101,17 +138,41 @@ class LongRequest:
 
 
 @dataclass(frozen=True)
+class PagedRun:
+    """Consecutive requests through the memory-bound path: one causal call over their
+    own tokens (``chunk``: query rows [q0, q1) against the same rows of key/value),
+    then ``paged.paged_attention`` over their cached positions, merged with it."""
+
+    q0: int
+    q1: int
+    requests: tuple[int, ...]
+    chunk: Call
+    paged: PagedPlan  # the splits and the scratch
+    work: torch.Tensor  # int32 (programs, WORK_FIELDS) on the device
+    tokens: torch.Tensor  # int32 (served tokens, TOKEN_FIELDS) on the device
+
+
+@dataclass(frozen=True)
 class Plan:
-    """Everything a step's layers share: the windows in order of their query rows, and
+    """Everything a step's layers share: the units in order of their query rows, and
     the workspace they need."""
 
     num_tokens: int  # N, query rows
     capacity: int  # key rows per batch window
-    # the units of work, in order of their query rows: a Window (a batch window) or a
-    # LongRequest (its windows, once per group of its kv heads)
+    # the units of work, in order of their query rows: a Window (a batch window), a
+    # LongRequest (its windows, once per group of its kv heads) or a PagedRun
     units: tuple
     workspace_bytes: int  # the most bytes any unit's layout takes (0: none)
-    unit_layouts: tuple  # each unit's workspace.layout key
+    # each unit's layout: a workspace.layout key, or a PagedPlan (its regions)
+    unit_layouts: tuple
+    ints: torch.Tensor | None = None  # every unit's device integers, one tensor
+
+
+def unit_bytes(key) -> int:
+    """The bytes of workspace a unit of layout ``key`` needs (with room to align)."""
+    if isinstance(key, PagedPlan):
+        return rotation_bytes(key.head_dim) + key.scratch_bytes + ALIGN
+    return layout_bytes(*key)
 
 
 # ---------------------------------------------------------------------------
@@ -302,26 +363,61 @@ def make_plan(
     budget: int,
     device: torch.device,
     stream=None,
+    cfg: TQConfig | None = None,
+    path: str = "window",
+    sms: int = DEFAULT_SMS,
 ) -> Plan:
-    """The plan of a step from its host lengths (validated): the batch window fitted
-    to the budget and shortened to the rows the step fills, each long request's window
-    and kv-head group from what its state leaves of the budget (its own query rows and
-    the budget, never the rest of the batch), the windows (``windows``) and the bytes
-    of workspace their layouts take."""
+    """The plan of a step from its host lengths (validated): each request's path
+    (``paths``), the batch window fitted to the budget and shortened to the rows the
+    step fills, each long request's window and kv-head group from what its state
+    leaves of the budget (its own query rows and the budget, never the rest of the
+    batch), each paged run's splits within the bytes of a batch window of the step's
+    tokens (so that ``workspace_bytes`` still bounds the step), the windows
+    (``windows``) and the bytes of workspace their layouts take. ``cfg`` (the cache's
+    format) is needed where a request may take the memory-bound path; ``sms``: the
+    device's multiprocessors, which its splits are spread over."""
     n = qsl[-1]
     window = fit_window(window, n, num_q_heads, num_kv_heads, head_dim, dtype, budget)
-    reads = [s for r, s in enumerate(seq_lens) if qsl[r + 1] > qsl[r]]
+    runs: list[tuple[tuple[int, ...], PagedPlan]] = []
+    if path != "window":
+        if cfg is None:
+            raise AssertionError("the memory-bound path needs the cache's format")
+        limit = layout_bytes(
+            *batch_layout(
+                num_q_heads, num_kv_heads, head_dim, capacity(window, n), dtype
+            )
+        ) - (ALIGN + rotation_bytes(head_dim))
+        group = num_q_heads // num_kv_heads
+        auto_ok = dtype == torch.float16 and not cfg.key_fp8
+        for run in paged_runs(qsl, seq_lens, group, path, device, auto_ok):
+            try:
+                plan = plan_paged(
+                    qsl, seq_lens, num_q_heads, num_kv_heads, head_dim, cfg,
+                    requests=run, sms=sms, max_scratch_bytes=limit,
+                )  # fmt: skip
+            except ValueError as e:
+                if path == "paged":
+                    raise ValueError(
+                        f"path='paged': requests {run[0]}-{run[-1]} do not fit the "
+                        f"memory-bound path within the workspace budget ({e})"
+                    ) from None
+                continue  # the windows serve them (NOTES.md §35)
+            runs.append((run, plan))
+    on_paged = {r for run, _ in runs for r in run}
+    reads = [
+        s for r, s in enumerate(seq_lens) if qsl[r + 1] > qsl[r] and r not in on_paged
+    ]
     rows = sum(reads) + GAP * max(len(reads) - 1, 0)  # the most rows the step fills
     # batch windows; with a long request (> cap rows) this is capacity(window, n)
     cap = capacity(min(window, max(rows, 1)), n)
     longs = {}
     for r, s in enumerate(seq_lens):
         q = qsl[r + 1] - qsl[r]
-        if q and s > cap:
+        if q and s > cap and r not in on_paged:
             longs[r] = long_window(
                 q, num_q_heads, num_kv_heads, head_dim, cap, dtype, budget
             )
-    units = windows(
+    units, ints = _units(
         qsl,
         seq_lens,
         cap,
@@ -330,9 +426,11 @@ def make_plan(
         tuple(longs[r][1] if r in longs else 0 for r in range(len(seq_lens)))
         if longs
         else None,
+        runs,
     )
     out, keys = [], []
     for unit in units:
+        key: tuple | PagedPlan
         if isinstance(unit, LongRequest):
             hk_g = longs[unit.request][0]
             unit = LongRequest(
@@ -347,6 +445,8 @@ def make_plan(
                 unit.capacity,
                 dtype,
             )
+        elif isinstance(unit, PagedRun):
+            key = unit.paged
         else:
             key = batch_layout(num_q_heads, num_kv_heads, head_dim, cap, dtype)
         out.append(unit)
@@ -355,9 +455,46 @@ def make_plan(
         num_tokens=n,
         capacity=cap,
         units=tuple(out),
-        workspace_bytes=max((layout_bytes(*k) for k in set(keys)), default=0),
+        workspace_bytes=max((unit_bytes(k) for k in keys), default=0),
         unit_layouts=tuple(keys),
+        ints=ints,
     )
+
+
+def paged_runs(
+    qsl: tuple[int, ...],
+    seq_lens: tuple[int, ...],
+    group: int,
+    path: str,
+    device: torch.device,
+    auto_ok: bool = True,
+) -> list[tuple[int, ...]]:
+    """The requests the memory-bound path serves, as runs of consecutive ones (requests
+    without query tokens neither join nor break a run): with path "paged" every
+    request with query tokens; with "auto" those with cached tokens and at most
+    PAGED_MAX_ROWS query rows per kv head (``group`` = Hq / Hk), in runs of at least
+    PAGED_MIN_CACHED cached tokens, where Triton runs (on a GPU, or under the
+    interpreter) and ``auto_ok`` (an fp16 query, keys that are centroid indices)."""
+    triton_runs = device.type == "cuda" or interpreting()
+    if path == "window" or (path == "auto" and not (triton_runs and auto_ok)):
+        return []
+    runs: list[tuple[int, ...]] = []
+    run: list[int] = []
+    for r, s in enumerate(seq_lens):
+        q = qsl[r + 1] - qsl[r]
+        if not q:
+            continue
+        if path == "paged" or (s > q and q * group <= PAGED_MAX_ROWS):
+            run.append(r)
+        elif run:
+            runs.append(tuple(run))
+            run = []
+    if run:
+        runs.append(tuple(run))
+    if path == "auto":
+        cached = lambda run: sum(seq_lens[r] - qsl[r + 1] + qsl[r] for r in run)
+        runs = [run for run in runs if cached(run) >= PAGED_MIN_CACHED]
+    return runs
 
 
 def windows(
@@ -368,13 +505,28 @@ def windows(
     stream=None,
     long_capacity: tuple[int, ...] | None = None,
 ) -> tuple:
-    """The windows for these lengths (host ints, already validated), in order of
-    their query rows: a ``Window`` per batch window of ``capacity`` key rows (more
-    than the batch's query tokens), and for each request longer than that a
-    ``LongRequest`` whose windows hold ``long_capacity[r]`` rows (more than its query
-    tokens, at most ``capacity``; default ``capacity``). Their device integers go up
-    in one asynchronous copy on ``stream`` (default: the current one), the stream
-    that reads them."""
+    """The windows of these lengths, every request through them (``_units`` without
+    paged runs)."""
+    return _units(qsl, seq_lens, capacity, device, stream, long_capacity, [])[0]
+
+
+def _units(
+    qsl: tuple[int, ...],
+    seq_lens: tuple[int, ...],
+    capacity: int,
+    device: torch.device,
+    stream,
+    long_capacity: tuple[int, ...] | None,
+    runs: list[tuple[tuple[int, ...], PagedPlan]],
+) -> tuple[tuple, torch.Tensor]:
+    """The units for these lengths (host ints, already validated), in order of their
+    query rows, and the one device tensor of their integers: a ``Window`` per batch
+    window of ``capacity`` key rows (more than the batch's query tokens), for each
+    request longer than that a ``LongRequest`` whose windows hold ``long_capacity[r]``
+    rows (more than its query tokens, at most ``capacity``; default ``capacity``), and
+    a ``PagedRun`` per ``runs`` entry (its requests, their ``PagedPlan``). Their device
+    integers go up in one asynchronous copy on ``stream`` (default: the current one),
+    the stream that reads them."""
     b = len(seq_lens)
     n_tok = qsl[-1]
     if capacity <= n_tok:
@@ -388,7 +540,9 @@ def windows(
         specs.append((kind, segs, causal))
         return len(specs) - 1
 
-    units: list = []  # a window's index, or a long request's fields
+    paged_at = {run[0]: i for i, (run, _) in enumerate(runs)}
+    on_paged = {r for run, _ in runs for r in run}
+    units: list = []  # a window's index, a long request's fields or ("paged", i)
     batch: list[tuple[int, ...]] = []
     batch_rows = 0
 
@@ -403,6 +557,11 @@ def windows(
         q = qsl[r + 1] - qsl[r]
         if q == 0:
             continue  # nothing to compute, and no rows: batch windows stay contiguous
+        if r in on_paged:
+            flush()
+            if r in paged_at:
+                units.append(("paged", paged_at[r]))
+            continue
         c = seq_lens[r] - q
         if c + q <= capacity:
             if batch and batch_rows + c + q > capacity:
@@ -449,6 +608,16 @@ def windows(
         spans.append((len(packed), len(fields), len(packed) + len(fields), len(cu_q)))
         packed.extend(fields)
         packed.extend(cu_q)
+    paged_spans = []
+    for run, plan in runs:
+        cu = [0]
+        for r in run:
+            cu.append(cu[-1] + qsl[r + 1] - qsl[r])
+        at = len(packed)
+        packed.extend(cu)
+        packed.extend(plan.work)
+        packed.extend(plan.tokens)
+        paged_spans.append((at, len(cu), len(plan.work), len(plan.tokens), tuple(cu)))
 
     host = torch.tensor(packed, dtype=torch.int32)
     if device.type == "cuda":
@@ -485,11 +654,29 @@ def windows(
                 requests=tuple(seg[0] for seg in segs if seg[5]),
             )
         )
-    out: list[Window | LongRequest] = []
+    out: list[Window | LongRequest | PagedRun] = []
     for s in units:
         if isinstance(s, int):
             out.append(made[s])
+        elif s[0] == "paged":
+            run, plan = runs[s[1]]
+            at, nc, nw, nt, cu = paged_spans[s[1]]
+            w0, t0 = at + nc, at + nc + nw
+            lens = [cu[i + 1] - cu[i] for i in range(len(run))]
+            chunk = Call(dev[at : at + nc], dev[at : at + nc], cu, cu,
+                         max(lens), max(lens), True)  # fmt: skip
+            out.append(
+                PagedRun(
+                    q0=qsl[run[0]],
+                    q1=qsl[run[0]] + cu[-1],
+                    requests=run,
+                    chunk=chunk,
+                    paged=plan,
+                    work=dev[w0 : w0 + nw].view(-1, WORK_FIELDS),
+                    tokens=dev[t0 : t0 + nt].view(-1, TOKEN_FIELDS),
+                )
+            )
         else:
             r, q0, q1, cap, ids = s
             out.append(LongRequest(r, q0, q1, cap, tuple(made[i] for i in ids)))
-    return tuple(out)
+    return tuple(out), dev

@@ -33,13 +33,21 @@ from collections.abc import Sequence
 
 import torch
 
-from ._utils import as_int, check_overlaps, check_tensor, self_overlapping, use_triton
+from ._utils import (
+    as_int,
+    check_overlaps,
+    check_tensor,
+    interpreting,
+    self_overlapping,
+    use_triton,
+)
 from .attention import resolve_backend, varlen_attention
 from .dequant import fill_window, split_rotation
 from .format import TQConfig, resolve_config
 from .merge import merge_attn_states
-from .plan import LongRequest, Plan, default_window, make_plan
-from .workspace import DEFAULT_WORKSPACE_BYTES, carve
+from .paged import DEFAULT_SMS, PagedPlan, paged_attention
+from .plan import PATHS, LongRequest, PagedRun, Plan, default_window, make_plan
+from .workspace import ALIGN, DEFAULT_WORKSPACE_BYTES, carve, rotation_bytes
 
 QUERY_DTYPES = (torch.float16, torch.bfloat16)
 INT32_MAX = 2**31 - 1
@@ -277,6 +285,14 @@ class ContinuationPrefill:
         max_workspace_bytes: the budget of the workspace (default 128 MiB).
         backend: "auto", "flash", "triton" or "torch" (attention.py); a named back end
             that is unavailable raises, and is never silently replaced.
+        path: which requests take the memory-bound path (paged.py) instead of windows:
+            "auto" (fp16 queries over MSE keys, in runs of requests with cached tokens
+            and at most ``plan.PAGED_MAX_ROWS`` query rows per kv head that hold
+            ``plan.PAGED_MIN_CACHED`` cached tokens, where Triton runs: on a GPU or
+            under the interpreter),
+            "window" (none) or "paged" (every request with query tokens; a step whose
+            requests do not fit the budget on that path raises). The same answer
+            within the exactness bound either way (plan.py).
         check_block_table: record block ids outside [0, num_blocks) among those read
             and raise a ValueError naming the first one at the next call on the device
             (or at ``check_block_tables()``), without synchronizing (on a CPU: before
@@ -297,6 +313,7 @@ class ContinuationPrefill:
         window: int | None = None,
         max_workspace_bytes: int | None = None,
         backend: str = "auto",
+        path: str = "auto",
         check_block_table: bool = True,
     ):
         self.num_q_heads = as_int("num_q_heads", num_q_heads, 1)
@@ -336,6 +353,11 @@ class ContinuationPrefill:
                 f"{backend!r}"
             )
         self.backend = backend
+        if path not in PATHS:
+            raise ValueError(
+                f"path must be one of {', '.join(map(repr, PATHS))}, got {path!r}"
+            )
+        self.path = path
         if not isinstance(check_block_table, bool):
             raise ValueError(
                 f"check_block_table must be a bool, got {check_block_table!r}"
@@ -420,12 +442,22 @@ class ContinuationPrefill:
                 raise ValueError("workspace must be contiguous")
             budget = min(budget, workspace.numel())
         backend = resolve_backend(self.backend, device, self.head_dim)
+        if self.path == "paged" and device.type != "cuda" and not interpreting():
+            raise ValueError(
+                "path='paged' needs Triton: a CUDA device, or TRITON_INTERPRET=1 on "
+                "the CPU (path='auto' takes the windows there)"
+            )
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise ValueError(
                 "a continuation prefill cannot be planned inside CUDA graph capture: "
                 "it draws its windows on the host from the lengths of each step"
             )
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else DEFAULT_SMS
+        )
         plan = make_plan(
             qsl,
             lens,
@@ -437,6 +469,9 @@ class ContinuationPrefill:
             budget=budget,
             device=device,
             stream=stream,
+            cfg=self.cfg,
+            path=self.path,
+            sms=sms,
         )
         if workspace is not None:
             _check_workspace_size(workspace, plan.workspace_bytes)
@@ -511,7 +546,7 @@ class Step:
         of the same bytes)."""
         place = (workspace.data_ptr(), workspace.numel())
         if place != self._place:
-            views = {key: carve(workspace, key) for key in set(self.plan.unit_layouts)}
+            views = {key: _carve(workspace, key) for key in set(self.plan.unit_layouts)}
             self.buffers = tuple(views[key] for key in self.plan.unit_layouts)
             self._place = place
         self.workspace = workspace
@@ -694,6 +729,15 @@ class Step:
             )
 
 
+def _carve(workspace, key):
+    """A unit's views of the workspace: a window layout's, or a paged run's scratch
+    (after the rotation's parts: workspace.rotation_bytes)."""
+    if isinstance(key, PagedPlan):
+        at = (-workspace.data_ptr()) % ALIGN + rotation_bytes(key.head_dim)
+        return key.carve(workspace[at:])
+    return carve(workspace, key)
+
+
 class _Layer:
     """One layer's run of a step: its tensors, and the two kinds of step (see the
     module docstring)."""
@@ -716,9 +760,7 @@ class _Layer:
             current = torch.cuda.current_stream(device)
             if current != step._stream:
                 current.wait_event(step._uploaded)
-                first = step.plan.units[0]  # every window's integers share one tensor
-                w = first.windows[0] if isinstance(first, LongRequest) else first
-                w.segs.record_stream(current)
+                step.plan.ints.record_stream(current)  # every unit's integers
         err = None
         if step.prefill.check_block_table:
             if device.type == "cuda":
@@ -736,6 +778,8 @@ class _Layer:
         for unit, bufs in zip(step.plan.units, step.buffers):
             if isinstance(unit, LongRequest):
                 self.long_request(unit, bufs)
+            elif isinstance(unit, PagedRun):
+                self.paged_run(unit, bufs)
             else:
                 self.batch_window(unit, bufs)
         if err is not None:
@@ -777,6 +821,40 @@ class _Layer:
         )
         if self.lse is not None:
             self.lse[:, rows].copy_(lse)
+
+    def paged_run(self, run, scratch):
+        """Requests through the memory-bound path: their own tokens' causal attention
+        into out (a partial, in out's dtype), then their cached positions read from
+        the cache and merged with it into out (paged.py)."""
+        rows = slice(run.q0, run.q1)
+        chunk_lse = varlen_attention(
+            run.chunk,
+            self.query[rows],
+            self.key[rows],
+            self.value[rows],
+            self.scale,
+            self.out[rows],
+            self.step.backend,
+        )
+        paged_attention(
+            self.query,
+            self.kv_cache,
+            self.step.block_table,
+            run.paged,
+            run.work,
+            run.tokens,
+            scratch,
+            self.out,
+            cfg=self.cfg,
+            centroids=self.centroids,
+            rotation=self.rotation,
+            scale=self.scale,
+            lse=self.lse,
+            new=self.out,
+            new_lse=chunk_lse,
+            new_lse_row0=run.q0,
+            err=self.err,
+        )
 
     def long_request(self, req, bufs):
         """A request longer than a window, req.kv_heads kv heads at a time: part
@@ -846,6 +924,7 @@ def _prefill_for(
     backend,
     check_block_table,
     key_name,
+    path,
 ):
     """The ContinuationPrefill a single call of these tensors plans with."""
     check_tensor("query", query, 3, QUERY_DTYPES)
@@ -880,6 +959,7 @@ def _prefill_for(
         window=window,
         max_workspace_bytes=max_workspace_bytes,
         backend=backend,
+        path=path,
         check_block_table=check_block_table,
     )
 
@@ -907,6 +987,7 @@ def continuation_prefill_varlen(
     lse: torch.Tensor | None = None,
     check_block_table: bool = True,
     max_workspace_bytes: int | None = None,
+    path: str = "auto",
 ):
     """Attention of a batch of prefill chunks, each over its cached prefix and itself:
     ``ContinuationPrefill(...).plan(...).run(...)`` as one call (an engine that runs
@@ -965,6 +1046,8 @@ def continuation_prefill_varlen(
             rows come out NaN.
         max_workspace_bytes: the budget of the workspace (window, and a long
             request's state with its window and kv-head group); default 128 MiB.
+        path: "auto", "window" or "paged": which requests read their cache through
+            the memory-bound path (``ContinuationPrefill``).
 
     Returns:
         (N, Hq, D) in the query's dtype; with return_lse, (out, lse).
@@ -980,6 +1063,7 @@ def continuation_prefill_varlen(
         backend,
         check_block_table,
         "key",
+        path,
     )
     check_tensor("block_table", block_table, 2, (torch.int32,), query.device)
     step = prefill.plan(
@@ -1029,6 +1113,7 @@ def continuation_prefill(
     lse: torch.Tensor | None = None,
     check_block_table: bool = True,
     max_workspace_bytes: int | None = None,
+    path: str = "auto",
 ):
     """One request's chunk over its cached prefix and itself:
     ``continuation_prefill_varlen`` with a batch of one (same engine, same arguments
@@ -1048,6 +1133,7 @@ def continuation_prefill(
         backend,
         check_block_table,
         "key_chunk",
+        path,
     )
     if (
         not isinstance(block_table, torch.Tensor)

@@ -30,7 +30,7 @@ import weakref
 
 import torch
 
-from .plan import default_window, workspace_bytes
+from .plan import PATHS, default_window, workspace_bytes
 from .prefill import ContinuationPrefill, Step, continuation_prefill
 
 # The metadata attribute that holds the step planned in the builder's build.
@@ -77,6 +77,19 @@ def window_from_env() -> int | None:
             f"TQ_CHUNKED_WINDOW must be a positive number of tokens, got {raw!r}"
         )
     return int(raw)
+
+
+def path_from_env() -> str:
+    """TQ_CHUNKED_PATH: which requests take the memory-bound path
+    (``ContinuationPrefill``'s ``path``): "auto" where unset."""
+    raw = os.environ.get("TQ_CHUNKED_PATH", "").strip()
+    if not raw:
+        return "auto"
+    if raw not in PATHS:
+        raise ValueError(
+            f"TQ_CHUNKED_PATH must be one of {', '.join(PATHS)}, got {raw!r}"
+        )
+    return raw
 
 
 class Workspaces:
@@ -302,9 +315,15 @@ class ChunkedPrefill:
     WorkspaceManager (0.21 on: ``Workspaces``), None where it keeps its own (0.20.x).
     """
 
-    def __init__(self, hooks: str | None = None, window: int | None = None):
+    def __init__(
+        self,
+        hooks: str | None = None,
+        window: int | None = None,
+        path: str | None = None,
+    ):
         self.workspaces = Workspaces(hooks)
         self.window = window
+        self.path = path_from_env() if path is None else path  # TQ_CHUNKED_PATH
         # one ContinuationPrefill per model shape (heads, head size, dtype, preset,
         # block size) and budget: what does not change between steps
         self._prefills: dict[tuple, ContinuationPrefill] = {}
@@ -338,6 +357,7 @@ class ChunkedPrefill:
                 **shape,
                 window=self.window,
                 max_workspace_bytes=budget,
+                path=self.path,
                 check_block_table=False,  # vLLM's block tables index its own cache
             )
         return prefill

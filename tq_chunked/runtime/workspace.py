@@ -11,6 +11,9 @@ once per call and read by every window's fill:
         rot_flags     (ceil(D*D/1024) + 1,) int32  whether it has one magnitude and the
                                            Sylvester signs: the fill's un-rotation
 
+    a paged run (the memory-bound path; paged.PagedPlan.regions), after those two:
+        query, table, part_out, part_lse                    its scratch
+
     batch windows (requests that fit a window; the answer is written to ``out``):
         k_buf, v_buf  (C, Hk, D)      query dtype  the window's keys and values
 
@@ -76,6 +79,14 @@ def layout(kind, rows, group_q_heads, group_kv_heads, head_dim, cap, dtype):
             n *= s
         end += _aligned(n)
     return offsets, end + ALIGN
+
+
+def rotation_bytes(head_dim):
+    """The bytes of the regions every layout starts with (the rotation's parts and
+    flags): a paged run's scratch (paged.PagedPlan.regions) lies after them, so that
+    a layer's windows after a paged run find the parts as its first fill wrote them."""
+    parts = _aligned(3 * head_dim * head_dim * 2)
+    return parts + _aligned((split_flags(head_dim) + 1) * 4)
 
 
 def layout_bytes(kind, rows, group_q_heads, group_kv_heads, head_dim, cap, dtype):

@@ -27,7 +27,9 @@ another release's (tq_chunked/tools/baseline.py), the ratios' reference; ``floor
 FlashAttention varlen call per layer over fp16/bf16 K/V of the same lengths (causal, no
 dequantization): what a BF16 cache costs; ``tq_chunked``: one
 ``continuation_prefill_varlen`` call per layer with the host copies of the lengths and
-a preallocated workspace (the plugin's way); ``tq_chunked-default``: the same with every
+a preallocated workspace (the plugin's way; each request on the path its plan picks);
+``tq_chunked-windows``: the same with every request through windows (``path="window"``);
+``tq_chunked-default``: the same with every
 default (its own workspace per call, the block-id check on); ``vllm-<version>``: the
 installed release's real ``forward``, unpatched; ``patched``: the same ``forward`` with
 the plugin's replacements. Needs a CUDA GPU and vLLM. Results written before the
@@ -215,7 +217,9 @@ def method_tq_chunked_default(layers: Layers):
     return [layer_call(i) for i in range(len(layers.caches))]
 
 
-def method_tq_chunked(layers: Layers):
+def method_tq_chunked(layers: Layers, path="auto"):
+    """The plugin's call: a workspace of workspace_bytes(N), each request on the path
+    the plan picks (``path="window"``: every request through windows)."""
     n = layers.qsl[-1]
     window = default_window(layers.hk, layers.d, 16)
     ws = torch.empty(
@@ -240,9 +244,14 @@ def method_tq_chunked(layers: Layers):
             window=window,
             workspace=ws,
             check_block_table=False,
+            path=path,
         )
 
     return [layer_call(i) for i in range(len(layers.caches))]
+
+
+def method_tq_chunked_windows(layers: Layers):
+    return method_tq_chunked(layers, path="window")
 
 
 def method_baseline(baseline):
@@ -548,6 +557,7 @@ def methods_available(baseline):
     if backend_available("flash", torch.device("cuda"), 128)[0]:
         ms["floor"] = method_floor
     ms["tq_chunked"] = method_tq_chunked
+    ms["tq_chunked-windows"] = method_tq_chunked_windows
     ms["tq_chunked-default"] = method_tq_chunked_default
     ms[f"vllm-{vllm.__version__}"] = method_vllm
     ms["patched"] = method_patched

@@ -105,6 +105,7 @@ def cpu_test_env(root: str, **extra: str) -> dict[str, str]:
         "TQ_CHUNKED_DISABLE",
         "TQ_CHUNKED_VENDORED",
         "TQ_CHUNKED_WINDOW",
+        "TQ_CHUNKED_PATH",
         "TQ_CHUNKED_KEEP_FA2",
     ):
         env.pop(name, None)

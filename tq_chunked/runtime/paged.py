@@ -56,10 +56,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime._utils import Launcher, interpreter_rounds_bf16, interpreting, round_bf16
-from ..runtime.dequant import _fp16_at, _unpack, fp8_e4b15_for, halves_ok
-from ..runtime.format import TQConfig, resolve_config
-from ..runtime.merge import _term
+from ._utils import Launcher, interpreter_rounds_bf16, interpreting, round_bf16
+from .dequant import _fp16_at, _unpack, fp8_e4b15_for, halves_ok
+from .format import TQConfig, resolve_config
+from .merge import _term
 
 # Per work item (one program of _paged_kernel), int32: the request (its block-table
 # row), the kv head, the request's first query token, its first row in the served
@@ -710,6 +710,7 @@ def _paged_kernel(
     work_ptr,  # (programs, WORK_FIELDS) int32
     o_ptr,  # (part_rows, Hq, D) float32
     lse_ptr,  # (part_rows, Hq) float32
+    err_ptr,  # int64 (1,): the smallest (request << 32) + column with a bad id (CHECK)
     num_blocks,
     max_blocks,
     s_q_tok,
@@ -740,6 +741,7 @@ def _paged_kernel(
     BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,  # the interpreter: dots in float32
     LOOKUP: tl.constexpr,  # 3-bit keys: _lookup8 (GPU) instead of a gather
+    CHECK: tl.constexpr,  # record bad block ids at err_ptr
 ):
     """One work item (WORK_FIELDS): BLOCK_M query rows (token-major, the group's heads
     inner) of one kv head against one split of the request's cached positions; writes
@@ -785,6 +787,18 @@ def _paged_kernel(
         q_lo = (q - q_hi.to(tl.float32)).to(tl.float16)
     bt_row = block_table_ptr + req * s_bt_req
     head_off = kvh * s_cache_head
+    if CHECK:  # noqa: SIM102 - CHECK is a constexpr: the branch is compiled out
+        if (kvh == 0) & (tl.load(w + 5) == 0):
+            # one program per split: the block ids it reads, the smallest (request,
+            # column) outside [0, num_blocks) for the caller's report (prefill.py)
+            cols = tl.cdiv(end, BLOCK_SIZE)
+            for c0 in range(start // BLOCK_SIZE, cols, 64):
+                col = c0 + tl.arange(0, 64)
+                in_c = (col < cols) & (col < max_blocks)
+                blk = tl.load(bt_row + col * s_bt_col, mask=in_c, other=0)
+                bad = in_c & ((blk < 0) | (blk >= num_blocks))
+                tl.atomic_min(err_ptr + tl.zeros_like(col).to(tl.int64),
+                              (req << 32) + col.to(tl.int64), mask=bad)  # fmt: skip
     m_i, l_i, z_i, acc, unit, seen = _split_attention(
         q_hi, q_lo, row_scale, cache_ptr, bt_row, table_ptr, head_off, start, end,
         num_blocks, max_blocks, s_cache_block, s_cache_pos, s_bt_col, D, BLOCK_D,
@@ -834,6 +848,7 @@ def _combine_kernel(
     s_new_tok,
     s_new_head,
     s_new_lse_head,
+    new_lse_row0,  # the token whose chunk lse is new_lse's first column
     s_out_tok,
     s_out_head,
     s_lse_head,
@@ -871,8 +886,8 @@ def _combine_kernel(
         o_s = tl.load(
             new_ptr + tok[:, None] * s_new_tok + head * s_new_head + d, mask=dm, other=0
         ).to(tl.float32)
-        l_s = tl.load(new_lse_ptr + head * s_new_lse_head + tok, mask=live,
-                      other=float("-inf"))  # fmt: skip
+        l_s = tl.load(new_lse_ptr + head * s_new_lse_head + (tok - new_lse_row0),
+                      mask=live, other=float("-inf"))  # fmt: skip
         # FlashAttention's +-inf: no keys (a zero row) or a sum that is not a number
         # (a NaN row)
         s_nan_row = tl.max(tl.where(o_s != o_s, 1, 0), axis=1) > 0
@@ -940,6 +955,8 @@ def paged_attention(
     lse: torch.Tensor | None = None,
     new: torch.Tensor | None = None,
     new_lse: torch.Tensor | None = None,
+    new_lse_row0: int = 0,
+    err: torch.Tensor | None = None,
     q_split: bool = True,
     lookup: bool = True,
 ) -> None:
@@ -953,11 +970,14 @@ def paged_attention(
     max_blocks). work, tokens: ``plan.upload``'s int32 arrays. scratch:
     ``plan.carve`` of a buffer of ``plan.scratch_bytes``. out: (N, Hq, D), unit
     stride over D, any float dtype: only the served tokens' rows are written. lse:
-    (Hq, N) float32, unit stride over N, or None. new: (N, Hq, D), unit stride over D;
-    new_lse: (Hq, N) float32. q_split: the rotated query as fp16 hi + lo (two key
-    dots); off, one. lookup: 3-bit centroids by byte permutes on a GPU (off: a
-    gather, as in the interpreter; the same bits). Tensors are trusted (the caller's
-    plan validated the lengths).
+    (Hq, N) float32, unit stride over N, or None. new: (N, Hq, D), unit stride over D
+    (may be ``out`` itself: each element is read before it is written); new_lse: (Hq,
+    N') float32, unit stride over N', column ``t - new_lse_row0`` token t's. err: int64
+    (1,) on the device, or None: the smallest ``(request << 32) + column`` of a block id
+    outside ``[0, num_blocks)`` among those read, by ``atomic_min``. q_split: the
+    rotated query as fp16 hi + lo (two key dots); off, one. lookup: 3-bit centroids by
+    byte permutes on a GPU (off: a gather, as in the interpreter; the same bits).
+    Tensors are trusted (the caller's plan validated the lengths).
     """
     n, hq, d = query.shape
     hk = kv_cache.shape[2]
@@ -1023,6 +1043,7 @@ def paged_attention(
             work,
             scratch.part_out,
             scratch.part_lse,
+            err if err is not None else scratch.part_lse,
             kv_cache.shape[0],
             block_table.shape[1],
             *s_q,
@@ -1051,6 +1072,7 @@ def paged_attention(
             plan.block_n,
             interp,
             lookup and cfg.key_bits == 3 and not interp,
+            err is not None,
             num_warps=plan.num_warps,
             num_stages=1,
         )
@@ -1071,6 +1093,7 @@ def paged_attention(
         plan.num_tokens,
         plan.max_splits,
         *new_strides,
+        new_lse_row0,
         out.stride(0),
         out.stride(1),
         lse.stride(0) if lse is not None else 0,
@@ -1117,7 +1140,7 @@ def paged_continuation_prefill_varlen(
     ``launch``: ``plan_paged``'s keywords (block_m, block_n, num_warps, split_len,
     sms, programs_per_sm); q_split, lookup: ``paged_attention``'s. info: a dict given
     here receives the plan."""
-    from ..runtime.attention import make_call, resolve_backend, varlen_attention
+    from .attention import make_call, resolve_backend, varlen_attention
 
     as_list = lambda x: [int(v) for v in (x.tolist() if hasattr(x, "tolist") else x)]
     qsl = as_list(

@@ -1,0 +1,110 @@
+"""The crossover of the plan's dispatch (plan.PAGED_MAX_ROWS) on the H200: GPU kernel
+time and host time per call of the windows (``path="window"``) and of the memory-bound
+path (``path="paged"``), over query rows per kv head x cached tokens per request, with
+the floor beside them (GPU).
+
+    python benchmarks/dispatch_sweep.py [OUT_DIR]
+
+Batches of B requests of q_len query tokens over ``cached`` tokens each (Hq/Hk/D
+32/8/128, turboquant_3bit_nc, fp16, and Hq/Hk/D 16/16/64, 4bit_nc, bf16), each path
+through ``continuation_prefill_varlen`` with a workspace of workspace_bytes(N) as the
+plugin calls it. Writes dispatch-sweep.json (after each point) and prints a table of
+paged / windows per point, last.
+"""
+
+import functools
+import json
+import os
+import sys
+import time
+
+import torch
+from breakdown import floor_of, profile_ms
+from tqdm import tqdm
+
+from tq_chunked import continuation_prefill_varlen, default_window, workspace_bytes
+from tq_chunked.tools.testing import build_batch
+
+K = 1024
+# (shape name, Hq, Hk, D, preset, dtype, requests per batch)
+SHAPES = [
+    ("llama3-8b 3bit fp16", 32, 8, 128, "turboquant_3bit_nc", torch.float16, 16),
+    ("mha-d64 4bit bf16", 16, 16, 64, "turboquant_4bit_nc", torch.bfloat16, 16),
+]
+ROWS = [8, 16, 32, 48, 64, 128]  # query rows per kv head
+CACHED = [1 * K, 4 * K, 16 * K, 64 * K]
+
+
+def kernel_ms(call):
+    return sum(profile_ms(call).values())
+
+
+def host_ms(call, calls=20):
+    """Host time per call with the GPU kept busy (the enqueue cost alone)."""
+    call()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    t = (time.perf_counter() - t0) / calls * 1e3
+    torch.cuda.synchronize()
+    return t
+
+
+def point(shape, rows, cached):
+    name, hq, hk, d, preset, dtype, b_n = shape
+    q_len = max(1, rows * hk // hq)
+    b = build_batch(preset, [(cached, q_len)] * b_n, hq, hk, d, 16, dtype, "cuda")
+    qsl = torch.tensor(b["query_start_loc"], dtype=torch.int32)
+    lens = torch.tensor(b["seq_lens"], dtype=torch.int32)
+    n = b["query"].shape[0]
+    w = default_window(hk, d, 16)
+    ws = torch.empty(
+        workspace_bytes(n, hq, hk, d, w, dtype), dtype=torch.uint8, device="cuda"
+    )
+    call = functools.partial(
+        continuation_prefill_varlen,
+        b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"],
+        qsl.cuda(), lens.cuda(), **b["kwargs"], query_start_loc_cpu=qsl,
+        seq_lens_cpu=lens, window=w, workspace=ws, check_block_table=False,
+    )  # fmt: skip
+    row = dict(shape=name, rows=q_len * hq // hk, q_len=q_len, cached=cached,
+               requests=b_n)  # fmt: skip
+    row["floor_ms"] = kernel_ms(floor_of(b, hk, d, dtype))
+    for path in ("window", "paged"):
+        c = functools.partial(call, path=path)
+        row[f"{path}_ms"] = kernel_ms(c)
+        row[f"{path}_host_ms"] = host_ms(c)
+    row["paged_over_window"] = row["paged_ms"] / row["window_ms"]
+    del b, ws
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    out_dir = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", ".")
+    os.makedirs(out_dir, exist_ok=True)
+    rows = []
+    points = [(s, r, c) for s in SHAPES for r in ROWS for c in CACHED]
+    for shape, r, c in tqdm(points, desc="points", file=sys.stdout):
+        rows.append(point(shape, r, c))
+        with open(os.path.join(out_dir, "dispatch-sweep.json"), "w") as fh:
+            json.dump(
+                dict(device=torch.cuda.get_device_name(), rows=rows), fh, indent=1
+            )
+    for shape in SHAPES:
+        print(f"\n{shape[0]}, B {shape[6]}: paged / windows, GPU kernel time per call")
+        print("| rows/kv head | " + " | ".join(f"{c // K}K" for c in CACHED) + " |")
+        print("|---" * (len(CACHED) + 1) + "|")
+        for r in ROWS:
+            cells = [
+                f"{x['paged_over_window']:.2f}"
+                for x in rows
+                if x["shape"] == shape[0] and x["rows"] == r
+            ]
+            print(f"| {r} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Which path each request takes (plan.py: the windows, or the memory-bound path of
+paged.py for few query rows per kv head over a cached prefix) and that every path gives
+the answer within the full path's error: a batch whose units alternate between the
+two paths, every preset, fp16 and bf16, both cache layouts, on the CPU interpreter and
+on a GPU alike. Also the workspace bound with paged runs, and what ``path`` refuses."""
+
+import pytest
+import torch
+from conftest import DEVICE, TRITON_OK
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_paged import check_within_full_paths_error
+
+from tq_chunked import ContinuationPrefill, continuation_prefill_varlen
+from tq_chunked.runtime import plan
+from tq_chunked.runtime.format import PRESETS
+from tq_chunked.runtime.plan import PAGED_MAX_ROWS, LongRequest, PagedRun, Window
+from tq_chunked.runtime.workspace import rotation_bytes
+from tq_chunked.tools.testing import make_batch
+
+pytestmark = pytest.mark.skipif(
+    not TRITON_OK, reason="the memory-bound path is Triton: a GPU or TRITON_INTERPRET=1"
+)
+BACKEND = "triton" if DEVICE == "cuda" else "torch"
+# Hq / Hk = 2 (make_batch's 4 / 2): (cached, q_len) and the unit "auto" gives each.
+# Requests 0 and 4-5 are on the memory-bound path (2-32 rows a kv head), 1 a first
+# chunk and 3 over PAGED_MAX_ROWS in windows, 2 without query tokens in neither:
+# paged, window, paged, window, so that a window's fill follows a paged run.
+REQUESTS = [(90, 3), (0, 5), (33, 0), (130, 17), (45, 16), (200, 1), (70, 20)]
+UNITS = ["paged 0", "window 1 3", "paged 4 5", "window 6"]
+
+
+@pytest.fixture(autouse=True)
+def any_cached_length(monkeypatch):
+    """Batches small enough for the interpreter: "auto" takes the memory-bound path
+    for runs of any cached length (the rule's threshold has its own test)."""
+    monkeypatch.setattr(plan, "PAGED_MIN_CACHED", 1)
+
+
+def _units(step):
+    names = []
+    for u in step.plan.units:
+        if isinstance(u, PagedRun):
+            names.append("paged " + " ".join(map(str, u.requests)))
+        elif isinstance(u, LongRequest):
+            names.append(f"long {u.request}")
+        else:
+            names.append("window " + " ".join(map(str, u.requests)))
+    return names
+
+
+def _prefill(batch, **kw):
+    n, hq, d = batch.query.shape
+    return ContinuationPrefill(
+        hq,
+        batch.key.shape[1],
+        d,
+        preset=batch.kwargs["preset"],
+        dtype=batch.query.dtype,
+        block_size=batch.kv_cache.shape[1],
+        backend=BACKEND,
+        **kw,
+    )
+
+
+def _plan(batch, **kw):
+    return _prefill(batch, **kw).plan(
+        batch.block_table,
+        query_start_loc_cpu=batch.query_start_loc,
+        seq_lens_cpu=batch.seq_lens,
+    )
+
+
+def _call(batch, path, **kw):
+    return continuation_prefill_varlen(
+        *batch.args[:5],
+        None,
+        None,
+        **batch.kwargs,
+        query_start_loc_cpu=batch.query_start_loc,
+        seq_lens_cpu=batch.seq_lens,
+        backend=BACKEND,
+        path=path,
+        **kw,
+    )
+
+
+def test_auto_sends_few_rows_per_kv_head_over_a_cache_to_the_memory_bound_path():
+    """fp16 over 3-bit MSE keys (the threshold of cached tokens lowered: fixture)."""
+    batch = make_batch(REQUESTS, seed=1, device=DEVICE)
+    assert _units(_plan(batch)) == UNITS
+    assert _units(_plan(batch, path="window")) == ["window 0 1 3 4 5 6"]
+    assert _units(_plan(batch, path="paged")) == ["paged 0 1 3 4 5 6"]
+    # the rule's edge: PAGED_MAX_ROWS rows a kv head, and one more
+    group = 2
+    edge = [(64, PAGED_MAX_ROWS // group), (64, PAGED_MAX_ROWS // group + 1)]
+    assert _units(_plan(make_batch(edge, seed=2, device=DEVICE))) == [
+        "paged 0",
+        "window 1",
+    ]
+
+
+def test_auto_needs_enough_cached_tokens_an_fp16_query_and_mse_keys(monkeypatch):
+    monkeypatch.undo()
+    half = plan.PAGED_MIN_CACHED // 2
+    reqs = [(half, 1), (0, 30), (half, 2), (half - 16, 4)]
+    qsl, lens = [0, 1, 31, 33, 37], [c + q for c, q in reqs]
+    table = torch.zeros(4, half // 16 + 1, dtype=torch.int32, device=DEVICE)
+
+    def paged(dtype, preset="turboquant_3bit_nc"):
+        prefill = ContinuationPrefill(
+            8, 2, 64, preset=preset, dtype=dtype, block_size=16
+        )
+        step = prefill.plan(table, query_start_loc_cpu=qsl, seq_lens_cpu=lens)
+        return [u for u in _units(step) if u.startswith("paged")]
+
+    # request 0 alone holds half the threshold; 2 and 3 together just under it
+    assert paged(torch.float16) == []
+    lens[3] += 16
+    assert paged(torch.float16) == ["paged 2 3"]
+    assert paged(torch.bfloat16) == []
+    assert paged(torch.float16, "turboquant_k8v4") == []
+
+
+@pytest.mark.parametrize("path", ["auto", "paged", "window"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_path_is_within_the_full_paths_error(preset, dtype, path):
+    """Every request within 1.1x the full path's error against float64 (1.6x for 1-3
+    query tokens), every row written (the output poisoned first), and the log-sum-exp
+    the windows' within 1e-2 (they round each key to the query's dtype, which moves a
+    score by up to 2^-8 of its size in bf16)."""
+    batch = make_batch(REQUESTS, preset, dtype, seed=3, device=DEVICE)
+    out = torch.full_like(batch.query, float("nan"))
+    res, lse = _call(batch, path, out=out, return_lse=True)
+    assert res is out and not out.isnan().any(), f"seed {batch.seed}"
+    check_within_full_paths_error(batch, out)
+    _, lse_window = _call(batch, "window", return_lse=True)
+    torch.testing.assert_close(lse, lse_window, rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
+def test_the_head_major_cache_and_one_layer_after_another(preset):
+    """VLLM 0.33's head-major cache layout on the memory-bound path, and one plan run
+    for two layers: each the one call's answer bit for bit."""
+    batch = make_batch(REQUESTS, preset, layout="v033", seed=4, device=DEVICE)
+    step = _plan(batch, path="paged")
+    assert _units(step) == ["paged 0 1 3 4 5 6"]
+    kw = dict(
+        centroids=batch.kwargs["centroids"],
+        rotation=batch.kwargs["rotation"],
+        scale=batch.kwargs["scale"],
+    )
+    for query in (batch.query, batch.query * 0.5):
+        out = step.run(query, batch.key, batch.value, batch.kv_cache, **kw)
+        one = continuation_prefill_varlen(
+            query,
+            *batch.args[1:5],
+            None,
+            None,
+            **batch.kwargs,
+            query_start_loc_cpu=batch.query_start_loc,
+            seq_lens_cpu=batch.seq_lens,
+            backend=BACKEND,
+            path="paged",
+        )
+        assert torch.equal(out, one)
+    check_within_full_paths_error(batch, step.run(*batch.args[:4], **kw))
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+)
+@given(
+    reqs=st.lists(
+        st.tuples(st.integers(0, 5000), st.integers(0, 40)), min_size=1, max_size=12
+    ),
+    window=st.sampled_from([None, 512, 4096]),
+    hk=st.sampled_from([1, 2, 8]),
+)
+def test_a_step_needs_at_most_workspace_bytes(reqs, window, hk):
+    """With paged runs among the units, a step of N query tokens still fits
+    ``workspace_bytes(N, ...)`` (the paged scratch is planned within a batch window of
+    N tokens), and the paged scratch never overlaps the rotation's parts."""
+    prefill = ContinuationPrefill(
+        8 * hk, hk, 64, preset="turboquant_3bit_nc", block_size=16, window=window
+    )
+    qsl = [0]
+    for _, q in reqs:
+        qsl.append(qsl[-1] + q)
+    lens = [c + q for c, q in reqs]
+    table = torch.zeros(len(reqs), 5000 // 16 + 4, dtype=torch.int32, device=DEVICE)
+    step = prefill.plan(table, query_start_loc_cpu=qsl, seq_lens_cpu=lens)
+    assert step.plan.workspace_bytes <= prefill.workspace_bytes(qsl[-1])
+    for unit, key in zip(step.plan.units, step.plan.unit_layouts):
+        if isinstance(unit, PagedRun):
+            assert key is unit.paged and rotation_bytes(64) > 0
+        else:
+            assert isinstance(unit, (Window, LongRequest))
+
+
+def test_path_names_what_it_takes():
+    with pytest.raises(
+        ValueError, match="path must be one of 'auto', 'window', 'paged'"
+    ):
+        ContinuationPrefill(4, 2, 64, preset="turboquant_3bit_nc", block_size=16,
+                            path="fast")  # fmt: skip
+    batch = make_batch([(5000, 40)], seed=5, device=DEVICE)
+    with pytest.raises(ValueError, match=r"path='paged': requests 0-0 do not fit"):
+        _call(batch, "paged", max_workspace_bytes=1 << 16)
+    # auto: the windows serve what does not fit the memory-bound path's scratch
+    batch = make_batch([(5000, 8)], seed=6, device=DEVICE)
+    prefill = _prefill(batch, max_workspace_bytes=1 << 16)
+    step = prefill.plan(
+        batch.block_table,
+        query_start_loc_cpu=batch.query_start_loc,
+        seq_lens_cpu=batch.seq_lens,
+    )
+    assert isinstance(step.plan.units[0], (Window, LongRequest))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="a GPU always runs Triton")
+def test_without_triton_auto_takes_the_windows_and_paged_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    batch = make_batch(REQUESTS, seed=7, device=DEVICE)
+    assert _units(_plan(batch)) == ["window 0 1 3 4 5 6"]
+    with pytest.raises(ValueError, match="path='paged' needs Triton"):
+        _plan(batch, path="paged")
