@@ -2,7 +2,8 @@
 paged.py for few query rows per kv head over a cached prefix) and that every path gives
 the answer within the full path's error: a batch whose units alternate between the
 two paths, every preset, fp16 and bf16, both cache layouts, on the CPU interpreter and
-on a GPU alike. Also the workspace bound with paged runs, and what ``path`` refuses."""
+on a GPU alike. Also non-finite values on the memory-bound path, the workspace bound
+with paged runs, and what ``path`` refuses."""
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ from conftest import DEVICE, TRITON_OK
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_paged import check_within_full_paths_error
+from test_promises import NONFINITE_CASES, check_against_oracle, poison
+from test_promises import REQUESTS as PROMISED
 
 from tq_chunked import ContinuationPrefill, continuation_prefill_varlen
 from tq_chunked.runtime import plan
@@ -229,3 +232,22 @@ def test_without_triton_auto_takes_the_windows_and_paged_is_refused(monkeypatch)
     assert _units(_plan(batch)) == ["window 0 1 3 4 5 6"]
     with pytest.raises(ValueError, match="path='paged' needs Triton"):
         _plan(batch, path="paged")
+
+
+@pytest.mark.parametrize(
+    "where,value,token", NONFINITE_CASES[::2], ids=lambda x: str(x)
+)
+def test_non_finite_values_on_the_memory_bound_path(where, value, token):
+    """A NaN or inf in the cache, the query or the chunk comes out where one softmax
+    over all keys puts it, with every request on the memory-bound path (the combine
+    reads the chunk's partial from ``out`` itself)."""
+    seed = 31 + len(where) + token
+    batch = make_batch(
+        PROMISED, "turboquant_3bit_nc", num_q_heads=4, num_kv_heads=2, seed=seed,
+        device=DEVICE,
+    )  # fmt: skip
+    batch.query.mul_(0.2)  # every softmax weight far from underflow (test_promises.py)
+    allowed = poison(batch, where, value, token)
+    out = _call(batch, "paged")
+    assert not torch.isfinite(out).all(), f"seed {seed}: the non-finite value vanished"
+    check_against_oracle(batch, out, allowed)

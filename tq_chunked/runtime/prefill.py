@@ -8,7 +8,7 @@ windows instead of dequantizing them whole: planned once per step, run per layer
     out = step.run(query, key, value, kv_cache,  # per layer: that layer's tensors only
                    centroids=..., rotation=..., scale=...)
 
-What ``Step.run`` does with the step's windows (plan.py draws them):
+What ``Step.run`` does with the step's units (plan.py draws them):
 
     for each batch window (requests that fit one):          all kv heads
         fill it: cached keys dequantized and un-rotated,    k_buf, v_buf (rows, Hk, D)
@@ -19,6 +19,10 @@ What ``Step.run`` does with the step's windows (plan.py draws them):
                                                             the state
         last window (the rest, and the chunk): fill,        a partial in out's bytes
             attend causal, merge the state into it          -> out rows, final
+    for each paged run (few query rows per kv head):         paged.py, no fp16 K/V
+        one causal varlen call over its own tokens          a partial in out's bytes
+        its cached positions read from the cache, split     float32 partials
+            over the SMs; the splits and the partial merged -> out rows, final
 
 Memory is the workspace: independent of the cached lengths and of the batch size.
 ``continuation_prefill_varlen`` and ``continuation_prefill`` are the same engine as
@@ -739,7 +743,7 @@ def _carve(workspace, key):
 
 
 class _Layer:
-    """One layer's run of a step: its tensors, and the two kinds of step (see the
+    """One layer's run of a step: its tensors, and the three kinds of unit (see the
     module docstring)."""
 
     def __init__(
