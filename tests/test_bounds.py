@@ -144,6 +144,43 @@ def test_the_window_path_stays_inside_its_tensors(preset, d, dtype, odd_cache):
     assert torch.isfinite(out[: q[3]]).all(), f"seed {d}"
 
 
+@pytest.mark.parametrize(
+    "preset, d, dtype, odd_cache",
+    [
+        ("turboquant_3bit_nc", 128, torch.float16, False),
+        ("turboquant_k8v4", 80, torch.bfloat16, True),
+    ],
+)
+def test_the_memory_bound_path_stays_inside_its_tensors(preset, d, dtype, odd_cache):
+    """Every request with cached tokens through the memory-bound path (its four
+    launches: the chunk's call, the rotation, the splits, the combine reading ``out``)
+    and the bad-id record, as the plan runs them."""
+    b = batch_with_a_bad_block(preset, d, dtype, odd_cache)
+    with reads_within_arguments() as seen:
+        out = continuation_prefill_varlen(
+            b["query"],
+            b["key"],
+            b["value"],
+            b["kv_cache"],
+            b["block_table"],
+            None,
+            None,
+            **b["kwargs"],
+            query_start_loc_cpu=b["query_start_loc"],
+            seq_lens_cpu=b["seq_lens"],
+            path="paged",
+            backend="triton",
+            check_block_table=False,
+        )
+    kernels = {"_paged_kernel", "_combine_kernel", "_attention_kernel"}
+    assert seen.kernels >= kernels | (
+        set() if preset.endswith("k8v4") else {"_rotate_kernel"}
+    )
+    q = b["query_start_loc"]
+    assert out[q[3] : q[4]].isnan().all(), f"seed {d}"
+    assert torch.isfinite(out[: q[3]]).all(), f"seed {d}"
+
+
 @pytest.mark.parametrize("odd_cache", [False, True])
 def test_the_fused_prototype_stays_inside_its_tensors(odd_cache):
     b = batch_with_a_bad_block("turboquant_3bit_nc", 32, torch.float16, odd_cache)

@@ -394,7 +394,11 @@ def test_a_step_run_on_another_stream_waits_for_its_plan(requests, any_cached_le
         query_start_loc_cpu=b["query_start_loc"],
         seq_lens_cpu=b["seq_lens"],
     )
+    from tq_chunked.runtime.plan import PagedRun
+
     ref = plan().run(*layer, **tensors)
+    paged = any(isinstance(u, PagedRun) for u in plan().plan.units)
+    assert paged == (requests[0][1] == 1)  # the second case: the memory-bound path
     side = torch.cuda.Stream()
     torch.cuda._sleep(50_000_000)  # the plan's stream busy: its upload waits behind
     step = plan()
@@ -435,6 +439,13 @@ def test_a_bad_block_id_is_reported_at_the_next_call_and_its_request_is_nan(
         query_start_loc_cpu=b["query_start_loc"],
         seq_lens_cpu=b["seq_lens"],
     )
+    from tq_chunked.runtime.plan import PagedRun
+
+    step = ContinuationPrefill(
+        16, 4, 128, preset="turboquant_3bit_nc", block_size=16
+    ).plan(bt, query_start_loc_cpu=b["query_start_loc"], seq_lens_cpu=b["seq_lens"])
+    paged = any(isinstance(u, PagedRun) for u in step.plan.units)
+    assert paged == (q_lens == (2, 1))
     out = call(bt)
     q0 = q_lens[0]
     assert out[q0:].isnan().all() and torch.isfinite(out[:q0]).all()

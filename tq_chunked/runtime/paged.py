@@ -361,7 +361,7 @@ def _rotate_kernel(
             rot_ptr + d[None, :] * s_rot0 + e[:, None] * s_rot1,
             mask=(e < D)[:, None] & (d < D)[None, :],
             other=0.0,
-        )
+        ).to(tl.float32)  # any float dtype the caller passes
         acc = tl.dot(q, r, acc, input_precision="ieee")
     tl.store(
         out_ptr + i.to(tl.int64)[:, None] * D + d[None, :],
@@ -834,13 +834,13 @@ def _paged_kernel(
 # ---------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["n_tokens", "max_splits"])
+@triton.jit(do_not_specialize=["n_tokens", "max_splits", "new_lse_row0"])
 def _combine_kernel(
     po_ptr,  # (part_rows, HQ, D) float32
     plse_ptr,  # (part_rows, HQ) float32
     tokens_ptr,  # (served tokens, TOKEN_FIELDS) int32
     new_ptr,  # the chunk's partial (N, HQ, D), any float dtype (HAS_NEW)
-    new_lse_ptr,  # (HQ, N) float32, FlashAttention's conventions (HAS_NEW)
+    new_lse_ptr,  # (HQ, N') float32, FlashAttention's conventions (HAS_NEW)
     out_ptr,  # (N, HQ, D)
     lse_out_ptr,  # (HQ, N) float32 (WRITE_LSE)
     n_tokens,
@@ -1002,7 +1002,7 @@ def paged_attention(
     block_d = triton.next_power_of_2(d)
     if plan.num_tokens == 0:
         return
-    if plan.rotated:
+    if plan.rotated and plan.programs:
         assert centroids is not None and rotation is not None  # checked above
         block_r = 16
         launch_rotate(

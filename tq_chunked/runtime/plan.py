@@ -36,9 +36,11 @@ dequantized, new tokens copied after them.
 
 Which path a request takes (``path``): "auto" (the rule above, where Triton runs: on a
 GPU or under the interpreter), "window" (every request through windows) or "paged"
-(every request with query tokens through the memory-bound path). Either gives the same
-answer within the exactness bound; the crossover is measured in benchmarks/NOTES.md
-§35.
+(every request with cached tokens through the memory-bound path, for measurements: a
+run whose query rows need more scratch than a batch window of the step takes raises).
+What "auto" picks keeps the exactness bound either way; "paged" does not for bf16
+queries and fp8 keys on real activations. The crossover and those errors:
+benchmarks/NOTES.md §35.
 
 A plan depends only on host integers (the lengths, the heads, the window and the
 budget), so one plan serves every layer of a forward step (``prefill.ContinuationPrefill
@@ -395,11 +397,14 @@ def make_plan(
                     qsl, seq_lens, num_q_heads, num_kv_heads, head_dim, cfg,
                     requests=run, sms=sms, max_scratch_bytes=limit,
                 )  # fmt: skip
-            except ValueError as e:
+            except ValueError:
                 if path == "paged":
+                    who = f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}"
                     raise ValueError(
-                        f"path='paged': requests {run[0]}-{run[-1]} do not fit the "
-                        f"memory-bound path within the workspace budget ({e})"
+                        f"path='paged': request(s) {who} need more scratch on the "
+                        f"memory-bound path than a batch window of this step takes "
+                        f"({limit} bytes, from window and max_workspace_bytes): use "
+                        f"path='auto', or a larger window"
                     ) from None
                 continue  # the windows serve them (NOTES.md §35)
             runs.append((run, plan))
@@ -471,9 +476,9 @@ def paged_runs(
 ) -> list[tuple[int, ...]]:
     """The requests the memory-bound path serves, as runs of consecutive ones (requests
     without query tokens neither join nor break a run): with path "paged" every
-    request with query tokens; with "auto" those with cached tokens and at most
-    PAGED_MAX_ROWS query rows per kv head (``group`` = Hq / Hk), in runs of at least
-    PAGED_MIN_CACHED cached tokens, where Triton runs (on a GPU, or under the
+    request with query and cached tokens; with "auto" those with cached tokens and at
+    most PAGED_MAX_ROWS query rows per kv head (``group`` = Hq / Hk), in runs of at
+    least PAGED_MIN_CACHED cached tokens, where Triton runs (on a GPU, or under the
     interpreter) and ``auto_ok`` (an fp16 query, keys that are centroid indices)."""
     triton_runs = device.type == "cuda" or interpreting()
     if path == "window" or (path == "auto" and not (triton_runs and auto_ok)):
@@ -484,7 +489,7 @@ def paged_runs(
         q = qsl[r + 1] - qsl[r]
         if not q:
             continue
-        if path == "paged" or (s > q and q * group <= PAGED_MAX_ROWS):
+        if s > q and (path == "paged" or q * group <= PAGED_MAX_ROWS):
             run.append(r)
         elif run:
             runs.append(tuple(run))

@@ -294,9 +294,10 @@ class ContinuationPrefill:
             and at most ``plan.PAGED_MAX_ROWS`` query rows per kv head that hold
             ``plan.PAGED_MIN_CACHED`` cached tokens, where Triton runs: on a GPU or
             under the interpreter),
-            "window" (none) or "paged" (every request with query tokens; a step whose
-            requests do not fit the budget on that path raises). The same answer
-            within the exactness bound either way (plan.py).
+            "window" (none) or "paged" (every request with cached tokens, for
+            measurements; a run whose query rows need more scratch than a batch
+            window of the step raises, and bf16 queries and fp8 keys may leave the
+            exactness bound there: plan.py).
         check_block_table: record block ids outside [0, num_blocks) among those read
             and raise a ValueError naming the first one at the next call on the device
             (or at ``check_block_tables()``), without synchronizing (on a CPU: before
