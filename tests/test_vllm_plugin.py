@@ -662,6 +662,7 @@ def test_a_bad_path_is_refused_by_name_before_anything_is_patched(monkeypatch):
     from tq_chunked import vllm_plugin
     from tq_chunked.runtime.vllm_backend import ChunkedPrefill
 
+    monkeypatch.delenv("TQ_CHUNKED_DISABLE", raising=False)  # the vendored run's is on
     monkeypatch.setenv("TQ_CHUNKED_PATH", "fast")
     monkeypatch.setattr(
         vllm_plugin, "plan_patches", lambda *a: pytest.fail("patched anyway")
