@@ -512,10 +512,11 @@ class Step:
     stream first makes that stream wait for the upload, and marks the integers as used
     there (so that the allocator does not hand their memory out while it reads them).
 
-    Attributes: ``prefill`` (what it was planned by), ``plan`` (plan.Plan: the windows
-    in order of their query rows), ``block_table``, ``query_start_loc`` and
-    ``seq_lens`` (host ints), ``workspace`` and ``buffers`` (each window's views of
-    it), ``backend`` (the resolved attention back end), ``device``."""
+    Attributes: ``prefill`` (what it was planned by), ``plan`` (plan.Plan: the units,
+    windows and paged runs, in order of their query rows), ``block_table``,
+    ``query_start_loc`` and ``seq_lens`` (host ints), ``workspace`` and ``buffers``
+    (each unit's views of it), ``backend`` (the resolved attention back end),
+    ``device``."""
 
     def __init__(
         self,
@@ -536,8 +537,8 @@ class Step:
         self.backend = backend
         self.device = block_table.device
         self._lengths = lengths  # the device length tensors: checked apart from outputs
-        # The buffer the layers run in and each window's views of it (every layer of
-        # the step fills the same windows in the same regions): the plan's, or the
+        # The buffer the layers run in and each unit's views of it (every layer of
+        # the step uses the same regions for the same units): the plan's, or the
         # last one run was given (a micro-batch's own, in vLLM), carved once.
         self.workspace: torch.Tensor | None = None
         self.buffers: tuple = ()
