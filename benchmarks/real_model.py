@@ -60,6 +60,7 @@ import importlib.metadata
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,6 +80,9 @@ PRESETS = (  # the order the accuracy run takes them in: the smallest cache firs
 MAX_MODEL_LEN = 8192  # SmolLM2's context
 PPL_WINDOWS, PPL_TOKENS = 4, 8000
 GREEDY_PROMPTS, GREEDY_TOKENS = 32, 128
+# One bf16 step of a logit between 16 and 32, where this model's top logits lie: two
+# log-probabilities this close are one rounding apart
+NEAR_TIE = 0.125
 USER_TOKENS = (300, 400, 500, 600, 700)  # a user message's passage, by turn and talk
 
 
@@ -138,6 +142,11 @@ def prepare(model_dir: Path) -> dict:
     }
     done.write_text(json.dumps(work))
     return work
+
+
+def _slug(config):
+    """The file a configuration's per-token log-probabilities go to."""
+    return config.replace(":", "_").replace("/", "-") + ".json"
 
 
 def ppl_windows(text_ids):
@@ -232,7 +241,7 @@ def _accuracy(llm, work, scratch, config):
         lps += [float(pl[i][w[i]].logprob) for i in range(1, len(w))]
     res["ppl"] = math.exp(-sum(lps) / len(lps))
     res["ppl_tokens"] = len(lps)
-    with open(scratch / f"{config.replace(':', '_')}.json", "w") as f:
+    with open(scratch / _slug(config), "w") as f:
         json.dump(lps, f)
 
     sp = SamplingParams(
@@ -392,7 +401,7 @@ def _profiled_replay(llm, work, n, turns, reply):
 
 def child(args):
     result = {"config": args.config, "mode": args.mode, "errors": []}
-    mode, kv = args.config.split(":")
+    mode, kv = args.config.split("/")[0].split(":")
     work = json.loads((args.model_dir / "workload.json").read_text())
     import torch
     import vllm
@@ -447,10 +456,12 @@ def compare_accuracy(results, scratch):
     by = {r["config"]: r for r in results if "ppl" in r}
     lps = {}
     for c in by:
-        f = scratch / f"{c.replace(':', '_')}.json"
+        f = scratch / _slug(c)
         if f.is_file():
             lps[c] = json.loads(f.read_text())
-    pairs = []
+    # a configuration run with other steps against itself: how far the model's own
+    # rounding moves the answers when only the order of the sums changes
+    pairs = [(c, c.split("/")[0]) for c in by if "/" in c]
     for p in PRESETS:
         pairs += [
             (f"on:{p}", f"off:{p}"),
@@ -476,6 +487,12 @@ def compare_accuracy(results, scratch):
                 div.append([i, None, None])
         row["greedy_identical"] = sum(1 for x in div if x[1] is None)
         row["greedy_prompts"] = len(div)
+        row["divergence_median"] = statistics.median(x[0] for x in div)
+        # a flip at a near-tie: in one of the two runs the top two logits lay within
+        # one bf16 step of each other there (NEAR_TIE)
+        row["near_ties"] = sum(
+            1 for x in div if x[1] is not None and min(x[1], x[2]) <= NEAR_TIE
+        )
         row["divergences"] = div  # [position, top-2 gap in a's run, in b's run]
         out[f"{a} vs {b}"] = row
     return out
@@ -509,7 +526,9 @@ def parent(args):
         cmd = [sys.executable, __file__, "--child", "--config", cfg]
         cmd += ["--mode", args.mode, "--model-dir", str(args.model_dir)]
         cmd += ["--scratch", str(scratch), "--kv-gib", str(args.kv_gib)]
-        cmd += ["--batch-tokens", str(args.batch_tokens)]
+        # <config>/<tokens>: that configuration with steps of that many tokens
+        chunk = cfg.split("/")[1] if "/" in cfg else str(args.batch_tokens)
+        cmd += ["--batch-tokens", chunk]
         cmd += ["--replay-batch", str(args.replay_batch)]
         cmd += ["--inflight", args.inflight, "--turns", str(args.turns)]
         cmd += ["--reply-tokens", str(args.reply_tokens)]
@@ -576,10 +595,11 @@ def markdown(data) -> str:
             "",
             (
                 "| pair (a vs b) | perplexity a/b - 1 | mean / max abs dlogprob per "
-                "token | greedy identical (of prompts) | first divergences: position "
-                "(top-2 gap in a's run / b's) |"
+                "token | greedy identical (of prompts) | first divergence, median "
+                f"position | divergences at a near-tie (top two <= {NEAR_TIE}) "
+                "| first divergences: position (top-2 gap in a's run / b's) |"
             ),
-            "|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|",
         ]
         for k, v in cmp.items():
             dl = (
@@ -595,9 +615,13 @@ def markdown(data) -> str:
                 )
                 or "none"
             )
+            n_div = v["greedy_prompts"] - v["greedy_identical"]
+            ties = f"{v['near_ties']} of {n_div}" if "near_ties" in v else "-"
+            med = v.get("divergence_median")
             rows.append(
                 f"| {k} | {v['ppl_rel']:+.3%} | {dl} "
-                f"| {v['greedy_identical']} of {v['greedy_prompts']} | {divs} |"
+                f"| {v['greedy_identical']} of {v['greedy_prompts']} "
+                f"| {med if med is not None else '-'} | {ties} | {divs} |"
             )
     rep = [r for r in res if r.get("mode") == "replay"]
     if rep:
@@ -680,7 +704,12 @@ def plot(data, path):
     b.set(
         xlabel="conversations in flight", ylabel="TTFT ms", xscale="log", yscale="log"
     )
+    ns = sorted(
+        {x["conversations"] for r in data["results"] for x in r.get("replays", [])}
+    )
     for ax in (a, b):
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("SmolLM2-135M, multi-turn replay on a fixed KV-cache memory")
@@ -693,9 +722,11 @@ def main(argv=None):
     ap.add_argument("--mode", choices=("accuracy", "replay"), default="accuracy")
     ap.add_argument(
         "--configs",
-        help="comma-separated bf16:auto, on:<preset>, off:<preset> (default: accuracy, "
-        "every preset on and off and the BF16 cache; replay, the BF16 cache and "
-        "turboquant_3bit_nc on and off)",
+        help="comma-separated bf16:auto, on:<preset>, off:<preset>, each optionally "
+        "with /<tokens a step> (accuracy: compared with the same configuration at "
+        "--batch-tokens, the model's own rounding noise) (default: accuracy, the BF16 "
+        "cache at 512 and 256 tokens a step and every preset on and off; replay, the "
+        "BF16 cache and turboquant_3bit_nc on and off)",
     )
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/tq-real/smollm2"))
     ap.add_argument(
@@ -738,19 +769,23 @@ def main(argv=None):
     if args.configs is None:
         if args.mode == "accuracy":
             args.configs = ",".join(
-                ["bf16:auto"] + [f"{m}:{p}" for p in PRESETS for m in ("on", "off")]
+                ["bf16:auto", "bf16:auto/256"]
+                + [f"{m}:{p}" for p in PRESETS for m in ("on", "off")]
             )
         else:
             args.configs = "bf16:auto,on:turboquant_3bit_nc,off:turboquant_3bit_nc"
     for cfg in args.configs.split(","):
         mode, _, kv = cfg.partition(":")
-        ok = (mode == "bf16" and kv == "auto") or (
+        kv, _, chunk = kv.partition("/")
+        known = (mode == "bf16" and kv == "auto") or (
             mode in ("on", "off") and kv in PRESETS
         )
+        ok = known and (not chunk or chunk.isdigit())
         if not ok:
             ap.error(
                 f"--configs: expected bf16:auto, on:<preset> or off:<preset> "
-                f"with a preset of {', '.join(PRESETS)}; got {cfg!r}"
+                f"with a preset of {', '.join(PRESETS)}, each optionally with "
+                f"/<tokens a step>; got {cfg!r}"
             )
     if args.child:
         child(args)

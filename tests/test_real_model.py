@@ -87,7 +87,7 @@ def _accuracy_results(tmp_path):
     lps["off:turboquant_3bit_nc"] = [-1.0, -2.0, -3.5]
     results = []
     for cfg, lp in lps.items():
-        (tmp_path / f"{cfg.replace(':', '_')}.json").write_text(json.dumps(lp))
+        (tmp_path / rm._slug(cfg)).write_text(json.dumps(lp))
         toks = [[7, 8, 9], [7, 8, 9]]
         if cfg.startswith("off"):
             toks[1] = [7, 6, 9]  # diverges at position 1
@@ -119,6 +119,7 @@ def test_compare_accuracy_pairs_each_preset_with_its_full_path_and_bf16(tmp_path
     assert row["dlogprob_mean"] == pytest.approx(0.5 / 3)
     assert row["greedy_identical"] == 1 and row["greedy_prompts"] == 2
     assert row["divergences"] == [[3, None, None], [1, 0.01, 0.01]]
+    assert row["divergence_median"] == 2 and row["near_ties"] == 1
 
 
 def test_report_renders_accuracy_and_replay_with_a_plot(tmp_path):
@@ -126,7 +127,9 @@ def test_report_renders_accuracy_and_replay_with_a_plot(tmp_path):
     data = {"results": results, "compare": rm.compare_accuracy(results, tmp_path)}
     md = rm.markdown(data)
     assert "| on:turboquant_3bit_nc vs off:turboquant_3bit_nc |" in md
-    assert "1 of 2 | 1 (0.010/0.010)" in md
+    # one prompt identical, one diverging at position 1 where the top two were 0.01
+    # apart (a near-tie); the median first divergence over both: (3 + 1) / 2
+    assert "1 of 2 | 2.0 | 1 of 1 | 1 (0.010/0.010)" in md
     rep = dict(
         conversations=8,
         requests=48,
