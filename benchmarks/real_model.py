@@ -563,7 +563,7 @@ def parent(args):
         with open(
             args.out, "w"
         ) as f:  # after every configuration: a timeout keeps the rest
-            json.dump(data, f, indent=1)
+            json.dump(data, f, separators=(",", ":"))  # compact: 32 x 128 tokens each
     print(markdown(data), end="")
 
 
