@@ -208,12 +208,18 @@ def test_real_activations_within_the_full_paths_error(layer, preset, dtype):
 
 
 @pytest.mark.skipif(not TRITON_OK, reason="the memory-bound path is Triton")
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize(
+    ("preset", "dtype"),
+    [(p, torch.float16) for p in PRESETS]
+    # bf16 over fp8 keys measured 1.16-1.23x, over the bound; "auto" does not send
+    # fp8 keys there (benchmarks/NOTES.md §35, §37)
+    + [(p, torch.bfloat16) for p in PRESETS if p != "turboquant_k8v4"],
+    ids=lambda x: {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(x, x),
+)
 @pytest.mark.parametrize("layer", LAYERS, ids=[f"layer{n}" for n in LAYERS])
-def test_real_activations_on_the_memory_bound_path(layer, preset):
-    """Every request through the memory-bound path, fp16 (the queries "auto" sends
-    there; bf16 is not sent: benchmarks/NOTES.md §35)."""
-    check(layer, preset, torch.float16, path="paged")
+def test_real_activations_on_the_memory_bound_path(layer, preset, dtype):
+    """Every request through the memory-bound path."""
+    check(layer, preset, dtype, path="paged")
 
 
 @pytest.mark.parametrize("layer", LAYERS)

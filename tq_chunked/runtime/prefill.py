@@ -290,14 +290,14 @@ class ContinuationPrefill:
         backend: "auto", "flash", "triton" or "torch" (attention.py); a named back end
             that is unavailable raises, and is never silently replaced.
         path: which requests take the memory-bound path (paged.py) instead of windows:
-            "auto" (fp16 queries over MSE keys, in runs of requests with cached tokens
+            "auto" (queries over MSE keys, in runs of requests with cached tokens
             and at most ``plan.PAGED_MAX_ROWS`` query rows per kv head that hold
             ``plan.PAGED_MIN_CACHED`` cached tokens, where Triton runs: on a GPU or
             under the interpreter),
             "window" (none) or "paged" (every request with cached tokens, for
             measurements; a run whose query rows need more scratch than a batch
-            window of the step raises, and bf16 queries and fp8 keys may leave the
-            exactness bound there: plan.py).
+            window of the step raises, and fp8 keys may leave the exactness bound
+            there in bf16: plan.py).
         check_block_table: record block ids outside [0, num_blocks) among those read
             and raise a ValueError naming the first one at the next call on the device
             (or at ``check_block_tables()``), without synchronizing (on a CPU: before
