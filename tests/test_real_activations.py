@@ -212,7 +212,7 @@ def test_real_activations_within_the_full_paths_error(layer, preset, dtype):
     ("preset", "dtype"),
     [(p, torch.float16) for p in PRESETS]
     # bf16 over fp8 keys measured 1.16-1.23x, over the bound; "auto" does not send
-    # fp8 keys there (benchmarks/NOTES.md §35, §37)
+    # them there (benchmarks/NOTES.md §35, §37)
     + [(p, torch.bfloat16) for p in PRESETS if p != "turboquant_k8v4"],
     ids=lambda x: {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(x, x),
 )

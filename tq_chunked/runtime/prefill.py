@@ -290,10 +290,10 @@ class ContinuationPrefill:
         backend: "auto", "flash", "triton" or "torch" (attention.py); a named back end
             that is unavailable raises, and is never silently replaced.
         path: which requests take the memory-bound path (paged.py) instead of windows:
-            "auto" (queries over MSE keys, in runs of requests with cached tokens
-            and at most ``plan.PAGED_MAX_ROWS`` query rows per kv head that hold
+            "auto" (runs of requests with cached tokens and at most
+            ``plan.PAGED_MAX_ROWS`` query rows per kv head that hold
             ``plan.PAGED_MIN_CACHED`` cached tokens, where Triton runs: on a GPU or
-            under the interpreter),
+            under the interpreter; not bf16 queries over fp8 keys),
             "window" (none) or "paged" (every request with cached tokens, for
             measurements; a run whose query rows need more scratch than a batch
             window of the step raises, and fp8 keys may leave the exactness bound
