@@ -267,6 +267,53 @@ def test_the_plan_covers_each_requests_cached_positions_once_per_kv_head_and_til
     assert tokens[4][2] == 0  # request 1 has nothing cached: no splits
 
 
+def _work_list_by_loops(plan, qsl, lens):
+    """The work list and tokens as plain loops over requests, tiles, kv heads and
+    splits (paged._build builds them with numpy): the reference."""
+    group = plan.num_q_heads // plan.num_kv_heads
+    work, tokens, part = [], [], 0
+    for r in range(len(lens)):
+        q0, q = qsl[r], qsl[r + 1] - qsl[r]
+        cached, rows = lens[r] - q, q * group
+        busy = cached > 0 and q > 0
+        n_splits = -(-cached // plan.split_len) if busy else 0
+        tokens += [(q0 + t, part + t, n_splits, q) for t in range(q)]
+        for tile in range(-(-rows // plan.block_m) if busy else 0):
+            for h in range(plan.num_kv_heads):
+                for j in range(n_splits):
+                    p0 = j * plan.split_len
+                    p1 = min(cached, p0 + plan.split_len)
+                    work.append((r, h, q0, qsl[r], rows, tile * plan.block_m, p0, p1,
+                                 part + j * q))  # fmt: skip
+        part += n_splits * q
+    return work, tokens, part
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 300), st.integers(0, 9)), min_size=1, max_size=12
+    ),
+    st.sampled_from([(8, 2), (4, 4), (32, 8)]),
+    st.sampled_from([16, 32, 48, 64]),
+)
+def test_the_plans_work_list_is_the_loops(reqs, heads, split_len):
+    """Every request, tile, kv head and split in the order the loops give them, on
+    batches with first chunks (nothing cached), requests without query tokens and
+    several tiles."""
+    qsl, lens = [0], []
+    for cached, q in reqs:
+        qsl.append(qsl[-1] + q)
+        lens.append(cached + q)
+    plan = plan_paged(qsl, lens, *heads, 64, "turboquant_3bit_nc",
+                      split_len=split_len, block_m=16, block_n=16)  # fmt: skip
+    work, tokens, part = _work_list_by_loops(plan, qsl, lens)
+    assert plan.work.tolist() == [x for w in work for x in w]
+    assert plan.tokens.tolist() == [x for t in tokens for x in t]
+    assert plan.part_rows == part
+    assert plan.max_splits == max([t[2] for t in tokens], default=0)
+
+
 def test_the_plans_split_aims_at_the_sms_and_its_scratch_is_its_regions():
     qsl, lens = [0, 1, 2], [4097, 9001]
     plan = plan_paged(qsl, lens, 32, 8, 128, "turboquant_3bit_nc", sms=132,

@@ -36,7 +36,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import interpreter_rounds_bf16, round_bf16, use_triton
+from ._utils import (
+    cdiv,
+    interpreter_rounds_bf16,
+    next_power_of_2,
+    round_bf16,
+    use_triton,
+)
 
 BACKENDS = ("flash", "triton", "torch")
 log = logging.getLogger(__name__)
@@ -184,14 +190,14 @@ def _triton_attention(call, q, k, v, scale, out):
     nq, hq, d = q.shape
     hk = k.shape[1]
     lse = torch.empty(hq, nq, dtype=torch.float32, device=q.device)
-    block_d = triton.next_power_of_2(d)
+    block_d = next_power_of_2(d)
     if not q.is_cuda:  # the interpreter: small blocks, less work on masked rows
         block_m, block_n, warps, stages = 32, 32, 4, 1
     elif block_d <= 128:
         block_m, block_n, warps, stages = 128, 64, 8, 3
     else:
         block_m, block_n, warps, stages = 64, 32, 8, 2
-    grid = (triton.cdiv(max(call.max_q, 1), block_m), len(call.cu_q_host) - 1, hq)
+    grid = (cdiv(max(call.max_q, 1), block_m), len(call.cu_q_host) - 1, hq)
     _attention_kernel[grid](
         q,
         k,

@@ -53,8 +53,10 @@ import triton.language as tl
 
 from ._utils import (
     Launcher,
+    cdiv,
     interpreter_rounds_bf16,
     interpreting,
+    next_power_of_2,
     round_bf16,
     use_triton,
 )
@@ -690,7 +692,7 @@ SPLIT_BLOCK = 1024
 
 def split_flags(head_dim: int) -> int:
     """How many "one magnitude" flags split_rotation writes for this head size."""
-    return triton.cdiv(head_dim * head_dim, SPLIT_BLOCK)
+    return cdiv(head_dim * head_dim, SPLIT_BLOCK)
 
 
 @triton.jit
@@ -869,7 +871,7 @@ def fill_window(
     if window.rows <= 0:
         return
     rotate = unrotate and not cfg.key_fp8
-    block_d = triton.next_power_of_2(cfg.head_dim)
+    block_d = next_power_of_2(cfg.head_dim)
     launch = config if config is not None else FILL[(block_d, rotate)]
     fp8_e4b15 = cfg.key_fp8 and fp8_e4b15_for(kv_cache.device)
     if not use_triton(kv_cache):
@@ -895,7 +897,7 @@ def fill_window(
         rot_parts, flags = parts if parts is not None else split_rotation(rotation)
     nflags = split_flags(cfg.head_dim) if rotate else 1
     n_heads = k_out.shape[1]
-    heads = triton.next_power_of_2(n_heads)
+    heads = next_power_of_2(n_heads)
     # A program's slots are the same number whatever the kv-head group (rows x heads;
     # past 64 heads, one row of all of them), so that each row's un-rotation is the
     # same dot, and the same bits, however a call groups its kv heads. The
@@ -903,7 +905,7 @@ def fill_window(
     block_t = max(1, (32 if interpreting() else launch.slots) // heads)
     centroids = centroids if centroids is not None else kv_cache  # fp8 keys: not read
     launch_fill(
-        (triton.cdiv(window.rows, block_t), 2 if launch.split else 1),
+        (cdiv(window.rows, block_t), 2 if launch.split else 1),
         kv_cache,
         block_table,
         centroids,
@@ -961,7 +963,7 @@ def fill_window(
         heads,
         block_t,
         min(launch.block_n, block_d),
-        triton.next_power_of_2(nflags),
+        next_power_of_2(nflags),
         num_warps=launch.warps,
         enable_fp_fusion=False,
     )

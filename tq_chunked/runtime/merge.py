@@ -31,7 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import Launcher, interpreter_rounds_bf16, round_bf16, use_triton
+from ._utils import (
+    Launcher,
+    cdiv,
+    interpreter_rounds_bf16,
+    next_power_of_2,
+    round_bf16,
+    use_triton,
+)
 
 
 @triton.jit
@@ -151,14 +158,14 @@ def merge_attn_states(
             output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse
         )
         return
-    block_d = triton.next_power_of_2(d)
+    block_d = next_power_of_2(d)
     block_l = 16 if block_d <= 128 else 8
     # not read without a prefix
     p = prefix_output if prefix_output is not None else suffix_output
     lp = prefix_lse if prefix_lse is not None else suffix_lse
     lo = output_lse if output_lse is not None else suffix_lse  # not written without
     launch_merge(
-        (triton.cdiv(rows, block_l), h),
+        (cdiv(rows, block_l), h),
         output,
         p,
         lp,

@@ -52,11 +52,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from ._utils import Launcher, interpreter_rounds_bf16, interpreting, round_bf16
+from ._utils import (
+    Launcher,
+    cdiv,
+    interpreter_rounds_bf16,
+    interpreting,
+    next_power_of_2,
+    round_bf16,
+)
 from .dequant import _fp16_at, _unpack, fp8_e4b15_for, halves_ok
 from .format import TQConfig, resolve_config
 from .merge import _term
@@ -103,8 +111,8 @@ class PagedPlan:
     block_n: int  # positions per loop iteration
     num_warps: int
     split_len: int  # positions per split (a multiple of block_n)
-    work: tuple[int, ...]  # programs x WORK_FIELDS
-    tokens: tuple[int, ...]  # served tokens x TOKEN_FIELDS
+    work: np.ndarray  # (programs x WORK_FIELDS,) int32
+    tokens: np.ndarray  # (served tokens x TOKEN_FIELDS,) int32
     part_rows: int  # rows of the split partials
     max_splits: int  # the most splits of a served request
 
@@ -162,7 +170,7 @@ class PagedPlan:
         """(work (programs, WORK_FIELDS), tokens (served tokens, TOKEN_FIELDS)) int32
         on ``device`` (one copy each; a caller that pins and copies them
         asynchronously may build them from ``work`` and ``tokens`` itself)."""
-        t = lambda x, k: torch.tensor(x, dtype=torch.int32).view(-1, k).to(device)
+        t = lambda x, k: torch.from_numpy(x).view(-1, k).to(device)
         return t(self.work, WORK_FIELDS), t(self.tokens, TOKEN_FIELDS)
 
 
@@ -185,7 +193,7 @@ def default_launch(rows: int, interpret: bool) -> tuple[int, int, int]:
     query rows per kv head: one tile of all of them up to MAX_GPU_TILE (each slot
     decoded once per request and kv head), 16 at least (the tensor cores' smallest
     tile)."""
-    block_m = min(max(triton.next_power_of_2(max(rows, 1)), 16), MAX_GPU_TILE)
+    block_m = min(max(next_power_of_2(max(rows, 1)), 16), MAX_GPU_TILE)
     if interpret:
         return 16, 16, 4
     return block_m, 64 if block_m <= 32 else 32, 4
@@ -252,12 +260,12 @@ def plan_paged(
         raise ValueError(f"block_m must be 16, 32, 64 or 128, got {block_m}")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    tiles = {i: triton.cdiv(rows[i], block_m) for i in busy}
+    tiles = {i: cdiv(rows[i], block_m) for i in busy}
     longest = max((cached[i] for i in busy), default=0)
     if split_len is None:
         work = sum(hk * tiles[i] * cached[i] for i in busy)
-        split_len = max(MIN_SPLIT, triton.cdiv(work, max(sms * programs_per_sm, 1)))
-    split_len = triton.cdiv(max(min(split_len, longest), 1), block_n) * block_n
+        split_len = max(MIN_SPLIT, cdiv(work, max(sms * programs_per_sm, 1)))
+    split_len = cdiv(max(min(split_len, longest), 1), block_n) * block_n
     while True:
         plan = _build(
             cfg, hq, hk, group, served, q0, q_len, cached, rows, busy, tiles,
@@ -271,32 +279,41 @@ def plan_paged(
                 f"for these requests, more than max_scratch_bytes "
                 f"({max_scratch_bytes})"
             )
-        split_len = min(2 * split_len, triton.cdiv(longest, block_n) * block_n)
+        split_len = min(2 * split_len, cdiv(longest, block_n) * block_n)
 
 
 def _build(
     cfg, hq, hk, group, served, q0, q_len, cached, rows, busy, tiles,
     block_m, block_n, num_warps, split_len,
 ) -> PagedPlan:  # fmt: skip
-    work: list[int] = []
-    tokens: list[int] = []
-    part = 0  # partial rows so far
-    crow = 0  # served tokens so far
-    max_splits = 0
-    for i, r in enumerate(served):
-        n_splits = triton.cdiv(cached[i], split_len) if i in tiles else 0
-        for t in range(q_len[i]):
-            tokens += (q0[i] + t, part + t, n_splits, q_len[i])
-        for tile in range(tiles.get(i, 0)):
-            for h in range(hk):
-                for j in range(n_splits):
-                    p0 = j * split_len
-                    p1 = min(cached[i], p0 + split_len)
-                    work += (r, h, q0[i], crow, rows[i], tile * block_m, p0, p1)
-                    work.append(part + j * q_len[i])
-        part += n_splits * q_len[i]
-        crow += q_len[i]
-        max_splits = max(max_splits, n_splits)
+    """The work list and the tokens' fields, built with numpy (thousands of programs
+    per step: a Python loop took milliseconds, benchmarks/NOTES.md §38). Request i's
+    programs, in order: tile, kv head, split; its tokens: its query tokens in order."""
+    n = len(served)
+    served_a = np.asarray(served, dtype=np.int64).reshape(n)
+    q0_a, q_a = np.asarray(q0, np.int64).reshape(n), np.asarray(q_len, np.int64)
+    cached_a, rows_a = np.asarray(cached, np.int64), np.asarray(rows, np.int64)
+    tiles_a = np.zeros(n, np.int64)
+    tiles_a[list(tiles)] = list(tiles.values())
+    splits = np.where(tiles_a > 0, -(-cached_a // split_len), 0)
+    part0 = np.cumsum(splits * q_a) - splits * q_a  # the request's first partial row
+    crow0 = np.cumsum(q_a) - q_a  # its first served token
+
+    i = np.repeat(np.arange(n), q_a)  # each served token's request
+    t = np.arange(i.size) - crow0[i]
+    tokens = np.stack([q0_a[i] + t, part0[i] + t, splits[i], q_a[i]], axis=1)
+
+    count = tiles_a * hk * splits
+    i = np.repeat(np.arange(n), count)  # each program's request
+    k = np.arange(i.size) - (np.cumsum(count) - count)[i]  # its index in the request
+    s = splits[i]  # > 0 for every program
+    j, h, tile = k % s, (k // s) % hk, k // (s * hk)
+    p0 = j * split_len
+    work = np.stack(
+        [served_a[i], h, q0_a[i], crow0[i], rows_a[i], tile * block_m, p0,
+         np.minimum(cached_a[i], p0 + split_len), part0[i] + j * q_a[i]],
+        axis=1,
+    )  # fmt: skip
     return PagedPlan(
         hq,
         hk,
@@ -306,10 +323,10 @@ def _build(
         block_n,
         num_warps,
         split_len,
-        tuple(work),
-        tuple(tokens),
-        part,
-        max_splits,
+        work.astype(np.int32).reshape(-1),
+        tokens.astype(np.int32).reshape(-1),
+        int(splits @ q_a),
+        int(splits.max(initial=0)),
     )
 
 
@@ -999,14 +1016,14 @@ def paged_attention(
     if plan.rotated and (rotation is None or rotation.shape != (d, d)):
         raise ValueError(f"rotation must be ({d}, {d}) for MSE keys")
     interp = interpreting() or not query.is_cuda
-    block_d = triton.next_power_of_2(d)
+    block_d = next_power_of_2(d)
     if plan.num_tokens == 0:
         return
     if plan.rotated and plan.programs:
         assert centroids is not None and rotation is not None  # checked above
         block_r = 16
         launch_rotate(
-            (triton.cdiv(plan.num_tokens * hq, block_r),),
+            (cdiv(plan.num_tokens * hq, block_r),),
             query,
             rotation,
             centroids,
@@ -1082,7 +1099,7 @@ def paged_attention(
     if new is not None and new_lse is not None:
         new_strides = (new.stride(0), new.stride(1), new_lse.stride(0))
     launch_combine(
-        (triton.cdiv(plan.num_tokens, block_t), hq),
+        (cdiv(plan.num_tokens, block_t), hq),
         scratch.part_out,
         scratch.part_lse,
         tokens,

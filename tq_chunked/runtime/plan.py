@@ -59,6 +59,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ._utils import as_int, interpreting
@@ -613,18 +614,18 @@ def _units(
         spans.append((len(packed), len(fields), len(packed) + len(fields), len(cu_q)))
         packed.extend(fields)
         packed.extend(cu_q)
-    paged_spans = []
+    # the paged runs' arrays after the windows' ints (their work lists run to
+    # thousands of programs: joined by numpy, not as Python ints)
+    paged_spans, arrays, at = [], [np.asarray(packed, dtype=np.int32)], len(packed)
     for run, plan in runs:
         cu = [0]
         for r in run:
             cu.append(cu[-1] + qsl[r + 1] - qsl[r])
-        at = len(packed)
-        packed.extend(cu)
-        packed.extend(plan.work)
-        packed.extend(plan.tokens)
+        arrays += [np.asarray(cu, dtype=np.int32), plan.work, plan.tokens]
         paged_spans.append((at, len(cu), len(plan.work), len(plan.tokens), tuple(cu)))
+        at += len(cu) + len(plan.work) + len(plan.tokens)
 
-    host = torch.tensor(packed, dtype=torch.int32)
+    host = torch.from_numpy(np.concatenate(arrays))
     if device.type == "cuda":
         # pinned, so the copy is asynchronous: no host-device sync
         with torch.cuda.stream(stream or torch.cuda.current_stream(device)):
