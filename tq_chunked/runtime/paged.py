@@ -98,7 +98,7 @@ def _aligned(n: int) -> int:
 # ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: its work list is an array
 class PagedPlan:
     """What ``paged_attention`` runs for one step: the launch, the work list, the
     scratch. Made by ``plan_paged`` from host lengths; the same for every layer."""
@@ -115,6 +115,10 @@ class PagedPlan:
     tokens: np.ndarray  # (served tokens x TOKEN_FIELDS,) int32
     part_rows: int  # rows of the split partials
     max_splits: int  # the most splits of a served request
+    # bf16 queries: the chunk's own call on fp16 copies of its query, key and value,
+    # so that its partial is rounded once in fp16 before the combine, as a long
+    # request's windows are (benchmarks/NOTES.md §3, §39)
+    half_chunk: bool = False
 
     @property
     def programs(self) -> int:
@@ -126,13 +130,18 @@ class PagedPlan:
 
     def regions(self) -> dict[str, tuple[int, tuple[int, ...], torch.dtype]]:
         """Each scratch region's name -> (byte offset, shape, dtype)."""
-        hq, d = self.num_q_heads, self.head_dim
+        hq, hk, d, n = self.num_q_heads, self.num_kv_heads, self.head_dim, 0
         out, at = {}, 0
+        if self.half_chunk:
+            n = self.num_tokens
         shapes = [
             ("query", (self.num_tokens if self.rotated else 0, hq, d), torch.float32),
             ("table", (16 if self.rotated else 0,), torch.float16),
             ("part_out", (self.part_rows, hq, d), torch.float32),
             ("part_lse", (self.part_rows, hq), torch.float32),
+            ("chunk_q", (n, hq, d), torch.float16),
+            ("chunk_k", (n, hk, d), torch.float16),
+            ("chunk_v", (n, hk, d), torch.float16),
         ]
         for name, shape, dtype in shapes:
             out[name] = (at, shape, dtype)
@@ -142,8 +151,10 @@ class PagedPlan:
     @property
     def scratch_bytes(self) -> int:
         """Bytes of the scratch (each region aligned to 256 bytes)."""
-        at, shape, dtype = self.regions()["part_lse"]
-        return at + _aligned(math.prod(shape) * dtype.itemsize)
+        return sum(
+            _aligned(math.prod(shape) * dtype.itemsize)
+            for _, shape, dtype in self.regions().values()
+        )
 
     def carve(self, buffer: torch.Tensor) -> PagedScratch:
         """The scratch's views of ``buffer`` (uint8, contiguous, at least
@@ -180,6 +191,10 @@ class PagedScratch:
     table: torch.Tensor  # (16,) fp16: the centroids as the key dot reads them
     part_out: torch.Tensor  # (part_rows, Hq, D) float32
     part_lse: torch.Tensor  # (part_rows, Hq) float32, natural log
+    # (served tokens, Hq or Hk, D) fp16, the chunk's copies (half_chunk); else 0 rows
+    chunk_q: torch.Tensor
+    chunk_k: torch.Tensor
+    chunk_v: torch.Tensor
 
 
 # The largest tile a GPU launch takes by default: 64-row tiles with 4 warps compile to
@@ -216,6 +231,7 @@ def plan_paged(
     split_len: int | None = None,
     max_scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
     interpret: bool | None = None,
+    half_chunk: bool = False,
 ) -> PagedPlan:
     """The plan of the memory-bound path for the requests ``requests`` (default: all)
     of a batch, from host ints alone.
@@ -228,7 +244,8 @@ def plan_paged(
     ``default_launch``). Splits double until the scratch fits ``max_scratch_bytes``
     (a ValueError if one split per request does not). A request with nothing cached
     has tokens (the combine writes them) and no work; one without query tokens has
-    neither.
+    neither. half_chunk: the scratch holds fp16 copies of the served tokens' query,
+    key and value for the chunk's own call (bf16 queries: PagedPlan.half_chunk).
     """
     cfg = resolve_config(preset, head_dim)
     hq, hk = num_q_heads, num_kv_heads
@@ -269,7 +286,7 @@ def plan_paged(
     while True:
         plan = _build(
             cfg, hq, hk, group, served, q0, q_len, cached, rows, busy, tiles,
-            block_m, block_n, num_warps, split_len,
+            block_m, block_n, num_warps, split_len, half_chunk,
         )  # fmt: skip
         if plan.scratch_bytes <= max_scratch_bytes:
             return plan
@@ -284,7 +301,7 @@ def plan_paged(
 
 def _build(
     cfg, hq, hk, group, served, q0, q_len, cached, rows, busy, tiles,
-    block_m, block_n, num_warps, split_len,
+    block_m, block_n, num_warps, split_len, half_chunk,
 ) -> PagedPlan:  # fmt: skip
     """The work list and the tokens' fields, built with numpy (thousands of programs
     per step: a Python loop took milliseconds, benchmarks/NOTES.md §38). Request i's
@@ -327,6 +344,7 @@ def _build(
         tokens.astype(np.int32).reshape(-1),
         int(splits @ q_a),
         int(splits.max(initial=0)),
+        half_chunk,
     )
 
 

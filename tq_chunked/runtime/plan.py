@@ -24,7 +24,7 @@ dequantized, new tokens copied after them.
 * A request with few query rows per kv head (``q_r x Hq / Hk <= PAGED_MAX_ROWS``)
   over a cached prefix is bound by the bytes of its cache: it takes the **memory-bound
   path** (paged.py) instead of windows, where consecutive such requests hold
-  PAGED_MIN_CACHED cached tokens together (not bf16 over fp8 keys). They form a
+  PAGED_MIN_CACHED cached tokens together. They form a
   **paged run**: one causal attention call over their own tokens, then their cached
   positions read straight from the paged cache (split over the SMs, no fp16 K/V
   anywhere), merged with that call's partial.
@@ -85,12 +85,10 @@ GAP = 256
 FIT_ROWS = 256  # a window fitted to the budget is a multiple of this (fit_window)
 # "auto" sends a request to the memory-bound path where it has cached tokens and at
 # most PAGED_MAX_ROWS query rows per kv head (q_r x Hq / Hk: one tile of the paged
-# kernel, paged.MAX_GPU_TILE), the keys are not fp8 under a bf16 query, and the
-# consecutive such requests hold at least PAGED_MIN_CACHED cached tokens together:
-# where it measured faster than the windows for every head shape tried (0.27-0.73x).
-# Below that the launches' fixed cost weighs against it; bf16 over fp8 keys came out at
-# up to 1.23x the full path's error on real activations, over the bound (the chunk's
-# partial rounded to bf16 before the merge: benchmarks/NOTES.md §35, §37).
+# kernel, paged.MAX_GPU_TILE) and the consecutive such requests hold at least
+# PAGED_MIN_CACHED cached tokens together: where it measured faster than the windows
+# for every head shape, preset and dtype tried (0.27-0.73x). Below that the launches'
+# fixed cost weighs against it (benchmarks/NOTES.md §35, §37, §39).
 PAGED_MAX_ROWS = 32
 PAGED_MIN_CACHED = 256 * 1024
 PATHS = ("auto", "window", "paged")
@@ -391,12 +389,12 @@ def make_plan(
             )
         ) - (ALIGN + rotation_bytes(head_dim))
         group = num_q_heads // num_kv_heads
-        auto_ok = dtype == torch.float16 or not cfg.key_fp8
-        for run in paged_runs(qsl, seq_lens, group, path, device, auto_ok):
+        for run in paged_runs(qsl, seq_lens, group, path, device):
             try:
                 plan = plan_paged(
                     qsl, seq_lens, num_q_heads, num_kv_heads, head_dim, cfg,
                     requests=run, sms=sms, max_scratch_bytes=limit,
+                    half_chunk=dtype == torch.bfloat16,
                 )  # fmt: skip
             except ValueError:
                 if path == "paged":
@@ -473,16 +471,15 @@ def paged_runs(
     group: int,
     path: str,
     device: torch.device,
-    auto_ok: bool = True,
 ) -> list[tuple[int, ...]]:
     """The requests the memory-bound path serves, as runs of consecutive ones (requests
     without query tokens neither join nor break a run): with path "paged" every
     request with query and cached tokens; with "auto" those with cached tokens and at
     most PAGED_MAX_ROWS query rows per kv head (``group`` = Hq / Hk), in runs of at
     least PAGED_MIN_CACHED cached tokens, where Triton runs (on a GPU, or under the
-    interpreter) and ``auto_ok`` (not a bf16 query over fp8 keys)."""
+    interpreter)."""
     triton_runs = device.type == "cuda" or interpreting()
-    if path == "window" or (path == "auto" and not (triton_runs and auto_ok)):
+    if path == "window" or (path == "auto" and not triton_runs):
         return []
     runs: list[tuple[int, ...]] = []
     run: list[int] = []

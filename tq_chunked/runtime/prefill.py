@@ -293,11 +293,10 @@ class ContinuationPrefill:
             "auto" (runs of requests with cached tokens and at most
             ``plan.PAGED_MAX_ROWS`` query rows per kv head that hold
             ``plan.PAGED_MIN_CACHED`` cached tokens, where Triton runs: on a GPU or
-            under the interpreter; not bf16 queries over fp8 keys),
+            under the interpreter),
             "window" (none) or "paged" (every request with cached tokens, for
             measurements; a run whose query rows need more scratch than a batch
-            window of the step raises, and fp8 keys may leave the exactness bound
-            there in bf16: plan.py).
+            window of the step raises: plan.py).
         check_block_table: record block ids outside [0, num_blocks) among those read
             and raise a ValueError naming the first one at the next call on the device
             (or at ``check_block_tables()``), without synchronizing (on a CPU: before
@@ -830,17 +829,22 @@ class _Layer:
 
     def paged_run(self, run, scratch):
         """Requests through the memory-bound path: their own tokens' causal attention
-        into out (a partial, in out's dtype), then their cached positions read from
-        the cache and merged with it into out (paged.py)."""
+        into out's bytes (a partial, fp16 for fp16 and bf16 queries alike), then their
+        cached positions read from the cache and merged with it into out
+        (paged.py)."""
         rows = slice(run.q0, run.q1)
+        q, k, v = self.query[rows], self.key[rows], self.value[rows]
+        part = self.out
+        if scratch.chunk_q.numel():
+            # bf16: the partial computed and rounded in fp16, as a long request's
+            # windows are (NOTES.md §3, §39); it waits in out's own bytes
+            scratch.chunk_q.copy_(q)
+            scratch.chunk_k.copy_(k)
+            scratch.chunk_v.copy_(v)
+            q, k, v = scratch.chunk_q, scratch.chunk_k, scratch.chunk_v
+            part = self.out.view(torch.float16)
         chunk_lse = varlen_attention(
-            run.chunk,
-            self.query[rows],
-            self.key[rows],
-            self.value[rows],
-            self.scale,
-            self.out[rows],
-            self.step.backend,
+            run.chunk, q, k, v, self.scale, part[rows], self.step.backend
         )
         paged_attention(
             self.query,
@@ -856,7 +860,7 @@ class _Layer:
             rotation=self.rotation,
             scale=self.scale,
             lse=self.lse,
-            new=self.out,
+            new=part,
             new_lse=chunk_lse,
             new_lse_row0=run.q0,
             err=self.err,

@@ -13,6 +13,8 @@ once per call and read by every window's fill:
 
     a paged run (the memory-bound path; paged.PagedPlan.regions), after those two:
         query, table, part_out, part_lse                    its scratch
+        chunk_q, chunk_k, chunk_v     fp16         bf16 queries only: the run's own
+                                           tokens in fp16, for the chunk's call
 
     batch windows (requests that fit a window; the answer is written to ``out``):
         k_buf, v_buf  (C, Hk, D)      query dtype  the window's keys and values
