@@ -295,6 +295,8 @@ def _replay(llm, work, n, turns, reply):
     while engine.has_unfinished_requests():
         outs = engine.step()
         now = time.perf_counter()
+        # after each step, once finished requests freed theirs: a little under the
+        # step's own peak
         peak_usage = max(peak_usage, sched.kv_cache_manager.usage)
         for r in sched.requests.values():
             if r.num_preemptions:
@@ -478,22 +480,23 @@ def compare_accuracy(results, scratch):
             d = [abs(x - y) for x, y in zip(lps[a], lps[b])]
             row["dlogprob_mean"] = sum(d) / len(d)
             row["dlogprob_max"] = max(d)
-        div = []
-        for ga, gb in zip(ra["greedy"], rb["greedy"]):
-            i = first_divergence(ga["tokens"], gb["tokens"])
-            if i < len(ga["tokens"]):
+        pairs_g = list(zip(ra["greedy"], rb["greedy"]))
+        div = []  # the prompts that part: [position, top-2 gap in a's run, in b's]
+        for ga, gb in pairs_g:
+            ta, tb = ga["tokens"], gb["tokens"]
+            i = first_divergence(ta, tb)
+            if i < min(len(ta), len(tb)):
                 div.append([i, ga["top2_gap"][i], gb["top2_gap"][i]])
-            else:
-                div.append([i, None, None])
-        row["greedy_identical"] = sum(1 for x in div if x[1] is None)
-        row["greedy_prompts"] = len(div)
-        row["divergence_median"] = statistics.median(x[0] for x in div)
+        row["greedy_prompts"] = len(pairs_g)
+        row["greedy_identical"] = len(pairs_g) - len(div)
+        # where the prompts that part do so (the identical ones left out)
+        row["divergence_median"] = statistics.median(x[0] for x in div) if div else None
         # a flip at a near-tie: in one of the two runs the top two logits lay within
         # one bf16 step of each other there (NEAR_TIE)
         row["near_ties"] = sum(
-            1 for x in div if x[1] is not None and min(x[1], x[2]) <= NEAR_TIE
+            1 for x in div if None not in (x[1], x[2]) and min(x[1], x[2]) <= NEAR_TIE
         )
-        row["divergences"] = div  # [position, top-2 gap in a's run, in b's run]
+        row["divergences"] = div
         out[f"{a} vs {b}"] = row
     return out
 
@@ -595,7 +598,7 @@ def markdown(data) -> str:
             "",
             (
                 "| pair (a vs b) | perplexity a/b - 1 | mean / max abs dlogprob per "
-                "token | greedy identical (of prompts) | first divergence, median "
+                "token | greedy identical (of prompts) | where the others part, median "
                 f"position | divergences at a near-tie (top two <= {NEAR_TIE}) "
                 "| first divergences: position (top-2 gap in a's run / b's) |"
             ),
@@ -607,13 +610,9 @@ def markdown(data) -> str:
                 if "dlogprob_mean" in v
                 else "-"
             )
-            divs = (
-                ", ".join(
-                    f"{i} ({ga:.3f}/{gb:.3f})"
-                    for i, ga, gb in v["divergences"]
-                    if ga is not None
-                )
-                or "none"
+            gap = lambda g: "-" if g is None else f"{g:.3f}"  # noqa: E731
+            divs = ", ".join(
+                f"{i} ({gap(ga)}/{gap(gb)})" for i, ga, gb in v["divergences"]
             )
             n_div = v["greedy_prompts"] - v["greedy_identical"]
             ties = f"{v['near_ties']} of {n_div}" if "near_ties" in v else "-"
@@ -621,7 +620,7 @@ def markdown(data) -> str:
             rows.append(
                 f"| {k} | {v['ppl_rel']:+.3%} | {dl} "
                 f"| {v['greedy_identical']} of {v['greedy_prompts']} "
-                f"| {med if med is not None else '-'} | {ties} | {divs} |"
+                f"| {med if med is not None else '-'} | {ties} | {divs or 'none'} |"
             )
     rep = [r for r in res if r.get("mode") == "replay"]
     if rep:

@@ -5,6 +5,8 @@ two paths, every preset, fp16 and bf16, both cache layouts, on the CPU interpret
 on a GPU alike. Also non-finite values on the memory-bound path, the workspace bound
 with paged runs, and what ``path`` refuses."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import DEVICE, TRITON_OK
@@ -186,14 +188,17 @@ def test_the_head_major_cache_and_one_layer_after_another(preset):
     ),
     window=st.sampled_from([None, 512, 4096]),
     hk=st.sampled_from([1, 2, 8]),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
 )
-def test_a_step_needs_at_most_workspace_bytes(reqs, window, hk):
+def test_a_step_needs_at_most_workspace_bytes(reqs, window, hk, dtype):
     """With paged runs among the units, a step of N query tokens still fits
     ``workspace_bytes(N, ...)`` (the paged scratch is planned within a batch window of
-    N tokens), and the paged scratch never overlaps the rotation's parts."""
+    N tokens), and no region of the paged scratch (bf16: the chunk's fp16 copies too)
+    overlaps the rotation's parts."""
     prefill = ContinuationPrefill(
-        8 * hk, hk, 64, preset="turboquant_3bit_nc", block_size=16, window=window
-    )
+        8 * hk, hk, 64, preset="turboquant_3bit_nc", dtype=dtype, block_size=16,
+        window=window,
+    )  # fmt: skip
     qsl = [0]
     for _, q in reqs:
         qsl.append(qsl[-1] + q)
@@ -213,7 +218,11 @@ def test_a_step_needs_at_most_workspace_bytes(reqs, window, hk):
             rot_end = f.data_ptr() + f.numel() * f.element_size()
     for unit, bufs in zip(step.plan.units, step.buffers):
         if isinstance(unit, PagedRun):
-            for t in (bufs.query, bufs.table, bufs.part_out, bufs.part_lse):
+            assert bufs.chunk_q.numel() > 0 or dtype == torch.float16
+            for f in dataclasses.fields(bufs):
+                t = getattr(bufs, f.name)
+                if not t.numel():
+                    continue
                 lo = t.data_ptr()
                 assert start + rotation_bytes(64) <= lo
                 assert lo + t.numel() * t.element_size() <= end

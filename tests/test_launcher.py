@@ -16,7 +16,7 @@ import pytest
 import torch
 import triton
 
-from tq_chunked.runtime import _utils, dequant, merge
+from tq_chunked.runtime import dequant, merge
 from tq_chunked.runtime._utils import Launcher
 
 native = pytest.importorskip(
@@ -120,14 +120,3 @@ def test_the_device_and_the_options_are_in_the_key():
         launcher._key(args, (("num_warps", 8),), 0),
     }
     assert len(keys) == 3
-
-
-@pytest.mark.parametrize(
-    "n", [0, 1, 2, 3, 15, 16, 17, 63, 64, 65, 1000, 4097, 2**31 - 1]
-)
-@pytest.mark.parametrize("d", [1, 3, 16, 64, 1024])
-def test_host_cdiv_and_next_power_of_2_are_tritons(n, d):
-    """The runtime's host helpers give what triton.cdiv and triton.next_power_of_2
-    give (those are constexpr functions, slow to call on the host)."""
-    assert _utils.cdiv(n, d) == triton.cdiv(n, d)
-    assert _utils.next_power_of_2(n) == triton.next_power_of_2(n)

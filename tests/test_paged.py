@@ -267,12 +267,12 @@ def test_the_plan_covers_each_requests_cached_positions_once_per_kv_head_and_til
     assert tokens[4][2] == 0  # request 1 has nothing cached: no splits
 
 
-def _work_list_by_loops(plan, qsl, lens):
-    """The work list and tokens as plain loops over requests, tiles, kv heads and
-    splits (paged._build builds them with numpy): the reference."""
+def _work_list_by_loops(plan, qsl, lens, served):
+    """The work list and tokens as plain loops over the served requests, tiles, kv
+    heads and splits (paged._build builds them with numpy): the reference."""
     group = plan.num_q_heads // plan.num_kv_heads
-    work, tokens, part = [], [], 0
-    for r in range(len(lens)):
+    work, tokens, part, crow = [], [], 0, 0
+    for r in served:
         q0, q = qsl[r], qsl[r + 1] - qsl[r]
         cached, rows = lens[r] - q, q * group
         busy = cached > 0 and q > 0
@@ -283,9 +283,10 @@ def _work_list_by_loops(plan, qsl, lens):
                 for j in range(n_splits):
                     p0 = j * plan.split_len
                     p1 = min(cached, p0 + plan.split_len)
-                    work.append((r, h, q0, qsl[r], rows, tile * plan.block_m, p0, p1,
+                    work.append((r, h, q0, crow, rows, tile * plan.block_m, p0, p1,
                                  part + j * q))  # fmt: skip
         part += n_splits * q
+        crow += q
     return work, tokens, part
 
 
@@ -296,18 +297,22 @@ def _work_list_by_loops(plan, qsl, lens):
     ),
     st.sampled_from([(8, 2), (4, 4), (32, 8)]),
     st.sampled_from([16, 32, 48, 64]),
+    st.data(),
 )
-def test_the_plans_work_list_is_the_loops(reqs, heads, split_len):
-    """Every request, tile, kv head and split in the order the loops give them, on
-    batches with first chunks (nothing cached), requests without query tokens and
-    several tiles."""
+def test_the_plans_work_list_is_the_loops(reqs, heads, split_len, data):
+    """Every served request, tile, kv head and split in the order the loops give
+    them, on batches with first chunks (nothing cached), requests without query
+    tokens and several tiles; all requests or a run of them (as the plan serves)."""
     qsl, lens = [0], []
     for cached, q in reqs:
         qsl.append(qsl[-1] + q)
         lens.append(cached + q)
-    plan = plan_paged(qsl, lens, *heads, 64, "turboquant_3bit_nc",
+    a = data.draw(st.integers(0, len(reqs) - 1))
+    served = data.draw(st.sampled_from([None, range(a, len(reqs))]))
+    plan = plan_paged(qsl, lens, *heads, 64, "turboquant_3bit_nc", requests=served,
                       split_len=split_len, block_m=16, block_n=16)  # fmt: skip
-    work, tokens, part = _work_list_by_loops(plan, qsl, lens)
+    served = range(len(reqs)) if served is None else served
+    work, tokens, part = _work_list_by_loops(plan, qsl, lens, served)
     assert plan.work.tolist() == [x for w in work for x in w]
     assert plan.tokens.tolist() == [x for t in tokens for x in t]
     assert plan.part_rows == part

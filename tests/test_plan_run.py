@@ -5,12 +5,15 @@ metadata vLLM's forward makes for the prefill part of a mixed batch."""
 
 import types
 
+import numpy as np
 import pytest
 import torch
+import triton
 from conftest import TRITON_OK
 
 from tq_chunked import ContinuationPrefill, continuation_prefill_varlen
 from tq_chunked.runtime import vllm_backend
+from tq_chunked.runtime._utils import cdiv, next_power_of_2
 from tq_chunked.tools.reference import oracle_continuation_prefill
 from tq_chunked.tools.testing import make_batch, rel_err
 
@@ -282,3 +285,16 @@ def test_a_layer_of_another_shape_than_the_built_step_plans_its_own():
     impl = types.SimpleNamespace(kv_cache_dtype=preset, scale=b.kwargs["scale"])
     step = chunked._step_for(impl, b.query, b.key, b.kv_cache, meta)
     assert step is not meta.tq_chunked_step and step.prefill.preset_name == preset
+
+
+@pytest.mark.parametrize(
+    "n", [0, 1, 2, 3, 15, 16, 17, 63, 64, 65, 1000, 4097, 2**31 - 1]
+)
+@pytest.mark.parametrize("d", [1, 3, 16, 64, 1024])
+def test_host_cdiv_and_next_power_of_2_are_tritons(n, d):
+    """The runtime's host helpers give what triton.cdiv and triton.next_power_of_2
+    give (those are constexpr functions, slow to call on the host), numpy ints too."""
+    assert cdiv(n, d) == triton.cdiv(n, d)
+    assert next_power_of_2(n) == triton.next_power_of_2(n)
+    assert next_power_of_2(np.int64(n)) == next_power_of_2(n)
+    assert cdiv(np.int32(n), np.int64(d)) == cdiv(n, d)

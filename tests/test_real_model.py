@@ -118,8 +118,8 @@ def test_compare_accuracy_pairs_each_preset_with_its_full_path_and_bf16(tmp_path
     assert row["dlogprob_max"] == pytest.approx(0.5)
     assert row["dlogprob_mean"] == pytest.approx(0.5 / 3)
     assert row["greedy_identical"] == 1 and row["greedy_prompts"] == 2
-    assert row["divergences"] == [[3, None, None], [1, 0.01, 0.01]]
-    assert row["divergence_median"] == 2 and row["near_ties"] == 1
+    assert row["divergences"] == [[1, 0.01, 0.01]]  # the prompts that part
+    assert row["divergence_median"] == 1 and row["near_ties"] == 1
 
 
 def test_report_renders_accuracy_and_replay_with_a_plot(tmp_path):
@@ -127,9 +127,9 @@ def test_report_renders_accuracy_and_replay_with_a_plot(tmp_path):
     data = {"results": results, "compare": rm.compare_accuracy(results, tmp_path)}
     md = rm.markdown(data)
     assert "| on:turboquant_3bit_nc vs off:turboquant_3bit_nc |" in md
-    # one prompt identical, one diverging at position 1 where the top two were 0.01
-    # apart (a near-tie); the median first divergence over both: (3 + 1) / 2
-    assert "1 of 2 | 2.0 | 1 of 1 | 1 (0.010/0.010)" in md
+    # one prompt identical, one parting at position 1 where the top two were 0.01
+    # apart (a near-tie)
+    assert "1 of 2 | 1 | 1 of 1 | 1 (0.010/0.010)" in md
     rep = dict(
         conversations=8,
         requests=48,

@@ -24,12 +24,13 @@ import triton.language as tl
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) of host ints. triton.cdiv is a constexpr function, whose call costs
     about 5 us on the host: a few of them on every window (benchmarks/NOTES.md §38)."""
-    return -(-a // b)
+    return -(-operator.index(a) // operator.index(b))
 
 
 def next_power_of_2(n: int) -> int:
     """The smallest power of two at or above the host int n (0 for 0), as
     triton.next_power_of_2 gives it, without its call's cost (cdiv)."""
+    n = operator.index(n)
     return 1 << (n - 1).bit_length() if n > 1 else max(n, 0)
 
 

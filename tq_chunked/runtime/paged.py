@@ -1200,10 +1200,13 @@ def paged_continuation_prefill_varlen(
         lse = torch.empty(hq, n, dtype=torch.float32, device=query.device)
     b = len(lens)
     q_lens = [qsl[i + 1] - qsl[i] for i in range(b)]
-    new = torch.empty_like(query)
     backend = resolve_backend(backend, query.device, d)
     call = make_call(q_lens, q_lens, True, query.device)
-    new_lse = varlen_attention(call, query, key, value, scale, new, backend)
+    # the chunk's partial in fp16 for bf16 queries too, as a step's paged run makes it
+    # (prefill._Layer.paged_run; NOTES.md §39)
+    q, k, v = (x.to(torch.float16) for x in (query, key, value))
+    new = torch.empty_like(q)
+    new_lse = varlen_attention(call, q, k, v, scale, new, backend)
     paged_attention(
         query,
         kv_cache,

@@ -38,9 +38,9 @@ Which path a request takes (``path``): "auto" (the rule above, where Triton runs
 GPU or under the interpreter), "window" (every request through windows) or "paged"
 (every request with cached tokens through the memory-bound path, for measurements: a
 run whose query rows need more scratch than a batch window of the step takes raises).
-What "auto" picks keeps the exactness bound either way; "paged" does not for bf16
-queries and fp8 keys on real activations. The crossover and those errors:
-benchmarks/NOTES.md §35.
+Either path keeps the exactness bound for every preset and dtype (a paged run's chunk
+partial is fp16 for bf16 queries, as a long request's windows' are). The crossover and
+the errors: benchmarks/NOTES.md §35, §37, §39.
 
 A plan depends only on host integers (the lengths, the heads, the window and the
 budget), so one plan serves every layer of a forward step (``prefill.ContinuationPrefill

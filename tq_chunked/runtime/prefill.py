@@ -835,7 +835,7 @@ class _Layer:
         rows = slice(run.q0, run.q1)
         q, k, v = self.query[rows], self.key[rows], self.value[rows]
         part = self.out
-        if scratch.chunk_q.numel():
+        if run.paged.half_chunk:
             # bf16: the partial computed and rounded in fp16, as a long request's
             # windows are (NOTES.md §3, §39); it waits in out's own bytes
             scratch.chunk_q.copy_(q)
