@@ -247,7 +247,7 @@ def test_the_plan_covers_each_requests_cached_positions_once_per_kv_head_and_til
     qsl, lens = [0, 4, 9, 9, 10, 16], [74, 5, 33, 131, 51]
     plan = plan_paged(qsl, lens, 8, 2, 64, "turboquant_3bit_nc", split_len=48,
                       block_m=16, block_n=16)  # fmt: skip
-    work = torch.tensor(plan.work).view(-1, WORK_FIELDS).tolist()
+    work = plan.work.view(-1, WORK_FIELDS).tolist()
     covered = {}
     for r, h, tok0, _crow0, rows, row0, p0, p1, _part0 in work:
         assert tok0 == qsl[r] and rows == 4 * (qsl[r + 1] - qsl[r])
@@ -260,7 +260,7 @@ def test_the_plan_covers_each_requests_cached_positions_once_per_kv_head_and_til
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     # requests 0 and 4 (two tiles of 16 rows: 24 rows), request 3 (one): 2 kv heads
     assert {(r, row0) for r, _, row0 in covered} == {(0, 0), (3, 0), (4, 0), (4, 16)}
-    tokens = torch.tensor(plan.tokens).view(-1, TOKEN_FIELDS).tolist()
+    tokens = plan.tokens.view(-1, TOKEN_FIELDS).tolist()
     assert [t[0] for t in tokens] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9] + list(
         range(10, 16)
     )  # every query token once: the first chunk's (request 1) too
@@ -269,7 +269,7 @@ def test_the_plan_covers_each_requests_cached_positions_once_per_kv_head_and_til
 
 def _work_list_by_loops(plan, qsl, lens, served):
     """The work list and tokens as plain loops over the served requests, tiles, kv
-    heads and splits (paged._build builds them with numpy): the reference."""
+    heads and splits (paged._build builds them with tensor ops): the reference."""
     group = plan.num_q_heads // plan.num_kv_heads
     work, tokens, part, crow = [], [], 0, 0
     for r in served:

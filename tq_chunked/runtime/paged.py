@@ -52,7 +52,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -98,7 +97,7 @@ def _aligned(n: int) -> int:
 # ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, eq=False)  # hashed by identity: its work list is an array
+@dataclass(frozen=True, eq=False)  # hashed by identity: its work list is a tensor
 class PagedPlan:
     """What ``paged_attention`` runs for one step: the launch, the work list, the
     scratch. Made by ``plan_paged`` from host lengths; the same for every layer."""
@@ -111,8 +110,8 @@ class PagedPlan:
     block_n: int  # positions per loop iteration
     num_warps: int
     split_len: int  # positions per split (a multiple of block_n)
-    work: np.ndarray  # (programs x WORK_FIELDS,) int32
-    tokens: np.ndarray  # (served tokens x TOKEN_FIELDS,) int32
+    work: torch.Tensor  # (programs x WORK_FIELDS,) int32, on the host
+    tokens: torch.Tensor  # (served tokens x TOKEN_FIELDS,) int32, on the host
     part_rows: int  # rows of the split partials
     max_splits: int  # the most splits of a served request
     # bf16 queries: the chunk's own call on fp16 copies of its query, key and value,
@@ -181,7 +180,7 @@ class PagedPlan:
         """(work (programs, WORK_FIELDS), tokens (served tokens, TOKEN_FIELDS)) int32
         on ``device`` (one copy each; a caller that pins and copies them
         asynchronously may build them from ``work`` and ``tokens`` itself)."""
-        t = lambda x, k: torch.from_numpy(x).view(-1, k).to(device)
+        t = lambda x, k: x.view(-1, k).to(device)
         return t(self.work, WORK_FIELDS), t(self.tokens, TOKEN_FIELDS)
 
 
@@ -303,33 +302,34 @@ def _build(
     cfg, hq, hk, group, served, q0, q_len, cached, rows, busy, tiles,
     block_m, block_n, num_warps, split_len, half_chunk,
 ) -> PagedPlan:  # fmt: skip
-    """The work list and the tokens' fields, built with numpy (thousands of programs
-    per step: a Python loop took milliseconds, benchmarks/NOTES.md §38). Request i's
-    programs, in order: tile, kv head, split; its tokens: its query tokens in order."""
+    """The work list and the tokens' fields, built by tensor ops on the host
+    (thousands of programs per step: a Python loop took milliseconds,
+    benchmarks/NOTES.md §38). Request i's programs, in order: tile, kv head, split;
+    its tokens: its query tokens in order."""
     n = len(served)
-    served_a = np.asarray(served, dtype=np.int64).reshape(n)
-    q0_a, q_a = np.asarray(q0, np.int64).reshape(n), np.asarray(q_len, np.int64)
-    cached_a, rows_a = np.asarray(cached, np.int64), np.asarray(rows, np.int64)
-    tiles_a = np.zeros(n, np.int64)
-    tiles_a[list(tiles)] = list(tiles.values())
-    splits = np.where(tiles_a > 0, -(-cached_a // split_len), 0)
-    part0 = np.cumsum(splits * q_a) - splits * q_a  # the request's first partial row
-    crow0 = np.cumsum(q_a) - q_a  # its first served token
+    ints = lambda x: torch.tensor(list(x), dtype=torch.int64)  # noqa: E731
+    served_a, q0_a, q_a = ints(served), ints(q0), ints(q_len)
+    cached_a, rows_a = ints(cached), ints(rows)
+    tiles_a = ints(tiles.get(i, 0) for i in range(n))
+    splits = torch.where(tiles_a > 0, -(-cached_a // split_len), 0)
+    part0 = torch.cumsum(splits * q_a, 0) - splits * q_a  # the request's first row
+    crow0 = torch.cumsum(q_a, 0) - q_a  # its first served token
+    every = torch.arange(n)
 
-    i = np.repeat(np.arange(n), q_a)  # each served token's request
-    t = np.arange(i.size) - crow0[i]
-    tokens = np.stack([q0_a[i] + t, part0[i] + t, splits[i], q_a[i]], axis=1)
+    i = torch.repeat_interleave(every, q_a)  # each served token's request
+    t = torch.arange(i.numel()) - crow0[i]
+    tokens = torch.stack([q0_a[i] + t, part0[i] + t, splits[i], q_a[i]], dim=1)
 
     count = tiles_a * hk * splits
-    i = np.repeat(np.arange(n), count)  # each program's request
-    k = np.arange(i.size) - (np.cumsum(count) - count)[i]  # its index in the request
+    i = torch.repeat_interleave(every, count)  # each program's request
+    k = torch.arange(i.numel()) - (torch.cumsum(count, 0) - count)[i]  # its index
     s = splits[i]  # > 0 for every program
     j, h, tile = k % s, (k // s) % hk, k // (s * hk)
     p0 = j * split_len
-    work = np.stack(
+    work = torch.stack(
         [served_a[i], h, q0_a[i], crow0[i], rows_a[i], tile * block_m, p0,
-         np.minimum(cached_a[i], p0 + split_len), part0[i] + j * q_a[i]],
-        axis=1,
+         torch.minimum(cached_a[i], p0 + split_len), part0[i] + j * q_a[i]],
+        dim=1,
     )  # fmt: skip
     return PagedPlan(
         hq,
@@ -340,10 +340,10 @@ def _build(
         block_n,
         num_warps,
         split_len,
-        work.astype(np.int32).reshape(-1),
-        tokens.astype(np.int32).reshape(-1),
-        int(splits @ q_a),
-        int(splits.max(initial=0)),
+        work.to(torch.int32).reshape(-1),
+        tokens.to(torch.int32).reshape(-1),
+        int((splits * q_a).sum()),
+        int(splits.max()) if n else 0,
         half_chunk,
     )
 

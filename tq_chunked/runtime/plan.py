@@ -59,7 +59,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ._utils import as_int, interpreting
@@ -611,18 +610,19 @@ def _units(
         spans.append((len(packed), len(fields), len(packed) + len(fields), len(cu_q)))
         packed.extend(fields)
         packed.extend(cu_q)
-    # the paged runs' arrays after the windows' ints (their work lists run to
-    # thousands of programs: joined by numpy, not as Python ints)
-    paged_spans, arrays, at = [], [np.asarray(packed, dtype=np.int32)], len(packed)
+    # the paged runs' ints after the windows' (their work lists run to thousands of
+    # programs: joined as tensors, not as Python ints)
+    i32 = torch.int32
+    paged_spans, parts, at = [], [torch.tensor(packed, dtype=i32)], len(packed)
     for run, plan in runs:
         cu = [0]
         for r in run:
             cu.append(cu[-1] + qsl[r + 1] - qsl[r])
-        arrays += [np.asarray(cu, dtype=np.int32), plan.work, plan.tokens]
+        parts += [torch.tensor(cu, dtype=i32), plan.work, plan.tokens]
         paged_spans.append((at, len(cu), len(plan.work), len(plan.tokens), tuple(cu)))
         at += len(cu) + len(plan.work) + len(plan.tokens)
 
-    host = torch.from_numpy(np.concatenate(arrays))
+    host = torch.cat(parts)
     if device.type == "cuda":
         # pinned, so the copy is asynchronous: no host-device sync
         with torch.cuda.stream(stream or torch.cuda.current_stream(device)):
