@@ -612,17 +612,19 @@ def _units(
         packed.extend(cu_q)
     # the paged runs' ints after the windows' (their work lists run to thousands of
     # programs: joined as tensors, not as Python ints)
-    i32 = torch.int32
-    paged_spans, parts, at = [], [torch.tensor(packed, dtype=i32)], len(packed)
+    paged_spans: list[tuple[int, int, int, int, tuple[int, ...]]] = []
+    pieces = [torch.tensor(packed, dtype=torch.int32)]
+    end = len(packed)
     for run, plan in runs:
-        cu = [0]
+        run_cu = [0]
         for r in run:
-            cu.append(cu[-1] + qsl[r + 1] - qsl[r])
-        parts += [torch.tensor(cu, dtype=i32), plan.work, plan.tokens]
-        paged_spans.append((at, len(cu), len(plan.work), len(plan.tokens), tuple(cu)))
-        at += len(cu) + len(plan.work) + len(plan.tokens)
+            run_cu.append(run_cu[-1] + qsl[r + 1] - qsl[r])
+        pieces += [torch.tensor(run_cu, dtype=torch.int32), plan.work, plan.tokens]
+        nw, nt = len(plan.work), len(plan.tokens)
+        paged_spans.append((end, len(run_cu), nw, nt, tuple(run_cu)))
+        end += len(run_cu) + nw + nt
 
-    host = torch.cat(parts)
+    host = torch.cat(pieces)
     if device.type == "cuda":
         # pinned, so the copy is asynchronous: no host-device sync
         with torch.cuda.stream(stream or torch.cuda.current_stream(device)):
