@@ -416,7 +416,7 @@ def _rotate_kernel(
 
 @triton.jit
 def _interleave(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
-    """(N, G, 16) of sixteen (N, G) tensors, x_j at [..., j], the new axis in each
+    """(A, B, 16) of sixteen (A, B) tensors, x_j at [..., j], the new axis in each
     thread's registers (``tl.join`` keeps its axis there): each thread then holds the
     16 indices of a group, decoded with shifts known at compile time."""
     a = tl.join(tl.join(tl.join(x0, x8), tl.join(x4, x12)), tl.join(
@@ -442,9 +442,13 @@ def _indices(ptr, ok, D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr
     ok2 = ok[:, None]
     if HALVES:
         G: tl.constexpr = BLOCK_D // 16
-        g = tl.arange(0, G)[None, :]
-        m = ok2 & (g * 16 < D)
-        base = ptr.to(tl.pointer_type(tl.uint16))[:, None] + g * BITS
+        # (G, N), groups outer: Triton then lays a warp's lanes along the groups, so
+        # each thread's 16 consecutive columns go to shared memory in 128-bit stores
+        # (with (N, G) the tiles' shared order ran along N: 16-bit stores; NOTES.md
+        # §36)
+        g = tl.arange(0, G)[:, None]
+        m = ok[None, :] & (g * 16 < D)
+        base = ptr.to(tl.pointer_type(tl.uint16))[None, :] + g * BITS
         h0 = tl.load(base, mask=m, other=0).to(tl.int32)
         h1 = tl.load(base + 1, mask=m, other=0).to(tl.int32)
         h2 = tl.load(base + 2, mask=m, other=0).to(tl.int32)
@@ -468,7 +472,7 @@ def _indices(ptr, ok, D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr
                 (lo >> 24) & K, (lo >> 27) & K, (hi >> 14) & K, (hi >> 17) & K,
                 (hi >> 20) & K, (hi >> 23) & K, (hi >> 26) & K, (hi >> 29) & K,
             )  # fmt: skip
-        return tl.reshape(y, [N, BLOCK_D])
+        return tl.reshape(tl.permute(y, (1, 0, 2)), [N, BLOCK_D])
     else:
         return _unpack(ptr[:, None], ok2, D, BITS, BLOCK_D)
 
