@@ -552,14 +552,28 @@ def _fp8_keys(cache_ptr, slot, ok, D: tl.constexpr, BLOCK_D: tl.constexpr,
     N: tl.constexpr = slot.shape[0]
     ok2 = ok[:, None]
     if HALVES:
-        dh = tl.arange(0, BLOCK_D // 2)[None, :]
-        h = tl.load(
-            (cache_ptr + slot[:, None]).to(tl.pointer_type(tl.uint16)) + dh,
-            mask=ok2 & (2 * dh < D),
-            other=0,
-        )
+        # eight loads of a group of 16 keys from one address (one per thread and
+        # group, not one per halfword) in _indices' (G, N) layout (NOTES.md §36)
+        G: tl.constexpr = BLOCK_D // 16
+        g = tl.arange(0, G)[:, None]
+        m = ok[None, :]
+        e = g * 16  # the group's first element
+        base = (cache_ptr + slot).to(tl.pointer_type(tl.uint16))[None, :] + g * 8
+        h0 = tl.load(base, mask=m & (e < D), other=0)
+        h1 = tl.load(base + 1, mask=m & (e + 2 < D), other=0)
+        h2 = tl.load(base + 2, mask=m & (e + 4 < D), other=0)
+        h3 = tl.load(base + 3, mask=m & (e + 6 < D), other=0)
+        h4 = tl.load(base + 4, mask=m & (e + 8 < D), other=0)
+        h5 = tl.load(base + 5, mask=m & (e + 10 < D), other=0)
+        h6 = tl.load(base + 6, mask=m & (e + 12 < D), other=0)
+        h7 = tl.load(base + 7, mask=m & (e + 14 < D), other=0)
+        y = tl.join(
+            tl.join(tl.join(h0, h4), tl.join(h2, h6)),
+            tl.join(tl.join(h1, h5), tl.join(h3, h7)),
+        )  # (G, N, 2, 2, 2): halfword j at [g, n, j >> 2, j >> 1 & 1, j & 1]
+        y = tl.reshape(tl.permute(y, (1, 0, 2, 3, 4)), [N, BLOCK_D // 2])
         raw = tl.reshape(
-            tl.join((h & 0xFF).to(tl.uint8), (h >> 8).to(tl.uint8)), [N, BLOCK_D]
+            tl.join((y & 0xFF).to(tl.uint8), (y >> 8).to(tl.uint8)), [N, BLOCK_D]
         )
     else:
         d = tl.arange(0, BLOCK_D)[None, :]
