@@ -414,6 +414,33 @@ def _rotate_kernel(
 # ---------------------------------------------------------------------------
 
 
+def _release() -> tuple[int, int]:
+    return tuple(int(x) for x in triton.__version__.split(".")[:2])  # type: ignore
+
+
+# Whether a slot's index groups are laid out (G, N) (groups outer) or (N, G): the
+# decoded tiles reach shared memory in 128-bit stores only when Triton lays a warp's
+# lanes along the groups, which 3.6 (the H200 machine's) does for (G, N) and 3.9 for
+# (N, G); the other way, 16-bit stores and 7-10 more instructions per slot-row
+# (measured on 3.6 and 3.9 only; NOTES.md §36).
+GROUPS_OUTER = tl.constexpr(_release() < (3, 9))
+
+
+@triton.jit
+def _group_ptrs(ptr, ok, STEP: tl.constexpr, BLOCK_D: tl.constexpr,
+                OUTER: tl.constexpr):  # fmt: skip
+    """(halfword pointers, ``ok``, first element) of each group of 16 elements of the
+    streams at byte pointers ``ptr`` (N,), STEP halfwords a group: (G, N) tensors if
+    OUTER, else (N, G)."""
+    G: tl.constexpr = BLOCK_D // 16
+    g = tl.arange(0, G)
+    p16 = ptr.to(tl.pointer_type(tl.uint16))
+    if OUTER:
+        return p16[None, :] + g[:, None] * STEP, ok[None, :], g[:, None] * 16
+    else:
+        return p16[:, None] + g[None, :] * STEP, ok[:, None], g[None, :] * 16
+
+
 @triton.jit
 def _interleave(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
     """(A, B, 16) of sixteen (A, B) tensors, x_j at [..., j], the new axis in each
@@ -441,14 +468,8 @@ def _indices(ptr, ok, D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr
     N: tl.constexpr = ptr.shape[0]
     ok2 = ok[:, None]
     if HALVES:
-        G: tl.constexpr = BLOCK_D // 16
-        # (G, N), groups outer: Triton then lays a warp's lanes along the groups, so
-        # each thread's 16 consecutive columns go to shared memory in 128-bit stores
-        # (with (N, G) the tiles' shared order ran along N: 16-bit stores; NOTES.md
-        # §36)
-        g = tl.arange(0, G)[:, None]
-        m = ok[None, :] & (g * 16 < D)
-        base = ptr.to(tl.pointer_type(tl.uint16))[None, :] + g * BITS
+        base, m, e = _group_ptrs(ptr, ok, BITS, BLOCK_D, GROUPS_OUTER)
+        m = m & (e < D)
         h0 = tl.load(base, mask=m, other=0).to(tl.int32)
         h1 = tl.load(base + 1, mask=m, other=0).to(tl.int32)
         h2 = tl.load(base + 2, mask=m, other=0).to(tl.int32)
@@ -472,7 +493,9 @@ def _indices(ptr, ok, D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr
                 (lo >> 24) & K, (lo >> 27) & K, (hi >> 14) & K, (hi >> 17) & K,
                 (hi >> 20) & K, (hi >> 23) & K, (hi >> 26) & K, (hi >> 29) & K,
             )  # fmt: skip
-        return tl.reshape(tl.permute(y, (1, 0, 2)), [N, BLOCK_D])
+        if GROUPS_OUTER:
+            y = tl.permute(y, (1, 0, 2))
+        return tl.reshape(y, [N, BLOCK_D])
     else:
         return _unpack(ptr[:, None], ok2, D, BITS, BLOCK_D)
 
@@ -553,12 +576,8 @@ def _fp8_keys(cache_ptr, slot, ok, D: tl.constexpr, BLOCK_D: tl.constexpr,
     ok2 = ok[:, None]
     if HALVES:
         # eight loads of a group of 16 keys from one address (one per thread and
-        # group, not one per halfword) in _indices' (G, N) layout (NOTES.md §36)
-        G: tl.constexpr = BLOCK_D // 16
-        g = tl.arange(0, G)[:, None]
-        m = ok[None, :]
-        e = g * 16  # the group's first element
-        base = (cache_ptr + slot).to(tl.pointer_type(tl.uint16))[None, :] + g * 8
+        # group, not one per halfword), laid out as _indices' groups (NOTES.md §36)
+        base, m, e = _group_ptrs(cache_ptr + slot, ok, 8, BLOCK_D, GROUPS_OUTER)
         h0 = tl.load(base, mask=m & (e < D), other=0)
         h1 = tl.load(base + 1, mask=m & (e + 2 < D), other=0)
         h2 = tl.load(base + 2, mask=m & (e + 4 < D), other=0)
@@ -570,8 +589,10 @@ def _fp8_keys(cache_ptr, slot, ok, D: tl.constexpr, BLOCK_D: tl.constexpr,
         y = tl.join(
             tl.join(tl.join(h0, h4), tl.join(h2, h6)),
             tl.join(tl.join(h1, h5), tl.join(h3, h7)),
-        )  # (G, N, 2, 2, 2): halfword j at [g, n, j >> 2, j >> 1 & 1, j & 1]
-        y = tl.reshape(tl.permute(y, (1, 0, 2, 3, 4)), [N, BLOCK_D // 2])
+        )  # (G, N) or (N, G), then halfword j at [.., j >> 2, j >> 1 & 1, j & 1]
+        if GROUPS_OUTER:
+            y = tl.permute(y, (1, 0, 2, 3, 4))
+        y = tl.reshape(y, [N, BLOCK_D // 2])
         raw = tl.reshape(
             tl.join((y & 0xFF).to(tl.uint8), (y >> 8).to(tl.uint8)), [N, BLOCK_D]
         )
