@@ -568,6 +568,83 @@ def _lookup8(idx, lo0, lo1, hi0, hi1):
 
 
 @triton.jit
+def _lookup8w(w, lo0, lo1, hi0, hi1):
+    """Four int32 tensors, each two fp16 ``table[i]``: the entries of the eight 3-bit
+    indices in bits 0-23 of ``w`` (int32; bits above ignored), in pairs (0, 1) .. (6,
+    7). ``_lookup8`` on a whole word: the fields are spread to nibbles in place (three
+    shift-and-merge steps for all eight, where extracting each index took two
+    instructions), then the same byte permutes. GPU only (inline PTX)."""
+    z = tl.zeros_like(w)
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 x, t, s, l, h;
+        shl.b32 t, $4, 4;
+        and.b32 t, t, 0x0FFF0000;
+        and.b32 x, $4, 0x00000FFF;
+        or.b32 x, x, t;
+        shl.b32 t, x, 2;
+        and.b32 t, t, 0x3F003F00;
+        and.b32 x, x, 0x003F003F;
+        or.b32 x, x, t;
+        shl.b32 t, x, 1;
+        and.b32 t, t, 0x70707070;
+        and.b32 x, x, 0x07070707;
+        or.b32 x, x, t;
+        prmt.b32 l, $5, $6, x;
+        prmt.b32 h, $7, $8, x;
+        prmt.b32 $0, l, h, 0x5140;
+        prmt.b32 $1, l, h, 0x7362;
+        shr.b32 s, x, 16;
+        prmt.b32 l, $5, $6, s;
+        prmt.b32 h, $7, $8, s;
+        prmt.b32 $2, l, h, 0x5140;
+        prmt.b32 $3, l, h, 0x7362;
+        }""",
+        # four fp16 pairs out; the word and the table's four words in. The steps:
+        # fields 4-7 up 4 bits, then 2-3 and 6-7 up 2, then the odd ones up 1: field
+        # k in bits 4k .. 4k + 2, bit 4k + 3 clear (a plain byte select)
+        constraints="=r,=r,=r,=r,r,r,r,r,r",
+        args=[w, z + lo0, z + lo1, z + hi0, z + hi1],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _halves(x):
+    """(..., 2) fp16 of int32 ``x``: its low and high 16 bits."""
+    lo = (x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (x >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _keys3(ptr, ok, D: tl.constexpr, BLOCK_D: tl.constexpr, lo0, lo1, hi0, hi1):
+    """(N, BLOCK_D) fp16 centroids of the 3-bit key indices at byte pointers ``ptr``
+    (N,) (16-bit loads; rows outside ``ok`` read index 0, columns past D unspecified):
+    ``_indices``' words, each looked up whole by ``_lookup8w``. GPU only."""
+    N: tl.constexpr = ptr.shape[0]
+    base, m, e = _group_ptrs(ptr, ok, 3, BLOCK_D, GROUPS_OUTER)
+    m = m & (e < D)
+    h0 = tl.load(base, mask=m, other=0).to(tl.int32)
+    h1 = tl.load(base + 1, mask=m, other=0).to(tl.int32)
+    h2 = tl.load(base + 2, mask=m, other=0).to(tl.int32)
+    p0, p1, p2, p3 = _lookup8w(h0 | (h1 << 16), lo0, lo1, hi0, hi1)  # indices 0-7
+    p4, p5, p6, p7 = _lookup8w((h1 >> 8) | (h2 << 8), lo0, lo1, hi0, hi1)  # 8-15
+    # pair q = 4a + 2b + c over axes (a, b, c), then its two halves: element 2q + h
+    y = _halves(
+        tl.join(
+            tl.join(tl.join(p0, p4), tl.join(p2, p6)),
+            tl.join(tl.join(p1, p5), tl.join(p3, p7)),
+        )
+    )
+    if GROUPS_OUTER:
+        y = tl.permute(y, (1, 0, 2, 3, 4, 5))
+    return tl.reshape(y, [N, BLOCK_D])
+
+
+@triton.jit
 def _fp8_keys(cache_ptr, slot, ok, D: tl.constexpr, BLOCK_D: tl.constexpr,
               FP8_E4B15: tl.constexpr, HALVES: tl.constexpr):  # fmt: skip
     """(N, BLOCK_D) fp16 of the fp8 keys at ``slot`` (exact; 0 outside ``ok`` and past
@@ -722,12 +799,15 @@ def _split_attention(
             )
             a = tl.where(bad, float("nan"), 1.0)
         else:
-            idx = _indices(cache_ptr + slot, ok, D, KEY_BITS, BLOCK_D, HALVES)
-            if LOOKUP:
-                kc = _lookup8(idx, lo0, lo1, hi0, hi1)
+            if LOOKUP and HALVES:
+                kc = _keys3(cache_ptr + slot, ok, D, BLOCK_D, lo0, lo1, hi0, hi1)
             else:
-                # indices are in range whatever the bytes: the table read unmasked
-                kc = tl.load(table_ptr + idx)
+                idx = _indices(cache_ptr + slot, ok, D, KEY_BITS, BLOCK_D, HALVES)
+                if LOOKUP:
+                    kc = _lookup8(idx, lo0, lo1, hi0, hi1)
+                else:
+                    # indices are in range whatever the bytes: the table read unmasked
+                    kc = tl.load(table_ptr + idx)
             kt = tl.trans(kc)  # (BLOCK_D, BLOCK_N)
             s = _dot(q_hi, kt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_F32)
             if Q_SPLIT:
