@@ -286,7 +286,7 @@ def record_paged(
     args = list(args)
     names = [p.name for p in pg._paged_kernel.params]
     args[names.index("DOT_F32")] = False  # what a CUDA call passes
-    args[names.index("LOOKUP")] = lookup and cfg.key_bits == 3
+    args[names.index("LOOKUP")] = lookup and cfg.key_bits in (3, 4)
     return pg._paged_kernel, args, options
 
 
@@ -459,7 +459,7 @@ def main():
     ap.add_argument("--no-q-split", action="store_true", help="--paged: one key dot")
     ap.add_argument("--block-size", type=int, default=16, help="--paged")
     ap.add_argument(
-        "--gather", action="store_true", help="--paged: 3-bit keys gathered"
+        "--gather", action="store_true", help="--paged: 3- and 4-bit keys gathered"
     )
     ap.add_argument(
         "--grid",

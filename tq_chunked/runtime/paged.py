@@ -612,6 +612,55 @@ def _lookup8w(w, lo0, lo1, hi0, hi1):
 
 
 @triton.jit
+def _lookup16w(w, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3):
+    """Four int32 tensors, each two fp16 ``table[i]``: the entries of the eight 4-bit
+    indices (nibbles) of ``w``, in pairs (0, 1) .. (6, 7). Each byte half of an entry
+    is picked from entries 0-7 and from 8-15 by the index's low 3 bits (two byte
+    permutes over ``_table_bytes`` of each half of the table), then one of the two by
+    its bit 3 (a byte mask, itself a permute of 0 and -1): 4.5 instructions per 2
+    entries where a gather took an address, a load and a conversion per entry. GPU
+    only (inline PTX)."""
+    z = tl.zeros_like(w)
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, u, s, v, m, l, l1, h, h1, z, f;
+        mov.b32 z, 0;
+        mov.b32 f, -1;
+        and.b32 t, $4, 0x77777777;
+        shr.b32 u, $4, 1;
+        and.b32 u, u, 0x44444444;
+        prmt.b32 m, z, f, u;
+        prmt.b32 l, $5, $6, t;
+        prmt.b32 l1, $7, $8, t;
+        lop3.b32 l, l, l1, m, 0xD8;
+        prmt.b32 h, $9, $10, t;
+        prmt.b32 h1, $11, $12, t;
+        lop3.b32 h, h, h1, m, 0xD8;
+        prmt.b32 $0, l, h, 0x5140;
+        prmt.b32 $1, l, h, 0x7362;
+        shr.b32 s, t, 16;
+        shr.b32 v, u, 16;
+        prmt.b32 m, z, f, v;
+        prmt.b32 l, $5, $6, s;
+        prmt.b32 l1, $7, $8, s;
+        lop3.b32 l, l, l1, m, 0xD8;
+        prmt.b32 h, $9, $10, s;
+        prmt.b32 h1, $11, $12, s;
+        lop3.b32 h, h, h1, m, 0xD8;
+        prmt.b32 $2, l, h, 0x5140;
+        prmt.b32 $3, l, h, 0x7362;
+        }""",
+        # t: each index's low 3 bits (a plain byte select); u: 4 in the nibbles of
+        # indices >= 8, so that m's bytes are 0xFF there; lop3 0xD8: m ? l1 : l
+        constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+        args=[w] + [z + x for x in (lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3)],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
 def _halves(x):
     """(..., 2) fp16 of int32 ``x``: its low and high 16 bits."""
     lo = (x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
@@ -633,6 +682,37 @@ def _keys3(ptr, ok, D: tl.constexpr, BLOCK_D: tl.constexpr, lo0, lo1, hi0, hi1):
     p0, p1, p2, p3 = _lookup8w(h0 | (h1 << 16), lo0, lo1, hi0, hi1)  # indices 0-7
     p4, p5, p6, p7 = _lookup8w((h1 >> 8) | (h2 << 8), lo0, lo1, hi0, hi1)  # 8-15
     # pair q = 4a + 2b + c over axes (a, b, c), then its two halves: element 2q + h
+    y = _halves(
+        tl.join(
+            tl.join(tl.join(p0, p4), tl.join(p2, p6)),
+            tl.join(tl.join(p1, p5), tl.join(p3, p7)),
+        )
+    )
+    if GROUPS_OUTER:
+        y = tl.permute(y, (1, 0, 2, 3, 4, 5))
+    return tl.reshape(y, [N, BLOCK_D])
+
+
+@triton.jit
+def _keys4(ptr, ok, D: tl.constexpr, BLOCK_D: tl.constexpr, lo0, lo1, lo2, lo3, hi0,
+           hi1, hi2, hi3):  # fmt: skip
+    """(N, BLOCK_D) fp16 centroids of the 4-bit key indices at byte pointers ``ptr``
+    (N,) (16-bit loads; rows outside ``ok`` read index 0, columns past D unspecified),
+    each word of 8 looked up whole by ``_lookup16w``. GPU only."""
+    N: tl.constexpr = ptr.shape[0]
+    base, m, e = _group_ptrs(ptr, ok, 4, BLOCK_D, GROUPS_OUTER)
+    m = m & (e < D)
+    h0 = tl.load(base, mask=m, other=0).to(tl.int32)
+    h1 = tl.load(base + 1, mask=m, other=0).to(tl.int32)
+    h2 = tl.load(base + 2, mask=m, other=0).to(tl.int32)
+    h3 = tl.load(base + 3, mask=m, other=0).to(tl.int32)
+    p0, p1, p2, p3 = _lookup16w(
+        h0 | (h1 << 16), lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3
+    )  # indices 0-7
+    p4, p5, p6, p7 = _lookup16w(
+        h2 | (h3 << 16), lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3
+    )  # indices 8-15
+    # as in _keys3: pair q = 4a + 2b + c over axes (a, b, c), element 2q + h
     y = _halves(
         tl.join(
             tl.join(tl.join(p0, p4), tl.join(p2, p6)),
@@ -758,6 +838,8 @@ def _split_attention(
         ones = tl.full([BLOCK_M, BLOCK_D], 1.0, tl.float16)
     if LOOKUP:
         lo0, lo1, hi0, hi1 = _table_bytes(table_ptr)
+        if KEY_BITS == 4:
+            lo2, lo3, hi2, hi3 = _table_bytes(table_ptr + 8)
     for n0 in range(start, end, BLOCK_N):
         # -- where each position's slot is: the block ids once per block --------------
         pos = n0 + tl.arange(0, BLOCK_N)
@@ -799,11 +881,14 @@ def _split_attention(
             )
             a = tl.where(bad, float("nan"), 1.0)
         else:
-            if LOOKUP and HALVES:
+            if LOOKUP and HALVES and KEY_BITS == 3:
                 kc = _keys3(cache_ptr + slot, ok, D, BLOCK_D, lo0, lo1, hi0, hi1)
+            elif LOOKUP and HALVES:
+                kc = _keys4(cache_ptr + slot, ok, D, BLOCK_D, lo0, lo1, lo2, lo3,
+                            hi0, hi1, hi2, hi3)  # fmt: skip
             else:
                 idx = _indices(cache_ptr + slot, ok, D, KEY_BITS, BLOCK_D, HALVES)
-                if LOOKUP:
+                if LOOKUP and KEY_BITS == 3:
                     kc = _lookup8(idx, lo0, lo1, hi0, hi1)
                 else:
                     # indices are in range whatever the bytes: the table read unmasked
@@ -894,7 +979,7 @@ def _paged_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,  # the interpreter: dots in float32
-    LOOKUP: tl.constexpr,  # 3-bit keys: _lookup8 (GPU) instead of a gather
+    LOOKUP: tl.constexpr,  # 3- and 4-bit keys: byte permutes (GPU), not a gather
     CHECK: tl.constexpr,  # record bad block ids at err_ptr
 ):
     """One work item (WORK_FIELDS): BLOCK_M query rows (token-major, the group's heads
@@ -1129,8 +1214,9 @@ def paged_attention(
     N') float32, unit stride over N', column ``t - new_lse_row0`` token t's. err: int64
     (1,) on the device, or None: the smallest ``(request << 32) + column`` of a block id
     outside ``[0, num_blocks)`` among those read, by ``atomic_min``. q_split: the
-    rotated query as fp16 hi + lo (two key dots); off, one. lookup: 3-bit centroids by
-    byte permutes on a GPU (off: a gather, as in the interpreter; the same bits).
+    rotated query as fp16 hi + lo (two key dots); off, one. lookup: 3- and 4-bit
+    centroids by byte permutes on a GPU (off: a gather, as in the interpreter; the
+    same bits).
     Tensors are trusted (the caller's plan validated the lengths).
     """
     n, hq, d = query.shape
@@ -1225,7 +1311,7 @@ def paged_attention(
             plan.block_m,
             plan.block_n,
             interp,
-            lookup and cfg.key_bits == 3 and not interp,
+            lookup and cfg.key_bits in (3, 4) and not interp,
             err is not None,
             num_warps=plan.num_warps,
             num_stages=1,
