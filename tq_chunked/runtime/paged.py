@@ -421,7 +421,7 @@ def _release() -> tuple[int, int]:
 # Whether a slot's index groups are laid out (G, N) (groups outer) or (N, G): the
 # decoded tiles reach shared memory in 128-bit stores only when Triton lays a warp's
 # lanes along the groups, which 3.6 (the H200 machine's) does for (G, N) and 3.9 for
-# (N, G); the other way, 16-bit stores and 7-10 more instructions per slot-row
+# (N, G); the other way, 16-bit stores and up to 11 more instructions per slot-row
 # (measured on 3.6 and 3.9 only; NOTES.md §36).
 GROUPS_OUTER = tl.constexpr(_release() < (3, 9))
 
@@ -617,9 +617,9 @@ def _lookup16w(w, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3):
     indices (nibbles) of ``w``, in pairs (0, 1) .. (6, 7). Each byte half of an entry
     is picked from entries 0-7 and from 8-15 by the index's low 3 bits (two byte
     permutes over ``_table_bytes`` of each half of the table), then one of the two by
-    its bit 3 (a byte mask, itself a permute of 0 and -1): 4.5 instructions per 2
-    entries where a gather took an address, a load and a conversion per entry. GPU
-    only (inline PTX)."""
+    its bit 3 (a byte mask, itself a permute of 0 and -1): 23 instructions per word of
+    8 where a gather took an address, a load and a conversion per entry. GPU only
+    (inline PTX)."""
     z = tl.zeros_like(w)
     return tl.inline_asm_elementwise(
         asm="""{
@@ -680,7 +680,8 @@ def _keys3(ptr, ok, D: tl.constexpr, BLOCK_D: tl.constexpr, lo0, lo1, hi0, hi1):
     h1 = tl.load(base + 1, mask=m, other=0).to(tl.int32)
     h2 = tl.load(base + 2, mask=m, other=0).to(tl.int32)
     p0, p1, p2, p3 = _lookup8w(h0 | (h1 << 16), lo0, lo1, hi0, hi1)  # indices 0-7
-    p4, p5, p6, p7 = _lookup8w((h1 >> 8) | (h2 << 8), lo0, lo1, hi0, hi1)  # 8-15
+    # stream bits 24-47: indices 8-15
+    p4, p5, p6, p7 = _lookup8w((h1 >> 8) | (h2 << 8), lo0, lo1, hi0, hi1)
     # pair q = 4a + 2b + c over axes (a, b, c), then its two halves: element 2q + h
     y = _halves(
         tl.join(
