@@ -10,8 +10,7 @@ on a memory-bound grid (GPU).
    128, the project's encoder): each request's error against the float64 oracle
    within 1.1x the full path's (FlashAttention-3; 1.6x for 1-3 query tokens) + 1e-4;
    the same with the cache in vLLM 0.33's head-major layout; the 3- and 4-bit centroids
-   by byte permutes bit for bit as the gather (a release whose lookup covers 3-bit keys
-   only checks the same thing twice for 4-bit ones); one request of 32K positions in one split
+   by byte permutes bit for bit as the gather; one request of 32K positions in one split
    (the tensor cores' truncating accumulation, NOTES.md §27); and, reported, the
    error without the query's fp16 remainder (``q_split=False``).
 2. Timings, per workload (GPU kernel time per call: torch.profiler, every kernel's

@@ -284,7 +284,7 @@ def plan_paged(
     split_len = cdiv(max(min(split_len, longest), 1), block_n) * block_n
     while True:
         plan = _build(
-            cfg, hq, hk, group, served, q0, q_len, cached, rows, busy, tiles,
+            cfg, hq, hk, served, q0, q_len, cached, rows, tiles,
             block_m, block_n, num_warps, split_len, half_chunk,
         )  # fmt: skip
         if plan.scratch_bytes <= max_scratch_bytes:
@@ -299,7 +299,7 @@ def plan_paged(
 
 
 def _build(
-    cfg, hq, hk, group, served, q0, q_len, cached, rows, busy, tiles,
+    cfg, hq, hk, served, q0, q_len, cached, rows, tiles,
     block_m, block_n, num_warps, split_len, half_chunk,
 ) -> PagedPlan:  # fmt: skip
     """The work list and the tokens' fields, built by tensor ops on the host
