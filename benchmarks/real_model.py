@@ -15,6 +15,13 @@ source), tokenized by the model's own tokenizer. Nothing is fetched. As in
   (``TQ_CHUNKED_DISABLE=1``: the whole cached prefix dequantized into fp16 buffers;
   vLLM 0.20 runs it without 0.21-0.23's locked-workspace crash).
 
+Suffixes, for controls (accuracy mode compares each with the configuration without it):
+``/<tokens>``, steps of that many tokens instead of ``--batch-tokens`` (on a TurboQuant
+cache this also changes which of a chunk's keys are read quantized); ``@w<tokens>``
+(``on:`` only), the plugin's windows of that many cached tokens (``TQ_CHUNKED_WINDOW``):
+the same cache and the same arithmetic, cut and merged at other places, so the two
+differ by rounding alone. ``on:turboquant_3bit_nc@w1024/256`` has both.
+
 ``--mode accuracy`` (chunked prefill of ``--batch-tokens`` 512 tokens a step, prefix
 caching off, no CUDA graphs):
 
@@ -144,9 +151,18 @@ def prepare(model_dir: Path) -> dict:
     return work
 
 
+def split_config(cfg):
+    """(mode, kv, window, step) of ``<mode>:<kv>[@w<tokens>][/<tokens>]``; window and
+    step are "" where not given. Not validated (``main`` does that)."""
+    mode, _, kv = cfg.partition(":")
+    kv, _, step = kv.partition("/")
+    kv, _, window = kv.partition("@")
+    return mode, kv, window, step
+
+
 def _slug(config):
     """The file a configuration's per-token log-probabilities go to."""
-    return config.replace(":", "_").replace("/", "-") + ".json"
+    return config.replace(":", "_").replace("/", "-").replace("@", "+") + ".json"
 
 
 def ppl_windows(text_ids):
@@ -403,7 +419,7 @@ def _profiled_replay(llm, work, n, turns, reply):
 
 def child(args):
     result = {"config": args.config, "mode": args.mode, "errors": []}
-    mode, kv = args.config.split("/")[0].split(":")
+    mode, kv, _, _ = split_config(args.config)
     work = json.loads((args.model_dir / "workload.json").read_text())
     import torch
     import vllm
@@ -461,9 +477,9 @@ def compare_accuracy(results, scratch):
         f = scratch / _slug(c)
         if f.is_file():
             lps[c] = json.loads(f.read_text())
-    # a configuration run with other steps against itself: how far the model's own
-    # rounding moves the answers when only the order of the sums changes
-    pairs = [(c, c.split("/")[0]) for c in by if "/" in c]
+    # a configuration with other steps or windows against itself: how far the model's
+    # own rounding moves the answers when only the order of the sums changes
+    pairs = [(c, c.split("@")[0].split("/")[0]) for c in by if "/" in c or "@" in c]
     for p in PRESETS:
         pairs += [
             (f"on:{p}", f"off:{p}"),
@@ -519,19 +535,22 @@ def parent(args):
     )
     env_base.setdefault("VLLM_CACHE_ROOT", "/tmp/tq-engine/vllm-cache")
     env_base.pop("TQ_CHUNKED_DISABLE", None)
+    env_base.pop("TQ_CHUNKED_WINDOW", None)
     results = []
     from tqdm import tqdm
 
     for cfg in tqdm(args.configs.split(","), desc="configurations", file=sys.stdout):
         env = dict(env_base)
+        _, _, window, step = split_config(cfg)
         if cfg.startswith("off:"):
             env["TQ_CHUNKED_DISABLE"] = "1"
+        if window:
+            env["TQ_CHUNKED_WINDOW"] = window[1:]
         cmd = [sys.executable, __file__, "--child", "--config", cfg]
         cmd += ["--mode", args.mode, "--model-dir", str(args.model_dir)]
         cmd += ["--scratch", str(scratch), "--kv-gib", str(args.kv_gib)]
         # <config>/<tokens>: that configuration with steps of that many tokens
-        chunk = cfg.split("/")[1] if "/" in cfg else str(args.batch_tokens)
-        cmd += ["--batch-tokens", chunk]
+        cmd += ["--batch-tokens", step or str(args.batch_tokens)]
         cmd += ["--replay-batch", str(args.replay_batch)]
         cmd += ["--inflight", args.inflight, "--turns", str(args.turns)]
         cmd += ["--reply-tokens", str(args.reply_tokens)]
@@ -722,8 +741,9 @@ def main(argv=None):
     ap.add_argument(
         "--configs",
         help="comma-separated bf16:auto, on:<preset>, off:<preset>, each optionally "
-        "with /<tokens a step> (accuracy: compared with the same configuration at "
-        "--batch-tokens, the model's own rounding noise) (default: accuracy, the BF16 "
+        "with /<tokens a step>, on:<preset> with @w<tokens a window> (accuracy: "
+        "compared with the configuration without them, the model's own rounding "
+        "noise) (default: accuracy, the BF16 "
         "cache at 512 and 256 tokens a step and every preset on and off; replay, the "
         "BF16 cache and turboquant_3bit_nc on and off)",
     )
@@ -774,17 +794,19 @@ def main(argv=None):
         else:
             args.configs = "bf16:auto,on:turboquant_3bit_nc,off:turboquant_3bit_nc"
     for cfg in args.configs.split(","):
-        mode, _, kv = cfg.partition(":")
-        kv, _, chunk = kv.partition("/")
+        mode, kv, window, step = split_config(cfg)
         known = (mode == "bf16" and kv == "auto") or (
             mode in ("on", "off") and kv in PRESETS
         )
-        ok = known and (not chunk or chunk.isdigit())
-        if not ok:
+        window_ok = not window or (
+            mode == "on" and window[:1] == "w" and window[1:].isdigit()
+            and int(window[1:]) > 0
+        )  # fmt: skip
+        if not (known and window_ok and (not step or step.isdigit())):
             ap.error(
                 f"--configs: expected bf16:auto, on:<preset> or off:<preset> "
                 f"with a preset of {', '.join(PRESETS)}, each optionally with "
-                f"/<tokens a step>; got {cfg!r}"
+                f"/<tokens a step>, on:<preset> with @w<tokens a window>; got {cfg!r}"
             )
     if args.child:
         child(args)

