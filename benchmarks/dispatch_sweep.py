@@ -3,10 +3,12 @@ time and host time per call of the windows (``path="window"``) and of the memory
 path (``path="paged"``), over query rows per kv head x cached tokens per request, with
 the floor beside them (GPU).
 
-    python benchmarks/dispatch_sweep.py [OUT_DIR]
+    python benchmarks/dispatch_sweep.py [OUT_DIR] [--long-band]
 
 Batches of B requests of q_len query tokens over ``cached`` tokens each (Hq/Hk/D
-32/8/128, turboquant_3bit_nc, fp16, and Hq/Hk/D 16/16/64, 4bit_nc, bf16), each path
+32/8/128, turboquant_3bit_nc, fp16, and Hq/Hk/D 16/16/64, 4bit_nc, bf16; with
+--long-band, the rule's second band, plan.PAGED_MAX_ROWS_LONG, for the other presets
+and dtypes at head size 128: 32-64 rows over 8K-64K, NOTES.md §41), each path
 through ``continuation_prefill_varlen`` with a workspace of workspace_bytes(N) as the
 plugin calls it. Writes dispatch-sweep.json (after each point) and prints a table of
 paged / windows per point, last.
@@ -33,6 +35,15 @@ SHAPES = [
 ]
 ROWS = [8, 16, 32, 48, 64, 128]  # query rows per kv head
 CACHED = [1 * K, 4 * K, 16 * K, 64 * K]
+LONG_BAND = (
+    [
+        ("llama3-8b 4bit fp16", 32, 8, 128, "turboquant_4bit_nc", torch.float16, 16),
+        ("llama3-8b k3v4 bf16", 32, 8, 128, "turboquant_k3v4_nc", torch.bfloat16, 16),
+        ("70b-tp1 3bit bf16", 64, 8, 128, "turboquant_3bit_nc", torch.bfloat16, 16),
+    ],
+    [32, 48, 64],
+    [8 * K, 16 * K, 64 * K],
+)
 
 
 def kernel_ms(call):
@@ -83,21 +94,25 @@ def point(shape, rows, cached):
 
 
 def main():
-    out_dir = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", ".")
+    args = [a for a in sys.argv[1:] if a != "--long-band"]
+    shapes, rows_per_kvh, cached = (
+        LONG_BAND if "--long-band" in sys.argv else (SHAPES, ROWS, CACHED)
+    )
+    out_dir = args[0] if args else os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)
     rows = []
-    points = [(s, r, c) for s in SHAPES for r in ROWS for c in CACHED]
+    points = [(s, r, c) for s in shapes for r in rows_per_kvh for c in cached]
     for shape, r, c in tqdm(points, desc="points", file=sys.stdout):
         rows.append(point(shape, r, c))
         with open(os.path.join(out_dir, "dispatch-sweep.json"), "w") as fh:
             json.dump(
                 dict(device=torch.cuda.get_device_name(), rows=rows), fh, indent=1
             )
-    for shape in SHAPES:
+    for shape in shapes:
         print(f"\n{shape[0]}, B {shape[6]}: paged / windows, GPU kernel time per call")
-        print("| rows/kv head | " + " | ".join(f"{c // K}K" for c in CACHED) + " |")
-        print("|---" * (len(CACHED) + 1) + "|")
-        for r in ROWS:
+        print("| rows/kv head | " + " | ".join(f"{c // K}K" for c in cached) + " |")
+        print("|---" * (len(cached) + 1) + "|")
+        for r in rows_per_kvh:
             cells = [
                 f"{x['paged_over_window']:.2f}"
                 for x in rows

@@ -123,7 +123,8 @@ for mode in "$@"; do
         | tee "$OUT/paged-probe.md" | tail -25 ;;
     dispatch)
       # the plan's crossover: windows against the memory-bound path (NOTES.md §35)
-      carry .gpu-carry timeout 420 python3 benchmarks/dispatch_sweep.py "$OUT" 2>&1 \
+      # (DISPATCH_ARGS=--long-band: the rule's second band, NOTES.md §41)
+      carry .gpu-carry timeout 420 python3 benchmarks/dispatch_sweep.py "$OUT" ${DISPATCH_ARGS:-} 2>&1 \
         | grep -v "points:" | tail -20 ;;
     fused-nov3)
       # the probe again with Triton's wgmma turned off (DISABLE_MMA_V3, read when a

@@ -130,6 +130,50 @@ def test_auto_needs_enough_cached_tokens_in_a_run(monkeypatch):
     assert paged(torch.bfloat16, "turboquant_k8v4") == ["paged 2 3"]
 
 
+LONG = plan.PAGED_LONG_CACHED
+
+
+@pytest.mark.parametrize(
+    "rows, cached, preset, head_dim, takes",
+    [
+        (PAGED_MAX_ROWS, 1, "turboquant_k8v4", 64, True),  # few rows: any cache
+        (PAGED_MAX_ROWS + 1, LONG, "turboquant_3bit_nc", 128, True),
+        (plan.PAGED_MAX_ROWS_LONG, LONG, "turboquant_4bit_nc", 256, True),
+        (plan.PAGED_MAX_ROWS_LONG, LONG, "turboquant_k3v4_nc", 128, True),
+        (plan.PAGED_MAX_ROWS_LONG + 1, LONG, "turboquant_3bit_nc", 128, False),
+        (plan.PAGED_MAX_ROWS_LONG, LONG - 1, "turboquant_3bit_nc", 128, False),
+        (plan.PAGED_MAX_ROWS_LONG, LONG, "turboquant_3bit_nc", 64, False),
+        (plan.PAGED_MAX_ROWS_LONG, LONG, "turboquant_k8v4", 128, False),
+    ],
+)
+def test_more_rows_take_the_memory_bound_path_only_over_a_long_prefix(
+    rows, cached, preset, head_dim, takes
+):
+    """The rule's second band (NOTES.md §41): 33-64 rows a kv head where the request
+    holds 16K cached tokens or more, at head size 128 and up over MSE keys."""
+    cfg = plan.TQConfig.from_preset(preset, head_dim)
+    assert plan.paged_eligible(rows, cached, cfg) is takes
+
+
+def test_a_run_of_long_prefixes_with_64_rows_takes_the_memory_bound_path(monkeypatch):
+    """Speculative verification's shape: 16 tokens of Hq / Hk = 4 over long prefixes;
+    the same requests at head size 64 stay in windows."""
+    monkeypatch.undo()
+    reqs = [(LONG, 16)] * (plan.PAGED_MIN_CACHED // LONG)
+    qsl = [16 * i for i in range(len(reqs) + 1)]
+    lens = [c + q for c, q in reqs]
+    table = torch.zeros(len(reqs), LONG // 16 + 2, dtype=torch.int32, device=DEVICE)
+
+    def units(head_dim):
+        prefill = ContinuationPrefill(
+            16, 4, head_dim, preset="turboquant_3bit_nc", block_size=16
+        )
+        return _units(prefill.plan(table, query_start_loc_cpu=qsl, seq_lens_cpu=lens))
+
+    assert units(128) == ["paged " + " ".join(map(str, range(len(reqs))))]
+    assert not any(u.startswith("paged") for u in units(64))
+
+
 @pytest.mark.parametrize("path", ["auto", "paged", "window"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("preset", list(PRESETS))

@@ -21,9 +21,10 @@ dequantized, new tokens copied after them.
   at least one cached token always fit the last window; ``capacity > N`` (the batch's
   query tokens), so a first chunk always fits a batch window.
 
-* A request with few query rows per kv head (``q_r x Hq / Hk <= PAGED_MAX_ROWS``)
-  over a cached prefix is bound by the bytes of its cache: it takes the **memory-bound
-  path** (paged.py) instead of windows, where consecutive such requests hold
+* A request with few query rows per kv head (``q_r x Hq / Hk <= PAGED_MAX_ROWS``, or
+  up to PAGED_MAX_ROWS_LONG over a long prefix: ``paged_eligible``) over a cached
+  prefix is bound by the bytes of its cache: it takes the **memory-bound path**
+  (paged.py) instead of windows, where consecutive such requests hold
   PAGED_MIN_CACHED cached tokens together. They form a
   **paged run**: one causal attention call over their own tokens, then their cached
   positions read straight from the paged cache (split over the SMs, no fp16 K/V
@@ -90,6 +91,12 @@ FIT_ROWS = 256  # a window fitted to the budget is a multiple of this (fit_windo
 # fixed cost weighs against it (benchmarks/NOTES.md §35, §37, §39).
 PAGED_MAX_ROWS = 32
 PAGED_MIN_CACHED = 256 * 1024
+# Up to PAGED_MAX_ROWS_LONG rows (two tiles, each decoding every slot) where the
+# request itself holds PAGED_LONG_CACHED cached tokens, at head size 128 and up over
+# MSE keys: 0.53-0.62x the windows there; shorter prefixes, head size 64 and fp8 keys
+# measured slower or not at all (benchmarks/NOTES.md §41).
+PAGED_MAX_ROWS_LONG = 64
+PAGED_LONG_CACHED = 16 * 1024
 PATHS = ("auto", "window", "paged")
 
 
@@ -388,7 +395,7 @@ def make_plan(
             )
         ) - (ALIGN + rotation_bytes(head_dim))
         group = num_q_heads // num_kv_heads
-        for run in paged_runs(qsl, seq_lens, group, path, device):
+        for run in paged_runs(qsl, seq_lens, group, path, device, cfg):
             try:
                 plan = plan_paged(
                     qsl, seq_lens, num_q_heads, num_kv_heads, head_dim, cfg,
@@ -464,18 +471,34 @@ def make_plan(
     )
 
 
+def paged_eligible(rows: int, cached: int, cfg: TQConfig) -> bool:
+    """Whether "auto" may send a request of ``rows`` query rows per kv head over
+    ``cached`` cached tokens (at least one) to the memory-bound path: at most
+    PAGED_MAX_ROWS rows, or at most PAGED_MAX_ROWS_LONG over PAGED_LONG_CACHED cached
+    tokens or more at head size 128 and up over MSE keys."""
+    if rows <= PAGED_MAX_ROWS:
+        return True
+    return (
+        rows <= PAGED_MAX_ROWS_LONG
+        and cached >= PAGED_LONG_CACHED
+        and cfg.head_dim >= 128
+        and not cfg.key_fp8
+    )
+
+
 def paged_runs(
     qsl: tuple[int, ...],
     seq_lens: tuple[int, ...],
     group: int,
     path: str,
     device: torch.device,
+    cfg: TQConfig,
 ) -> list[tuple[int, ...]]:
     """The requests the memory-bound path serves, as runs of consecutive ones (requests
     without query tokens neither join nor break a run): with path "paged" every
-    request with query and cached tokens; with "auto" those with cached tokens and at
-    most PAGED_MAX_ROWS query rows per kv head (``group`` = Hq / Hk), in runs of at
-    least PAGED_MIN_CACHED cached tokens, where Triton runs (on a GPU, or under the
+    request with query and cached tokens; with "auto" those with cached tokens that
+    ``paged_eligible`` admits (``group`` = Hq / Hk), in runs of at least
+    PAGED_MIN_CACHED cached tokens, where Triton runs (on a GPU, or under the
     interpreter)."""
     triton_runs = device.type == "cuda" or interpreting()
     if path == "window" or (path == "auto" and not triton_runs):
@@ -486,7 +509,7 @@ def paged_runs(
         q = qsl[r + 1] - qsl[r]
         if not q:
             continue
-        if s > q and (path == "paged" or q * group <= PAGED_MAX_ROWS):
+        if s > q and (path == "paged" or paged_eligible(q * group, s - q, cfg)):
             run.append(r)
         elif run:
             runs.append(tuple(run))

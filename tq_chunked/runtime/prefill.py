@@ -290,10 +290,9 @@ class ContinuationPrefill:
         backend: "auto", "flash", "triton" or "torch" (attention.py); a named back end
             that is unavailable raises, and is never silently replaced.
         path: which requests take the memory-bound path (paged.py) instead of windows:
-            "auto" (runs of requests with cached tokens and at most
-            ``plan.PAGED_MAX_ROWS`` query rows per kv head that hold
-            ``plan.PAGED_MIN_CACHED`` cached tokens, where Triton runs: on a GPU or
-            under the interpreter),
+            "auto" (runs of requests with cached tokens and few query rows per kv
+            head, ``plan.paged_eligible``, that hold ``plan.PAGED_MIN_CACHED``
+            cached tokens, where Triton runs: on a GPU or under the interpreter),
             "window" (none) or "paged" (every request with cached tokens, for
             measurements; a run whose query rows need more scratch than a batch
             window of the step raises: plan.py).
