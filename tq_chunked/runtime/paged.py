@@ -422,7 +422,7 @@ def _release() -> tuple[int, int]:
 # decoded tiles reach shared memory in 128-bit stores only when Triton lays a warp's
 # lanes along the groups, which 3.6 (the H200 machine's) does for (G, N) and 3.9 for
 # (N, G); the other way, 16-bit stores and up to 11 more instructions per slot-row
-# (measured on 3.6 and 3.9 only; NOTES.md §36).
+# (measured on 3.6 and 3.9 only; NOTES.md §40).
 GROUPS_OUTER = tl.constexpr(_release() < (3, 9))
 
 
@@ -734,7 +734,7 @@ def _fp8_keys(cache_ptr, slot, ok, D: tl.constexpr, BLOCK_D: tl.constexpr,
     ok2 = ok[:, None]
     if HALVES:
         # eight loads of a group of 16 keys from one address (one per thread and
-        # group, not one per halfword), laid out as _indices' groups (NOTES.md §36)
+        # group, not one per halfword), laid out as _indices' groups (NOTES.md §40)
         base, m, e = _group_ptrs(cache_ptr + slot, ok, 8, BLOCK_D, GROUPS_OUTER)
         h0 = tl.load(base, mask=m & (e < D), other=0)
         h1 = tl.load(base + 1, mask=m & (e + 2 < D), other=0)
