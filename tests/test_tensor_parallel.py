@@ -29,9 +29,10 @@ What a CPU cannot give is stood in for, and only that: vLLM's platform is its
 worker class (``vllm.v1.worker.gpu_worker.Worker``, what a CUDA engine names; the CPU
 worker needs compiled ``_C`` ops this install lacks), constructed by ``init_worker``
 and never asked to ``init_device``; and the CPU platform picks its own attention
-backend for every layer, so the layer's impl is replaced by the
-``TurboQuantAttentionImpl`` vLLM's ``Attention`` builds on a GPU, made from the layer's
-own heads. Run from an environment without vLLM, this file re-runs itself inside each
+backend for every layer (0.34 refuses a TurboQuant cache there), so its choice is
+replaced by the backend a CUDA platform selects for TurboQuant, from which vLLM's
+``Attention`` builds ``TurboQuantAttentionImpl`` itself. From 0.34 a worker first
+applies the engine's logging configuration, as ``WorkerProc.worker_main`` does. Run from an environment without vLLM, this file re-runs itself inside each
 ``.vllm-envs/`` install, as tests/test_vllm_plugin.py does.
 """
 
@@ -147,6 +148,13 @@ def _worker(rank, config, init_method, lock, results):
     )
     from tq_chunked.vllm_plugin import is_patched
 
+    # What WorkerProc.worker_main does first from 0.34 on: the engine's logging
+    # configuration applied in the worker (before it, vLLM's loggers are at WARNING)
+    logging_config = getattr(config, "logging_config", None)
+    if logging_config is not None:
+        from vllm.logger import configure_logging
+
+        configure_logging(logging_config)
     records = _Records()
     logging.getLogger("vllm").addHandler(records)
     patched_at_start = is_patched(tqa)
@@ -176,6 +184,8 @@ def _worker(rank, config, init_method, lock, results):
         get_tensor_model_parallel_world_size,
     )
     from vllm.model_executor.models.llama import LlamaAttention
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 
     torch.manual_seed(SEED)
@@ -184,6 +194,12 @@ def _worker(rank, config, init_method, lock, results):
         with set_current_vllm_config(config):
             init_worker_distributed_environment(config, rank, init_method, rank, "gloo")
             torch.set_default_dtype(config.model_config.dtype)
+            # The backend a CUDA platform selects for a TurboQuant cache: the CPU
+            # platform picks its own (0.34 refuses TurboQuant there), so vLLM's
+            # Attention builds TurboQuant's impl from the layer's own heads.
+            current_platform.get_attn_backend_cls = lambda *args, **kwargs: (
+                AttentionBackendEnum.TURBOQUANT.get_path()
+            )
             # vLLM's model code: heads divided by the TP group's size.
             attn = LlamaAttention(
                 config=hf,
@@ -194,16 +210,7 @@ def _worker(rank, config, init_method, lock, results):
                 cache_config=config.cache_config,
                 prefix=LAYER,
             ).attn
-            # The impl vLLM's Attention builds on a GPU (the CPU platform picks its own
-            # backend), from the layer's own heads.
-            attn.attn_backend = tqa.TurboQuantAttentionBackend
-            attn.impl = tqa.TurboQuantAttentionImpl(
-                attn.num_heads,
-                attn.head_size,
-                attn.impl.scale,
-                attn.num_kv_heads,
-                kv_cache_dtype=attn.kv_cache_dtype,
-            )
+            assert isinstance(attn.impl, tqa.TurboQuantAttentionImpl), type(attn.impl)
             spec = attn.get_kv_cache_spec(config)
             builder = tqa.TurboQuantMetadataBuilder(
                 spec, [attn.layer_name], config, torch.device("cpu")
@@ -403,8 +410,10 @@ def test_each_worker_reserves_for_its_share_of_the_heads(model_dir, tp, window):
     assert len(out["workers"]) == tp, f"expected {tp} workers: {out['exitcodes']}"
     for w in out["workers"]:
         where = f"worker {w['rank']} of tp {tp}"
-        assert w["kv_cache_dtype"] == "turboquant_3bit_nc" and w["spec"] == (
-            "TQFullAttentionSpec"
+        # TurboQuant's spec: its own class up to 0.33, the full-attention one from 0.34
+        assert w["kv_cache_dtype"] == "turboquant_3bit_nc" and w["spec"] in (
+            "TQFullAttentionSpec",
+            "FullAttentionSpec",
         ), f"{where}: {LAYER} is not a TurboQuant layer ({w})"
         assert w["layer_heads"] == [hq, hk], (
             f"{where}: vLLM's model code built {w['layer_heads']} heads, not {hq, hk}"
