@@ -32,8 +32,9 @@ and never asked to ``init_device``; and the CPU platform picks its own attention
 backend for every layer (0.34 refuses a TurboQuant cache there), so its choice is
 replaced by the backend a CUDA platform selects for TurboQuant, from which vLLM's
 ``Attention`` builds ``TurboQuantAttentionImpl`` itself. From 0.34 a worker first
-applies the engine's logging configuration, as ``WorkerProc.worker_main`` does. Run from an environment without vLLM, this file re-runs itself inside each
-``.vllm-envs/`` install, as tests/test_vllm_plugin.py does.
+applies the engine's logging configuration, as ``WorkerProc.worker_main`` does. Run
+from an environment without vLLM, this file re-runs itself inside each ``.vllm-envs/``
+install, as tests/test_vllm_plugin.py does.
 """
 
 from __future__ import annotations
