@@ -7,9 +7,10 @@ seconds): the real activations of tests/data (SmolLM2-135M on real text, layers 
 Per layer, key bits (3, 4) and eps (2^-11: one fp16 rounding; 2^-8): the share of
 stored indices that change, changes per token, and ||dK^|| / ||K^|| (the stored keys'
 relative change, K^ = centroids x norm, rotated back) beside ||dK|| / ||K||. A BF16
-cache stores such a change as it is (x1 at most); a quantized cache moves a flipped
-index by a whole centroid gap (benchmarks/NOTES.md §36: why greedy continuations on a
-TurboQuant cache part earlier than on a BF16 one under the same rounding change).
+cache stores such a change rounded to bf16 (at most one bf16 step of it); a quantized
+cache moves a flipped index by a whole centroid gap (benchmarks/NOTES.md §36: likely why
+greedy continuations on a TurboQuant cache part earlier than on a BF16 one under the
+same rounding change).
 """
 
 import sys

@@ -18,7 +18,7 @@ source), tokenized by the model's own tokenizer. Nothing is fetched. As in
 Suffixes, for controls (accuracy mode compares each with the configuration without it):
 ``/<tokens>``, steps of that many tokens instead of ``--batch-tokens`` (on a TurboQuant
 cache this also changes which of a chunk's keys are read quantized); ``@w<tokens>``
-(``on:`` only), the plugin's windows of that many cached tokens (``TQ_CHUNKED_WINDOW``):
+(``on:`` only), the plugin's windows of that many key rows (``TQ_CHUNKED_WINDOW``):
 the same cache and the same arithmetic, cut and merged at other places, so the two
 differ by rounding alone. ``on:turboquant_3bit_nc@w1024/256`` has both.
 
@@ -67,6 +67,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -477,8 +478,8 @@ def compare_accuracy(results, scratch):
         f = scratch / _slug(c)
         if f.is_file():
             lps[c] = json.loads(f.read_text())
-    # a configuration with other steps or windows against itself: how far the model's
-    # own rounding moves the answers when only the order of the sums changes
+    # a configuration with other windows (rounding alone) or other steps (on a
+    # TurboQuant cache also which keys are read quantized) against itself
     pairs = [(c, c.split("@")[0].split("/")[0]) for c in by if "/" in c or "@" in c]
     for p in PRESETS:
         pairs += [
@@ -799,9 +800,8 @@ def main(argv=None):
             mode in ("on", "off") and kv in PRESETS
         )
         window_ok = not window or (
-            mode == "on" and window[:1] == "w" and window[1:].isdigit()
-            and int(window[1:]) > 0
-        )  # fmt: skip
+            mode == "on" and re.fullmatch(r"w0*[1-9][0-9]*", window) is not None
+        )
         if not (known and window_ok and (not step or step.isdigit())):
             ap.error(
                 f"--configs: expected bf16:auto, on:<preset> or off:<preset> "

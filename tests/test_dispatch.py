@@ -138,7 +138,8 @@ LONG = plan.PAGED_LONG_CACHED
     [
         (PAGED_MAX_ROWS, 1, "turboquant_k8v4", 64, True),  # few rows: any cache
         (PAGED_MAX_ROWS + 1, LONG, "turboquant_3bit_nc", 128, True),
-        (plan.PAGED_MAX_ROWS_LONG, LONG, "turboquant_4bit_nc", 256, True),
+        (plan.PAGED_MAX_ROWS_LONG, LONG, "turboquant_4bit_nc", 128, True),
+        (plan.PAGED_MAX_ROWS_LONG, LONG, "turboquant_4bit_nc", 256, False),
         (plan.PAGED_MAX_ROWS_LONG, LONG, "turboquant_k3v4_nc", 128, True),
         (plan.PAGED_MAX_ROWS_LONG + 1, LONG, "turboquant_3bit_nc", 128, False),
         (plan.PAGED_MAX_ROWS_LONG, LONG - 1, "turboquant_3bit_nc", 128, False),
@@ -150,7 +151,8 @@ def test_more_rows_take_the_memory_bound_path_only_over_a_long_prefix(
     rows, cached, preset, head_dim, takes
 ):
     """The rule's second band (NOTES.md §41): 33-64 rows a kv head where the request
-    holds 16K cached tokens or more, at head size 128 and up over MSE keys."""
+    holds 16K cached tokens or more, at head size 128 (the one measured) over MSE
+    keys."""
     cfg = plan.TQConfig.from_preset(preset, head_dim)
     assert plan.paged_eligible(rows, cached, cfg) is takes
 

@@ -7,12 +7,14 @@ scratch, and no access outside the kernels' tensors."""
 
 import pytest
 import torch
+import triton.language as tl
 from bounds import reads_within_arguments
 from conftest import DEVICE, TRITON_OK
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_promises import NONFINITE_CASES, check_against_oracle, poison
 
+from tq_chunked.runtime import paged
 from tq_chunked.runtime.format import PRESETS, TQConfig
 from tq_chunked.runtime.paged import (
     MAX_GPU_TILE,
@@ -99,6 +101,25 @@ def test_every_preset_dtype_and_layout_is_within_the_full_paths_error(
         REQUESTS, preset, dtype, num_q_heads=8, num_kv_heads=2, layout=layout, seed=seed
     )
     out = run(batch, poisoned(batch), split_len=32)  # splits of 2 blocks of 16
+    assert not out.isnan().any(), f"seed {seed}: a row was not written"
+    check_within_full_paths_error(batch, out)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="a GPU compiles one orientation a release")
+@pytest.mark.parametrize("outer", [True, False], ids=["groups-outer", "groups-inner"])
+@pytest.mark.parametrize(
+    "preset", ["turboquant_3bit_nc", "turboquant_4bit_nc", "turboquant_k8v4"]
+)
+def test_both_orientations_of_the_index_groups(preset, outer, monkeypatch):
+    """paged.GROUPS_OUTER picks the index groups' layout by Triton release ((G, N)
+    below 3.9, (N, G) from it); the interpreter runs whichever it is given, so both
+    are checked on every machine (the byte-permute lookups are GPU-only)."""
+    monkeypatch.setattr(paged, "GROUPS_OUTER", tl.constexpr(outer))
+    seed = 150 + sorted(PRESETS).index(preset)
+    batch = make_batch(
+        REQUESTS, preset, torch.float16, num_q_heads=8, num_kv_heads=2, seed=seed
+    )
+    out = run(batch, poisoned(batch), split_len=32)
     assert not out.isnan().any(), f"seed {seed}: a row was not written"
     check_within_full_paths_error(batch, out)
 

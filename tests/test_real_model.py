@@ -212,6 +212,7 @@ def test_report_renders_accuracy_and_replay_with_a_plot(tmp_path):
         "bf16:auto@w1024",
         "on:turboquant_3bit_nc@w0",
         "on:turboquant_3bit_nc@1024",
+        "on:turboquant_3bit_nc@w\u00b2",  # a digit to str.isdigit, not to int()
     ],
 )
 def test_bad_configurations_are_refused_before_anything_runs(cfg, capsys):

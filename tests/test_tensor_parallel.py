@@ -412,6 +412,7 @@ def test_each_worker_reserves_for_its_share_of_the_heads(model_dir, tp, window):
     for w in out["workers"]:
         where = f"worker {w['rank']} of tp {tp}"
         # TurboQuant's spec: its own class up to 0.33, the full-attention one from 0.34
+        # (which any full-attention layer has: the cache dtype says it is TurboQuant)
         assert w["kv_cache_dtype"] == "turboquant_3bit_nc" and w["spec"] in (
             "TQFullAttentionSpec",
             "FullAttentionSpec",

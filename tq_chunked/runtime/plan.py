@@ -92,9 +92,9 @@ FIT_ROWS = 256  # a window fitted to the budget is a multiple of this (fit_windo
 PAGED_MAX_ROWS = 32
 PAGED_MIN_CACHED = 256 * 1024
 # Up to PAGED_MAX_ROWS_LONG rows (two tiles, each decoding every slot) where the
-# request itself holds PAGED_LONG_CACHED cached tokens, at head size 128 and up over
-# MSE keys: 0.53-0.62x the windows there; shorter prefixes, head size 64 and fp8 keys
-# measured slower or not at all (benchmarks/NOTES.md §41).
+# request itself holds PAGED_LONG_CACHED cached tokens, at head size 128 over MSE keys:
+# 0.53-0.62x the windows there; shorter prefixes and head size 64 measured slower, head
+# size 256 and fp8 keys not at all (benchmarks/NOTES.md §41).
 PAGED_MAX_ROWS_LONG = 64
 PAGED_LONG_CACHED = 16 * 1024
 PATHS = ("auto", "window", "paged")
@@ -475,13 +475,13 @@ def paged_eligible(rows: int, cached: int, cfg: TQConfig) -> bool:
     """Whether "auto" may send a request of ``rows`` query rows per kv head over
     ``cached`` cached tokens (at least one) to the memory-bound path: at most
     PAGED_MAX_ROWS rows, or at most PAGED_MAX_ROWS_LONG over PAGED_LONG_CACHED cached
-    tokens or more at head size 128 and up over MSE keys."""
+    tokens or more at head size 128 over MSE keys."""
     if rows <= PAGED_MAX_ROWS:
         return True
     return (
         rows <= PAGED_MAX_ROWS_LONG
         and cached >= PAGED_LONG_CACHED
-        and cfg.head_dim >= 128
+        and cfg.head_dim == 128
         and not cfg.key_fp8
     )
 
