@@ -43,11 +43,12 @@ def main():
         rotation = hadamard(dim).double()
         for bits in (3, 4):
             c = lloyd_max_centroids(dim, bits).double().sort().values
-            i0, k0 = stored(k, c, (c[:-1] + c[1:]) / 2, rotation)
+            mids = (c[:-1] + c[1:]) / 2
+            i0, k0 = stored(k, c, mids, rotation)
             for log_eps in (-11, -8):
                 kp = k * (1 + 2.0**log_eps * torch.randn(k.shape, generator=gen,
                                                            dtype=k.dtype))  # fmt: skip
-                i1, k1 = stored(kp, c, (c[:-1] + c[1:]) / 2, rotation)
+                i1, k1 = stored(kp, c, mids, rotation)
                 share = (i0 != i1).double().mean().item()
                 rel_in = ((kp - k).norm() / k.norm()).item()
                 rel_out = ((k1 - k0).norm() / k0.norm()).item()

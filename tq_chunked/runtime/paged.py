@@ -669,6 +669,22 @@ def _halves(x):
 
 
 @triton.jit
+def _group_tile(p0, p1, p2, p3, p4, p5, p6, p7, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(N, BLOCK_D) fp16 of each group's 16 entries, given as eight int32 tensors of
+    fp16 pairs (0, 1) .. (14, 15) in the index groups' layout (GROUPS_OUTER)."""
+    # pair q = 4a + 2b + c over axes (a, b, c), then its two halves: element 2q + h
+    y = _halves(
+        tl.join(
+            tl.join(tl.join(p0, p4), tl.join(p2, p6)),
+            tl.join(tl.join(p1, p5), tl.join(p3, p7)),
+        )
+    )
+    if GROUPS_OUTER:
+        y = tl.permute(y, (1, 0, 2, 3, 4, 5))
+    return tl.reshape(y, [N, BLOCK_D])
+
+
+@triton.jit
 def _keys3(ptr, ok, D: tl.constexpr, BLOCK_D: tl.constexpr, lo0, lo1, hi0, hi1):
     """(N, BLOCK_D) fp16 centroids of the 3-bit key indices at byte pointers ``ptr``
     (N,) (16-bit loads; rows outside ``ok`` read index 0, columns past D unspecified):
@@ -682,16 +698,7 @@ def _keys3(ptr, ok, D: tl.constexpr, BLOCK_D: tl.constexpr, lo0, lo1, hi0, hi1):
     p0, p1, p2, p3 = _lookup8w(h0 | (h1 << 16), lo0, lo1, hi0, hi1)  # indices 0-7
     # stream bits 24-47: indices 8-15
     p4, p5, p6, p7 = _lookup8w((h1 >> 8) | (h2 << 8), lo0, lo1, hi0, hi1)
-    # pair q = 4a + 2b + c over axes (a, b, c), then its two halves: element 2q + h
-    y = _halves(
-        tl.join(
-            tl.join(tl.join(p0, p4), tl.join(p2, p6)),
-            tl.join(tl.join(p1, p5), tl.join(p3, p7)),
-        )
-    )
-    if GROUPS_OUTER:
-        y = tl.permute(y, (1, 0, 2, 3, 4, 5))
-    return tl.reshape(y, [N, BLOCK_D])
+    return _group_tile(p0, p1, p2, p3, p4, p5, p6, p7, N, BLOCK_D)
 
 
 @triton.jit
@@ -713,16 +720,7 @@ def _keys4(ptr, ok, D: tl.constexpr, BLOCK_D: tl.constexpr, lo0, lo1, lo2, lo3, 
     p4, p5, p6, p7 = _lookup16w(
         h2 | (h3 << 16), lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3
     )  # indices 8-15
-    # as in _keys3: pair q = 4a + 2b + c over axes (a, b, c), element 2q + h
-    y = _halves(
-        tl.join(
-            tl.join(tl.join(p0, p4), tl.join(p2, p6)),
-            tl.join(tl.join(p1, p5), tl.join(p3, p7)),
-        )
-    )
-    if GROUPS_OUTER:
-        y = tl.permute(y, (1, 0, 2, 3, 4, 5))
-    return tl.reshape(y, [N, BLOCK_D])
+    return _group_tile(p0, p1, p2, p3, p4, p5, p6, p7, N, BLOCK_D)
 
 
 @triton.jit
