@@ -839,37 +839,37 @@ def _split_attention(
         lo0, lo1, hi0, hi1 = _table_bytes(table_ptr)
         if KEY_BITS == 4:
             lo2, lo3, hi2, hi3 = _table_bytes(table_ptr + 8)
+    # Each position's offset within its block (and the kv head's): the same every
+    # tile where tiles cover whole blocks (n0 is a multiple of BLOCK_N, splits
+    # are), so computed once; in the loop only the block id and its product.
+    WHOLE: tl.constexpr = BLOCK_N >= BLOCK_SIZE and (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0
+    if WHOLE:
+        within = (tl.arange(0, BLOCK_N) % BLOCK_SIZE).to(tl.int64) * s_cache_pos
+        within = within + head_off
+        col0 = tl.arange(0, BLOCK_N) // BLOCK_SIZE
     for n0 in range(start, end, BLOCK_N):
-        # -- where each position's slot is: the block ids once per block --------------
+        # -- where each position's slot is ---------------------------------------------
         pos = n0 + tl.arange(0, BLOCK_N)
         in_c = pos < end
-        if (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0:
-            # n0 is a multiple of BLOCK_N (splits are): NB block ids cover the tile
-            NB: tl.constexpr = BLOCK_N // BLOCK_SIZE if BLOCK_N > BLOCK_SIZE else 1
-            PER: tl.constexpr = BLOCK_N // NB
-            col = n0 // BLOCK_SIZE + tl.arange(0, NB)
-            blk = tl.load(bt_row + col * s_bt_col, mask=col < max_blocks, other=-1)
-            good = (blk >= 0) & (blk < num_blocks)
-            within = (n0 % BLOCK_SIZE + tl.arange(0, PER)).to(tl.int64)
-            off = (
-                blk.to(tl.int64)[:, None] * s_cache_block
-                + (within * s_cache_pos)[None, :]
-            )
-            off = tl.reshape(off, [BLOCK_N])
-            good = tl.reshape(good[:, None] & (within >= 0)[None, :], [BLOCK_N])
+        if WHOLE:
+            col = n0 // BLOCK_SIZE + col0
+            inner = within
         else:
             col = pos // BLOCK_SIZE
-            blk = tl.load(
-                bt_row + col * s_bt_col, mask=in_c & (col < max_blocks), other=-1
-            )
-            good = (blk >= 0) & (blk < num_blocks)
-            off = (
-                blk.to(tl.int64) * s_cache_block
-                + (pos % BLOCK_SIZE).to(tl.int64) * s_cache_pos
-            )
+            inner = (pos % BLOCK_SIZE).to(tl.int64) * s_cache_pos + head_off
+        blk = tl.load(bt_row + col * s_bt_col, mask=col < max_blocks, other=-1)
+        # in [0, num_blocks) in one unsigned comparison (num_blocks >= 0)
+        good = blk.to(tl.uint32, bitcast=True) < num_blocks.to(tl.uint32)
         ok = in_c & good  # only these are read
         bad = in_c & (~good)  # a block id outside the cache: NaN
-        slot = tl.where(ok, off + head_off, 0)
+        # unsigned: a good id and the stride are >= 0, so the 64-bit product is one
+        # wide multiply (a bad id's offset is never used)
+        wide = blk.to(tl.uint32, bitcast=True).to(tl.uint64)
+        slot = (wide * s_cache_block.to(tl.uint64)).to(tl.int64, bitcast=True) + inner
+        if DOT_F32:
+            # the interpreter: no offset of a bad block id formed, even unread (on a
+            # GPU the masked lanes' addresses are never used)
+            slot = tl.where(ok, slot, 0)
         # -- scores: q . (a_n c_n), a_n applied to the (rows x positions) tile ---------
         if KEY_BITS == 8:
             k = _fp8_keys(cache_ptr, slot, ok, D, BLOCK_D, FP8_E4B15, HALVES)
