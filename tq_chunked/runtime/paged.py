@@ -769,6 +769,14 @@ def _pow2_floor(x):
 
 
 @triton.jit
+def _pow2_inverse_half(x):
+    """0.5 / x for a power of two x = 2^e, e in [-126, 125] (one integer subtraction
+    of the exponent fields; outside that range not the quotient)."""
+    bits = (253 << 23) - x.to(tl.int32, bitcast=True)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _dot(a, b, acc, DOT_F32: tl.constexpr):
     """The dot a @ b plus acc, on the tensor cores; in float32 under the interpreter
     (its fp16 and bf16 dots are not the GPU's)."""
@@ -930,10 +938,17 @@ def _split_attention(
             seen = tl.maximum(seen, (top == float("inf")).to(tl.int32))
             new_unit = tl.maximum(unit, _pow2_floor(top))
             # halved: the centred indices are doubled (exact: unit is a power of two)
-            pv = p * (vs * (0.5 / new_unit))[None, :]
+            # 0.5 / new_unit by its exponent (new_unit = 2^e, e in [-126, 15] while
+            # every field is finite: 2^(-1-e) is normal): exact, as the division
+            # was, without its range checks; garbage only in a tile that sets seen,
+            # whose split is run again
+            half = _pow2_inverse_half(new_unit)
+            pv = p * (vs * half)[None, :]
             zc = vz + ((1 << (VALUE_BITS - 1)) - 0.5) * vs
             z_i = z_i * alpha + tl.sum(p * zc[None, :], 1)
-            acc = acc * (alpha * (unit / new_unit))[:, None]
+            # unit / new_unit = 2 unit (0.5 / new_unit), exact (a subnormal at least
+            # 2^-142: representable)
+            acc = acc * (alpha * ((unit * half) * 2.0))[:, None]
             acc = _dot(pv.to(tl.float16), _centred(vidx, VALUE_BITS), acc, DOT_F32)
         unit = new_unit
     return m_i, l_i, z_i, acc, unit, seen
