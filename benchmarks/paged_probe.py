@@ -10,9 +10,11 @@ on a memory-bound grid (GPU).
    128, the project's encoder): each request's error against the float64 oracle
    within 1.1x the full path's (FlashAttention-3; 1.6x for 1-3 query tokens) + 1e-4;
    the same with the cache in vLLM 0.33's head-major layout; the 3- and 4-bit centroids
-   by byte permutes bit for bit as the gather; one request of 32K positions in one split
-   (the tensor cores' truncating accumulation, NOTES.md §27); and, reported, the
-   error without the query's fp16 remainder (``q_split=False``).
+   by byte permutes bit for bit as the gather; the output with the dots' operands
+   behind ``paged._operand`` within 1e-3 of Triton's own fragments' (``fence=False``;
+   equal bits and that path's error reported); one request of 32K positions in one
+   split (the tensor cores' truncating accumulation, NOTES.md §27); and, reported,
+   the error without the query's fp16 remainder (``q_split=False``).
 2. Timings, per workload (GPU kernel time per call: torch.profiler, every kernel's
    time summed over 10 calls): the floor (one FlashAttention-3 varlen call over fp16
    K/V of the same lengths), the window path (``continuation_prefill_varlen`` as the
@@ -243,6 +245,18 @@ def exactness(rows_out):
             row["ratio_no_q_split"] = worst_ratio(
                 b, run(q_split=False), cached, label + " no q split", []
             )
+            # the operands behind _operand against Triton's own fragments: the same
+            # products, summed by the tensor cores in another grouping (equal bits
+            # not required: a fragment in the wrong place is off by the answer's size)
+            plain = run(fence=False)
+            row["fence_equals_plain"] = bool(torch.equal(out, plain))
+            row["fence_vs_plain"] = rel_err(out, plain.double())
+            row["ratio_no_fence"] = worst_ratio(b, plain, cached, label + " plain", [])
+            if not row["fence_vs_plain"] <= 1e-3:
+                failures.append(
+                    f"{label}: fenced operands off the plain path by "
+                    f"{row['fence_vs_plain']:.3e}"
+                )
             if TQConfig.from_preset(preset, 128).key_bits in (3, 4):
                 gather = run(lookup=False)
                 row["lookup_equals_gather"] = bool(torch.equal(out, gather))

@@ -214,7 +214,7 @@ def record_fused(preset, d, group, launch):
 
 
 def record_paged(
-    preset, d, group, launch, q_len, dtype, q_split, block_size, lookup=True
+    preset, d, group, launch, q_len, dtype, q_split, block_size, lookup=True, fence=True
 ):
     """(kernel, args, options) of ``paged_attention``'s attention launch for one
     request of ``q_len`` query tokens over 600 cached, at launch (rows, positions,
@@ -287,6 +287,7 @@ def record_paged(
     names = [p.name for p in pg._paged_kernel.params]
     args[names.index("DOT_F32")] = False  # what a CUDA call passes
     args[names.index("LOOKUP")] = lookup and cfg.key_bits in (3, 4)
+    args[names.index("FENCE")] = fence
     return pg._paged_kernel, args, options
 
 
@@ -360,6 +361,7 @@ def main_paged(a):
         not a.no_q_split,
         a.block_size,
         not a.gather,
+        not a.no_fence,
     )
     ck = compile_sm90(kernel, args, options)
     sass, res = sass_of(ck.asm["cubin"])
@@ -374,7 +376,8 @@ def main_paged(a):
     per = len(hot) * launch[2] / launch[1]
     print(
         f"paged {a.preset} D {a.head_dim} G {a.group} q {a.q_len} {a.dtype} "
-        f"q_split {not a.no_q_split} lookup {not a.gather} block_size "
+        f"q_split {not a.no_q_split} lookup {not a.gather} fence {not a.no_fence} "
+        f"block_size "
         f"{a.block_size} launch {launch}: "
         f"{regs.group(1) if regs else '?'} registers, "
         f"{stack.group(1) if stack else '?'} B stack, {ck.metadata.shared} B shared, "
@@ -460,6 +463,9 @@ def main():
     ap.add_argument("--block-size", type=int, default=16, help="--paged")
     ap.add_argument(
         "--gather", action="store_true", help="--paged: 3- and 4-bit keys gathered"
+    )
+    ap.add_argument(
+        "--no-fence", action="store_true", help="--paged: Triton's own MMA fragments"
     )
     ap.add_argument(
         "--grid",

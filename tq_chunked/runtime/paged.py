@@ -769,6 +769,28 @@ def _pow2_floor(x):
 
 
 @triton.jit
+def _operand(x, FENCE: tl.constexpr):
+    """``x`` (fp16 or bf16) as it is; with FENCE through an opaque move: Triton sizes a
+    tensor core operand's register fragments (kWidth) by the narrowest load or join
+    that it finds behind both operands, and the decode's joins halve it, so that the
+    other operand (the query, the probabilities) is loaded 64 bits at a time and
+    moved into place before every MMA; behind an instruction with side effects it
+    finds neither, and the fragments are loaded by ldmatrix where the MMA wants them.
+    GPU only (inline PTX)."""
+    if not FENCE:
+        return x
+    else:
+        return tl.inline_asm_elementwise(
+            asm="mov.b32 $0, $1;",
+            constraints="=r,r",
+            args=[x],
+            dtype=x.dtype,
+            is_pure=False,
+            pack=2,
+        )
+
+
+@triton.jit
 def _pow2_inverse_half(x):
     """0.5 / x for a power of two x = 2^e, e in [-126, 125] (one integer subtraction
     of the exponent fields; outside that range not the quotient)."""
@@ -824,6 +846,7 @@ def _split_attention(
     DOT_F32: tl.constexpr,
     EXACT: tl.constexpr,
     LOOKUP: tl.constexpr,
+    FENCE: tl.constexpr,
 ):
     """The online softmax of the rows (q_hi, q_lo: the query's dot operands; row_scale
     their scores' factor, log2 units) over positions [start, end) of one kv head.
@@ -883,6 +906,7 @@ def _split_attention(
             k = _fp8_keys(cache_ptr, slot, ok, D, BLOCK_D, FP8_E4B15, HALVES)
             if Q_BF16:
                 k = k.to(tl.bfloat16)  # exact: fp8 fits bf16
+            k = _operand(k, FENCE)
             s = _dot(
                 q_hi, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_F32
             )
@@ -900,7 +924,7 @@ def _split_attention(
                 else:
                     # indices are in range whatever the bytes: the table read unmasked
                     kc = tl.load(table_ptr + idx)
-            kt = tl.trans(kc)  # (BLOCK_D, BLOCK_N)
+            kt = tl.trans(_operand(kc, FENCE))  # (BLOCK_D, BLOCK_N)
             s = _dot(q_hi, kt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_F32)
             if Q_SPLIT:
                 s = _dot(q_lo, kt, s, DOT_F32)
@@ -949,7 +973,8 @@ def _split_attention(
             # unit / new_unit = 2 unit (0.5 / new_unit), exact (a subnormal at least
             # 2^-142: representable)
             acc = acc * (alpha * ((unit * half) * 2.0))[:, None]
-            acc = _dot(pv.to(tl.float16), _centred(vidx, VALUE_BITS), acc, DOT_F32)
+            vc = _operand(_centred(vidx, VALUE_BITS), FENCE)
+            acc = _dot(pv.to(tl.float16), vc, acc, DOT_F32)
         unit = new_unit
     return m_i, l_i, z_i, acc, unit, seen
 
@@ -994,6 +1019,7 @@ def _paged_kernel(
     BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,  # the interpreter: dots in float32
     LOOKUP: tl.constexpr,  # 3- and 4-bit keys: byte permutes (GPU), not a gather
+    FENCE: tl.constexpr,  # the dots' decoded operands behind _operand (GPU)
     CHECK: tl.constexpr,  # record bad block ids at err_ptr
 ):
     """One work item (WORK_FIELDS): BLOCK_M query rows (token-major, the group's heads
@@ -1057,7 +1083,7 @@ def _paged_kernel(
         num_blocks, max_blocks, s_cache_block, s_cache_pos, s_bt_col, D, BLOCK_D,
         BLOCK_SIZE, KEY_BITS, KEY_INDEX_BYTES, KEY_BYTES, VALUE_BITS,
         VALUE_INDEX_BYTES, NORM_CORRECTION, FP8_E4B15, Q_BF16, HALVES, Q_SPLIT,
-        BLOCK_N, DOT_F32, False, LOOKUP,
+        BLOCK_N, DOT_F32, False, LOOKUP, FENCE,
     )  # fmt: skip
     if seen > 0:  # a value field that is not finite: the split again, exactly
         m_i, l_i, z_i, acc, unit, seen = _split_attention(
@@ -1065,7 +1091,7 @@ def _paged_kernel(
             end, num_blocks, max_blocks, s_cache_block, s_cache_pos, s_bt_col, D,
             BLOCK_D, BLOCK_SIZE, KEY_BITS, KEY_INDEX_BYTES, KEY_BYTES, VALUE_BITS,
             VALUE_INDEX_BYTES, NORM_CORRECTION, FP8_E4B15, Q_BF16, HALVES, Q_SPLIT,
-            BLOCK_N, DOT_F32, True, LOOKUP,
+            BLOCK_N, DOT_F32, True, LOOKUP, FENCE,
         )  # fmt: skip
     acc = acc * unit + z_i[:, None]
     empty = l_i == 0  # no key in the split (a NaN sum stays NaN: out and lse)
@@ -1212,6 +1238,7 @@ def paged_attention(
     err: torch.Tensor | None = None,
     q_split: bool = True,
     lookup: bool = True,
+    fence: bool = True,
 ) -> None:
     """The memory-bound path for ``plan``'s tokens: ``out`` rows (and ``lse``) of each
     served token, over its request's cached positions and, given ``new`` and
@@ -1230,7 +1257,9 @@ def paged_attention(
     outside ``[0, num_blocks)`` among those read, by ``atomic_min``. q_split: the
     rotated query as fp16 hi + lo (two key dots); off, one. lookup: 3- and 4-bit
     centroids by byte permutes on a GPU (off: a gather, as in the interpreter; the
-    same bits).
+    same bits). fence: on a GPU, the decoded operands of the tensor core dots behind
+    ``_operand`` (off: Triton's own fragments, the same products summed in another
+    grouping).
     Tensors are trusted (the caller's plan validated the lengths).
     """
     n, hq, d = query.shape
@@ -1326,6 +1355,7 @@ def paged_attention(
             plan.block_n,
             interp,
             lookup and cfg.key_bits in (3, 4) and not interp,
+            fence and not interp,
             err is not None,
             num_warps=plan.num_warps,
             num_stages=1,
@@ -1383,6 +1413,7 @@ def paged_continuation_prefill_varlen(
     lse=None,
     q_split=True,
     lookup=True,
+    fence=True,
     info=None,
     **launch,
 ):
@@ -1392,8 +1423,8 @@ def paged_continuation_prefill_varlen(
     work arrays (a convenience for tests and benchmarks; ``plan_paged``,
     ``PagedPlan.carve`` and ``paged_attention`` are the allocation-free form).
     ``launch``: ``plan_paged``'s keywords (block_m, block_n, num_warps, split_len,
-    sms, programs_per_sm); q_split, lookup: ``paged_attention``'s. info: a dict given
-    here receives the plan."""
+    sms, programs_per_sm); q_split, lookup, fence: ``paged_attention``'s. info: a
+    dict given here receives the plan."""
     from .attention import make_call, resolve_backend, varlen_attention
 
     as_list = lambda x: [int(v) for v in (x.tolist() if hasattr(x, "tolist") else x)]
@@ -1444,5 +1475,6 @@ def paged_continuation_prefill_varlen(
         new_lse=new_lse,
         q_split=q_split,
         lookup=lookup,
+        fence=fence,
     )
     return (out, lse) if return_lse else out
