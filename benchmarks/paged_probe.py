@@ -12,7 +12,8 @@ on a memory-bound grid (GPU).
    the same with the cache in vLLM 0.33's head-major layout; the 3- and 4-bit centroids
    by byte permutes bit for bit as the gather; the output with the dots' operands
    behind ``paged._operand`` within 1e-3 of Triton's own fragments' (``fence=False``;
-   equal bits and that path's error reported); one request of 32K positions in one
+   equal bits and that path's error reported); the default register cap's bits
+   against Triton's own count's (reported); one request of 32K positions in one
    split (the tensor cores' truncating accumulation, NOTES.md §27); and, reported,
    the error without the query's fp16 remainder (``q_split=False``).
 2. Timings, per workload (GPU kernel time per call: torch.profiler, every kernel's
@@ -20,7 +21,8 @@ on a memory-bound grid (GPU).
    K/V of the same lengths), the window path (``continuation_prefill_varlen`` as the
    plugin calls it), the memory-bound path (``paged_attention`` from a plan made and
    uploaded once, after the chunk's causal call: what a step's run does), its cached
-   part alone at a few launches (block_n, programs per SM), and for decode (q 1) vLLM's
+   part alone at a few launches (block_n, programs per SM; without the register cap;
+   with Triton's own MMA fragments), and for decode (q 1) vLLM's
    ``triton_turboquant_decode_attention``. Bytes: the quantized slots read and fp16
    K/V, each over 4.3 TB/s, and the rate the memory-bound path reads its slots at.
 3. JSON (paged-probe.json, after each workload) and a table, last.
@@ -252,6 +254,9 @@ def exactness(rows_out):
             row["fence_equals_plain"] = bool(torch.equal(out, plain))
             row["fence_vs_plain"] = rel_err(out, plain.double())
             row["ratio_no_fence"] = worst_ratio(b, plain, cached, label + " plain", [])
+            # the default register cap (paged.register_cap) against Triton's count:
+            # the same instructions, allocated apart (reported)
+            row["cap_equals_uncapped"] = bool(torch.equal(out, run(max_registers=0)))
             if not row["fence_vs_plain"] <= 1e-3:
                 failures.append(
                     f"{label}: fenced operands off the plain path by "
@@ -331,6 +336,7 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
     paged = Paged(b, hq, hk, d, dtype)
     row["plan"] = dict(
         block_m=paged.plan.block_m, block_n=paged.plan.block_n,
+        max_registers=paged.plan.max_registers,
         split_len=paged.plan.split_len, programs=paged.plan.programs,
         scratch_mib=round(paged.plan.scratch_bytes / 2**20, 2),
     )  # fmt: skip
@@ -347,6 +353,13 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
                 del alt
             except Exception as e:  # noqa: BLE001 - a launch may not compile
                 tried[f"block_n {block_n}, {per_sm} per SM"] = f"failed: {e}"
+    # the two GPU-only choices against their alternatives: Triton's own register
+    # count (no paged.register_cap), Triton's own MMA fragments (fence=False)
+    if paged.plan.max_registers:
+        alt = Paged(b, hq, hk, d, dtype, max_registers=0)
+        tried["no register cap"] = kernel_ms(alt.cached)
+        del alt
+    tried["plain fragments"] = kernel_ms(functools.partial(paged.cached, fence=False))
     row["paged_cached_configs_ms"] = tried
     row["achieved_tb_s"] = row["quantized_bytes"] / (row["paged_cached_ms"] * 1e9)
     if all(q == 1 for _, q in reqs):

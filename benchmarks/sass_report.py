@@ -214,7 +214,17 @@ def record_fused(preset, d, group, launch):
 
 
 def record_paged(
-    preset, d, group, launch, q_len, dtype, q_split, block_size, lookup=True, fence=True
+    preset,
+    d,
+    group,
+    launch,
+    q_len,
+    dtype,
+    q_split,
+    block_size,
+    lookup=True,
+    fence=True,
+    max_registers=None,
 ):
     """(kernel, args, options) of ``paged_attention``'s attention launch for one
     request of ``q_len`` query tokens over 600 cached, at launch (rows, positions,
@@ -255,6 +265,7 @@ def record_paged(
         num_warps=launch[2],
         split_len=600,
         interpret=False,
+        max_registers=max_registers,
     )
     work, tokens = plan.upload("cpu")
     scratch = plan.carve(torch.zeros(plan.scratch_bytes, dtype=torch.uint8))
@@ -362,6 +373,7 @@ def main_paged(a):
         a.block_size,
         not a.gather,
         not a.no_fence,
+        a.max_registers,
     )
     ck = compile_sm90(kernel, args, options)
     sass, res = sass_of(ck.asm["cubin"])
@@ -377,7 +389,7 @@ def main_paged(a):
     print(
         f"paged {a.preset} D {a.head_dim} G {a.group} q {a.q_len} {a.dtype} "
         f"q_split {not a.no_q_split} lookup {not a.gather} fence {not a.no_fence} "
-        f"block_size "
+        f"maxnreg {options.get('maxnreg')} block_size "
         f"{a.block_size} launch {launch}: "
         f"{regs.group(1) if regs else '?'} registers, "
         f"{stack.group(1) if stack else '?'} B stack, {ck.metadata.shared} B shared, "
@@ -466,6 +478,12 @@ def main():
     )
     ap.add_argument(
         "--no-fence", action="store_true", help="--paged: Triton's own MMA fragments"
+    )
+    ap.add_argument(
+        "--max-registers",
+        type=int,
+        default=None,
+        help="--paged: maxnreg (0: Triton's count; default paged.register_cap)",
     )
     ap.add_argument(
         "--grid",

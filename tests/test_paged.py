@@ -354,6 +354,27 @@ def test_the_plans_split_aims_at_the_sms_and_its_scratch_is_its_regions():
     assert scratch.part_out.shape == (plan.part_rows, 32, 128)
 
 
+@pytest.mark.parametrize(
+    "q_len, head_dim, launch, cap",
+    [
+        (1, 128, {}, 168),  # decode, 16-row tiles: 3 programs an SM
+        (1, 64, {}, 128),  # 4 programs an SM
+        (1, 256, {}, 0),  # Triton's count
+        (8, 128, {}, 0),  # 32-row tiles
+        (1, 128, {"block_n": 128}, 0),  # another launch
+        (1, 128, {"max_registers": 0}, 0),  # asked for
+    ],
+)
+def test_the_register_cap_is_the_default_launchs_alone(q_len, head_dim, launch, cap):
+    qsl, lens = [0, q_len], [4096 + q_len]
+    plan = plan_paged(qsl, lens, 16, 4, head_dim, "turboquant_3bit_nc",
+                      interpret=False, **launch)  # fmt: skip
+    assert plan.max_registers == cap
+    interp = plan_paged(qsl, lens, 16, 4, head_dim, "turboquant_3bit_nc",
+                        interpret=True)  # fmt: skip
+    assert interp.max_registers == 0
+
+
 def test_splits_grow_until_the_scratch_fits_or_the_plan_is_refused():
     qsl, lens = [0, 64], [64 + 8192]
     small = plan_paged(qsl, lens, 32, 8, 128, "turboquant_3bit_nc", split_len=256)

@@ -49,6 +49,7 @@ benchmarks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -118,6 +119,9 @@ class PagedPlan:
     # so that its partial is rounded once in fp16 before the combine, as a long
     # request's windows are (benchmarks/NOTES.md §3, §39)
     half_chunk: bool = False
+    # the attention kernel's registers per thread (Triton's maxnreg); 0: Triton's
+    # own count (register_cap)
+    max_registers: int = 0
 
     @property
     def programs(self) -> int:
@@ -213,6 +217,21 @@ def default_launch(rows: int, interpret: bool) -> tuple[int, int, int]:
     return block_m, 64 if block_m <= 32 else 32, 4
 
 
+def register_cap(
+    block_m: int, block_n: int, num_warps: int, head_dim: int, interpret: bool
+) -> int:
+    """The attention kernel's registers per thread on a GPU: at the default launch of
+    16-row tiles (16, 64, 4), as many as let one more program share an SM than
+    Triton's own count does (Triton 3.6 for sm_90 takes 143-191 there: 3 programs an
+    SM at D 64, 2 at D 128; capped at 128 and 168, 4 and 3, with no spill and about
+    1 more warp instruction per slot-row, benchmarks/sass_report.py); 0 (Triton's
+    count) otherwise."""
+    if interpret or (block_m, block_n, num_warps) != (16, 64, 4):
+        return 0
+    # 65536 registers an SM over 128 threads a program, a multiple of 8 each
+    return {64: 128, 128: 168}.get(next_power_of_2(head_dim), 0)
+
+
 def plan_paged(
     query_start_loc,
     seq_lens,
@@ -231,6 +250,7 @@ def plan_paged(
     max_scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
     interpret: bool | None = None,
     half_chunk: bool = False,
+    max_registers: int | None = None,
 ) -> PagedPlan:
     """The plan of the memory-bound path for the requests ``requests`` (default: all)
     of a batch, from host ints alone.
@@ -245,6 +265,8 @@ def plan_paged(
     has tokens (the combine writes them) and no work; one without query tokens has
     neither. half_chunk: the scratch holds fp16 copies of the served tokens' query,
     key and value for the chunk's own call (bf16 queries: PagedPlan.half_chunk).
+    max_registers: the attention kernel's registers per thread, 0 for Triton's own
+    count (default ``register_cap``).
     """
     cfg = resolve_config(preset, head_dim)
     hq, hk = num_q_heads, num_kv_heads
@@ -288,7 +310,11 @@ def plan_paged(
             block_m, block_n, num_warps, split_len, half_chunk,
         )  # fmt: skip
         if plan.scratch_bytes <= max_scratch_bytes:
-            return plan
+            if max_registers is None:
+                max_registers = register_cap(
+                    block_m, block_n, num_warps, head_dim, interpret
+                )
+            return dataclasses.replace(plan, max_registers=max_registers)
         if split_len >= longest:
             raise ValueError(
                 f"the memory-bound path needs {plan.scratch_bytes} bytes of scratch "
@@ -1359,6 +1385,7 @@ def paged_attention(
             err is not None,
             num_warps=plan.num_warps,
             num_stages=1,
+            maxnreg=plan.max_registers or None,
         )
     block_t = 16 if block_d <= 128 else 8
     has_new = new is not None
