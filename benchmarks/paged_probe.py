@@ -10,12 +10,13 @@ on a memory-bound grid (GPU).
    128, the project's encoder): each request's error against the float64 oracle
    within 1.1x the full path's (FlashAttention-3; 1.6x for 1-3 query tokens) + 1e-4;
    the same with the cache in vLLM 0.33's head-major layout; the 3- and 4-bit centroids
-   by byte permutes bit for bit as the gather; the output with the dots' operands
-   behind ``paged._operand`` within 1e-3 of Triton's own fragments' (``fence=False``;
-   equal bits and that path's error reported); the default register cap's bits
-   against Triton's own count's (reported); one request of 32K positions in one
-   split (the tensor cores' truncating accumulation, NOTES.md §27); and, reported,
-   the error without the query's fp16 remainder (``q_split=False``).
+   (and 3-bit values) by byte permutes bit for bit as the gather (the arithmetic);
+   the output with the dots' operands behind ``paged._operand`` within 1e-3 of
+   Triton's own fragments' (``fence=False``; equal bits and that path's error
+   reported); the default register cap's bits against Triton's own count's
+   (reported); one request of 32K positions in one split (the tensor cores'
+   truncating accumulation, NOTES.md §27); and, reported, the error without the
+   query's fp16 remainder (``q_split=False``).
 2. Timings, per workload (GPU kernel time per call: torch.profiler, every kernel's
    time summed over 10 calls): the floor (one FlashAttention-3 varlen call over fp16
    K/V of the same lengths), the window path (``continuation_prefill_varlen`` as the
