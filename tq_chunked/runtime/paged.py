@@ -220,16 +220,16 @@ def default_launch(rows: int, interpret: bool) -> tuple[int, int, int]:
 def register_cap(
     block_m: int, block_n: int, num_warps: int, head_dim: int, interpret: bool
 ) -> int:
-    """The attention kernel's registers per thread on a GPU: at the default launch of
-    16-row tiles (16, 64, 4), as many as let one more program share an SM than
-    Triton's own count does (Triton 3.6 for sm_90 takes 143-191 there: 3 programs an
-    SM at D 64, 2 at D 128; capped at 128 and 168, 4 and 3, with no spill and about
-    1 more warp instruction per slot-row, benchmarks/sass_report.py); 0 (Triton's
-    count) otherwise."""
+    """The attention kernel's registers per thread on a GPU (0: Triton's count). At the
+    default 16-row launch (16, 64, 4) and D 64 or 128, Triton 3.6 counts 128-191
+    for sm_90 (3 programs an SM at D 64, 2 at D 128 but for fp8 keys); capped at 128
+    and 168 (65536 registers an SM over 4 and 3 programs of 128 threads), one more
+    program shares the SM, for about 1 more warp instruction per slot-row and no
+    spill in the loop (benchmarks/sass_report.py). Other launches and head sizes are
+    not measured."""
     if interpret or (block_m, block_n, num_warps) != (16, 64, 4):
         return 0
-    # 65536 registers an SM over 128 threads a program, a multiple of 8 each
-    return {64: 128, 128: 168}.get(next_power_of_2(head_dim), 0)
+    return {64: 128, 128: 168}.get(head_dim, 0)
 
 
 def plan_paged(
@@ -908,7 +908,7 @@ def _split_attention(
     seen = tl.zeros([], tl.int32)
     if NORM_CORRECTION:
         ones = tl.full([BLOCK_M, BLOCK_D], 1.0, tl.float16)
-    if LOOKUP and KEY_BITS != 8:
+    if LOOKUP:
         lo0, lo1, hi0, hi1 = _table_bytes(table_ptr)
         if KEY_BITS == 4:
             lo2, lo3, hi2, hi3 = _table_bytes(table_ptr + 8)
@@ -1005,17 +1005,16 @@ def _split_attention(
             top = tl.max(tl.where(finite, tl.abs(vs), float("inf")), 0)
             seen = tl.maximum(seen, (top == float("inf")).to(tl.int32))
             new_unit = tl.maximum(unit, _pow2_floor(top))
-            # halved: the centred indices are doubled (exact: unit is a power of two)
-            # 0.5 / new_unit by its exponent (new_unit = 2^e, e in [-126, 15] while
-            # every field is finite: 2^(-1-e) is normal): exact, as the division
-            # was, without its range checks; garbage only in a tile that sets seen,
-            # whose split is run again
+            # halved: the centred indices are doubled (exact: unit is a power of
+            # two). 0.5 / new_unit from its exponent (new_unit = 2^e, e in [-126, 15]
+            # while every field is finite), exact without a division's range checks;
+            # not the quotient only in a tile that sets seen, whose split runs again
             half = _pow2_inverse_half(new_unit)
             pv = p * (vs * half)[None, :]
             zc = vz + ((1 << (VALUE_BITS - 1)) - 0.5) * vs
             z_i = z_i * alpha + tl.sum(p * zc[None, :], 1)
-            # unit / new_unit = 2 unit (0.5 / new_unit), exact (a subnormal at least
-            # 2^-142: representable)
+            # unit / new_unit = 2 unit (0.5 / new_unit), exact (at least 2^-142: a
+            # float32 subnormal, and the multiplications keep subnormals)
             acc = acc * (alpha * ((unit * half) * 2.0))[:, None]
             if BY_LOOKUP:
                 vc = _centred3(vslot, ok, D, BLOCK_D)
