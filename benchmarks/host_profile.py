@@ -1,23 +1,29 @@
 """Where the host time of one continuation_prefill_varlen call goes (GPU).
 
-    python benchmarks/host_profile.py
+    python benchmarks/host_profile.py [--run]
 
 For a single request (Hq 32, Hk 8, q 512, 8K cached: one window), a long one (q 2048,
 128K: 6 windows) and a batch of 16 prefix-cache hits: the host time per call with the
 GPU kept busy (so the host never waits), per window, each piece of the call timed alone
 the same way (a Triton launch through Triton's own path and through the project's
 launcher), and a cProfile of 30 calls (top functions by own time).
+
+With --run: the per-layer ``Step.run`` of a plan made once (issue 34's target), for 16
+prefix-cache hits (q 64 over 1K-2K cached) in 1 and in 8 windows: its host time per
+layer with the GPU kept busy, and a cProfile of 32 layers x 10 (top functions by own
+time, then by cumulative time).
 """
 
 import cProfile
 import inspect
 import pstats
 import statistics
+import sys
 import time
 
 import torch
 
-from tq_chunked import continuation_prefill_varlen, workspace_bytes
+from tq_chunked import ContinuationPrefill, continuation_prefill_varlen, workspace_bytes
 from tq_chunked.runtime import dequant
 from tq_chunked.runtime._utils import check_overlaps
 from tq_chunked.runtime.attention import varlen_attention
@@ -52,8 +58,54 @@ CASES = [
 
 
 def main():
+    if "--run" in sys.argv[1:]:
+        reqs = [(1024 + 64 * i, 64) for i in range(16)]
+        need = sum(c + q for c, q in reqs) + 256 * 15
+        for parts in (1, 8):
+            profile_run(f"16 hits q64 1-2K, {parts} windows", reqs,
+                        -(-need // parts) // 16 * 16 + 16)  # fmt: skip
+        return
     for name, requests in CASES:
         profile_case(name, requests)
+
+
+def profile_run(name, requests, window):
+    """Print the host-time profile of Step.run per layer (see the module's doc)."""
+    b = build_batch(
+        "turboquant_3bit_nc", requests, 32, 8, 128, 16, torch.float16, "cuda"
+    )
+    kw = b["kwargs"]
+    prefill = ContinuationPrefill(
+        32, 8, 128, preset="turboquant_3bit_nc", dtype=torch.float16, block_size=16,
+        window=window, check_block_table=False,
+    )  # fmt: skip
+    n = b["query"].shape[0]
+    ws = torch.empty(prefill.workspace_bytes(n), dtype=torch.uint8, device="cuda")
+    step = prefill.plan(
+        b["block_table"], query_start_loc_cpu=b["query_start_loc"],
+        seq_lens_cpu=b["seq_lens"], workspace=ws,
+    )  # fmt: skip
+    out = torch.empty_like(b["query"])
+
+    def layer():
+        step.run(
+            b["query"], b["key"], b["value"], b["kv_cache"],
+            centroids=kw["centroids"], rotation=kw["rotation"], scale=kw["scale"],
+            out=out,
+        )  # fmt: skip
+
+    print(f"== {name}: {len(step.plan.units)} units, run() {host_us(layer):.0f} us")
+    prof = cProfile.Profile()
+    for _ in range(10):
+        torch.cuda._sleep(60_000_000)  # ~30 ms of GPU work: the host never waits
+        prof.enable()
+        for _ in range(32):
+            layer()
+        prof.disable()
+        torch.cuda.synchronize()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(30)
 
 
 def plugin_call(requests):
