@@ -3,14 +3,15 @@ time and host time per call of the windows (``path="window"``) and of the memory
 path (``path="paged"``), over query rows per kv head x cached tokens per request, with
 the floor beside them (GPU).
 
-    python benchmarks/dispatch_sweep.py [OUT_DIR] [--long-band]
+    python benchmarks/dispatch_sweep.py [OUT_DIR] [--long-band | --short-runs]
 
 Batches of B requests of q_len query tokens over ``cached`` tokens each (Hq/Hk/D
 32/8/128, turboquant_3bit_nc, fp16, and Hq/Hk/D 16/16/64, 4bit_nc, bf16; with
 --long-band, the rule's second band, plan.PAGED_MAX_ROWS_LONG, for the other presets
-and dtypes at head size 128: 32-64 rows over 8K-64K, NOTES.md §41), each path
-through ``continuation_prefill_varlen`` with a workspace of workspace_bytes(N) as the
-plugin calls it. Writes dispatch-sweep.json (after each point) and prints a table of
+and dtypes at head size 128: 32-64 rows over 8K-64K, NOTES.md §41; with --short-runs,
+the rule's run minimum, plan.PAGED_MIN_CACHED: 4-32 rows over 1K-8K at head size 128,
+the four presets), each path through ``continuation_prefill_varlen`` with a workspace
+of workspace_bytes(N) as the plugin calls it. Writes dispatch-sweep.json (after each point) and prints a table of
 paged / windows per point, last.
 """
 
@@ -43,6 +44,18 @@ LONG_BAND = (
     ],
     [32, 48, 64],
     [8 * K, 16 * K, 64 * K],
+)
+# --short-runs: the rule's run minimum (plan.PAGED_MIN_CACHED, 256K) at head size 128,
+# where 0.6.0's sweep already had the path winning from 16 x 1K-4K (NOTES.md §35, §42)
+SHORT_RUNS = (
+    [
+        ("llama3-8b 3bit fp16", 32, 8, 128, "turboquant_3bit_nc", torch.float16, 16),
+        ("llama3-8b 4bit fp16", 32, 8, 128, "turboquant_4bit_nc", torch.float16, 16),
+        ("llama3-8b k3v4 bf16", 32, 8, 128, "turboquant_k3v4_nc", torch.bfloat16, 16),
+        ("llama3-8b k8v4 fp16", 32, 8, 128, "turboquant_k8v4", torch.float16, 16),
+    ],
+    [4, 16, 32],
+    [1 * K, 2 * K, 4 * K, 8 * K],
 )
 
 
@@ -94,10 +107,12 @@ def point(shape, rows, cached):
 
 
 def main():
-    args = [a for a in sys.argv[1:] if a != "--long-band"]
-    shapes, rows_per_kvh, cached = (
-        LONG_BAND if "--long-band" in sys.argv else (SHAPES, ROWS, CACHED)
-    )
+    bands = {"--long-band": LONG_BAND, "--short-runs": SHORT_RUNS}
+    args = [a for a in sys.argv[1:] if a not in bands]
+    chosen = [bands[a] for a in sys.argv[1:] if a in bands]
+    if len(chosen) > 1:
+        sys.exit("dispatch_sweep.py: --long-band and --short-runs are one run each")
+    shapes, rows_per_kvh, cached = chosen[0] if chosen else (SHAPES, ROWS, CACHED)
     out_dir = args[0] if args else os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)
     rows = []

@@ -123,7 +123,8 @@ for mode in "$@"; do
         | tee "$OUT/paged-probe.md" | tail -25 ;;
     dispatch)
       # the plan's crossover: windows against the memory-bound path (NOTES.md §35)
-      # (DISPATCH_ARGS=--long-band: the rule's second band, NOTES.md §41)
+      # (DISPATCH_ARGS=--long-band: the rule's second band, NOTES.md §41; --short-runs: its
+      # run minimum at head size 128, NOTES.md §42)
       carry .gpu-carry timeout 420 python3 benchmarks/dispatch_sweep.py "$OUT" ${DISPATCH_ARGS:-} 2>&1 \
         | grep -v "points:" | tail -20 ;;
     fused-nov3)
