@@ -11,8 +11,8 @@ Batches of B requests of q_len query tokens over ``cached`` tokens each (Hq/Hk/D
 and dtypes at head size 128: 32-64 rows over 8K-64K, NOTES.md §41; with --short-runs,
 the rule's run minimum, plan.PAGED_MIN_CACHED: 4-32 rows over 1K-8K at head size 128,
 the four presets), each path through ``continuation_prefill_varlen`` with a workspace
-of workspace_bytes(N) as the plugin calls it. Writes dispatch-sweep.json (after each point) and prints a table of
-paged / windows per point, last.
+of workspace_bytes(N) as the plugin calls it. Writes dispatch-sweep.json (after each
+point) and prints a table of paged / windows per point, last.
 """
 
 import functools
