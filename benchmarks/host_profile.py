@@ -50,6 +50,20 @@ def host_us(fn, n=200):
     return statistics.median(times)
 
 
+def profiled(fn, calls, rounds, spin_cycles):
+    """The profile (cProfile) of ``rounds`` x ``calls`` calls of fn, each round behind
+    a spin kernel of ``spin_cycles`` (so that the host never waits for the GPU)."""
+    prof = cProfile.Profile()
+    for _ in range(rounds):
+        torch.cuda._sleep(spin_cycles)
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+    return pstats.Stats(prof)
+
+
 CASES = [
     ("1 hit q512 8K", [(8192, 512)]),
     ("1 hit q2048 128K", [(131072, 2048)]),
@@ -95,15 +109,8 @@ def profile_run(name, requests, window):
         )  # fmt: skip
 
     print(f"== {name}: {len(step.plan.units)} units, run() {host_us(layer):.0f} us")
-    prof = cProfile.Profile()
-    for _ in range(10):
-        torch.cuda._sleep(60_000_000)  # ~30 ms of GPU work: the host never waits
-        prof.enable()
-        for _ in range(32):
-            layer()
-        prof.disable()
-        torch.cuda.synchronize()
-    stats = pstats.Stats(prof)
+    # 10 steps of 32 layers, ~30 ms of GPU work ahead of each
+    stats = profiled(layer, calls=32, rounds=10, spin_cycles=60_000_000)
     stats.sort_stats("tottime").print_stats(25)
     stats.sort_stats("cumulative").print_stats(30)
 
@@ -239,14 +246,10 @@ def profile_case(name, requests):
     }
     for piece, fn in pieces.items():
         print(f"   {piece:36} {host_us(fn):7.1f} us")
-    prof = cProfile.Profile()
-    torch.cuda._sleep(400_000_000)  # ~200 ms of GPU work: the host never waits
-    prof.enable()
-    for _ in range(30):
-        call()
-    prof.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    # ~200 ms of GPU work ahead of the 30 calls
+    profiled(call, calls=30, rounds=1, spin_cycles=400_000_000).sort_stats(
+        "tottime"
+    ).print_stats(18)
 
 
 def _fill_key(launcher, seen):
