@@ -386,6 +386,10 @@ def main_paged(a):
     hot = found[0][2]
     ops = collections.Counter(hot)
     per = len(hot) * launch[2] / launch[1]
+    # barriers (BAR.SYNC: a program's warps wait for each other) and spills (local
+    # memory) in the hot loop, per iteration
+    bars = ops["BAR"]
+    spills = ops["LDL"] + ops["STL"]
     print(
         f"paged {a.preset} D {a.head_dim} G {a.group} q {a.q_len} {a.dtype} "
         f"q_split {not a.no_q_split} lookup {not a.gather} fence {not a.no_fence} "
@@ -395,7 +399,7 @@ def main_paged(a):
         f"{stack.group(1) if stack else '?'} B stack, {ck.metadata.shared} B shared, "
         f"wgmma {'wgmma' in ck.asm['ptx']}; hot loop {len(hot)} SASS instructions x "
         f"{launch[2]} warps / {launch[1]} positions = {per:.1f} warp instructions "
-        f"per slot-row"
+        f"per slot-row; {bars} barriers and {spills} spill instructions an iteration"
         + (f" (exact loop: {len(found[1][2])})" if len(found) > 1 else "")
     )
     print("  " + ", ".join(f"{k} {v}" for k, v in ops.most_common(30)))
