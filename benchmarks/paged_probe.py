@@ -258,6 +258,13 @@ def exactness(rows_out):
             # the default register cap (paged.register_cap) against Triton's count:
             # the same instructions, allocated apart (reported)
             row["cap_equals_uncapped"] = bool(torch.equal(out, run(max_registers=0)))
+            # the 16-row tiles of one warp (paged.DECODE_LAUNCH, what a decode batch
+            # gets; this batch's 64-row request makes the default 32-row tiles of 4
+            # warps): every request within the bound (NOTES.md §44)
+            row["ratio_one_warp"] = worst_ratio(
+                b, run(block_m=16, block_n=32, num_warps=1), cached,
+                label + " one warp", failures,
+            )  # fmt: skip
             if not row["fence_vs_plain"] <= 1e-3:
                 failures.append(
                     f"{label}: fenced operands off the plain path by "
@@ -283,6 +290,17 @@ def exactness(rows_out):
     )  # fmt: skip
     r = worst_ratio(b, out, [32 * K], "3bit_nc one 32K split", failures)
     rows_out.append(dict(preset="turboquant_3bit_nc", long_split=32 * K, ratio=r))
+    # and decode's: one query token, the one-warp launch (paged.DECODE_LAUNCH)
+    b = build_batch(
+        "turboquant_3bit_nc", [(32 * K, 1)], 32, 8, 128, 16, torch.float16, "cuda"
+    )
+    out = paged_continuation_prefill_varlen(
+        b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"], None, None,
+        **b["kwargs"], query_start_loc_cpu=b["query_start_loc"],
+        seq_lens_cpu=b["seq_lens"], split_len=32 * K,
+    )  # fmt: skip
+    r = worst_ratio(b, out, [32 * K], "3bit_nc one 32K split, decode", failures)
+    rows_out.append(dict(preset="turboquant_3bit_nc", long_split=32 * K, q=1, ratio=r))
     print(f"exactness one 32K split: ratio {r:.3f}", flush=True)
     return failures
 
@@ -337,6 +355,7 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
     paged = Paged(b, hq, hk, d, dtype)
     row["plan"] = dict(
         block_m=paged.plan.block_m, block_n=paged.plan.block_n,
+        num_warps=paged.plan.num_warps,
         max_registers=paged.plan.max_registers,
         split_len=paged.plan.split_len, programs=paged.plan.programs,
         scratch_mib=round(paged.plan.scratch_bytes / 2**20, 2),
@@ -346,14 +365,25 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
     row["paged_cached_ms"] = kernel_ms(paged.cached)
     tried = {"default": row["paged_cached_ms"]}
     if configs:
-        for block_n, per_sm in [(32, 4), (64, 2), (64, 8), (128, 4)]:
+        # (block_n, programs per SM, warps); the one-warp launch of 16-row tiles
+        # (paged.DECODE_LAUNCH) against 0.6.3's (16, 64, 4) first (NOTES.md §44)
+        one_warp = paged.plan.num_warps == 1
+        alts = [(64, 4, 4), (16, 16, 1), (32, 8, 1), (32, 32, 1)] if one_warp else []
+        alts += [(32, 4, 4), (64, 2, 4), (64, 8, 4), (128, 4, 4)]
+        if paged.plan.block_m == 32:
+            # 32-row tiles of 2 warps, each its own 16 rows: 63.0 warp instructions
+            # per slot-row against 76.2 at 4 warps, 28 barriers an iteration against
+            # 16, 7 spill instructions (3bit_nc D 128; NOTES.md §44)
+            alts += [(64, 8, 2)]
+        for block_n, per_sm, warps in alts:
+            name = f"block_n {block_n}, {per_sm} per SM, {warps} warps"
             try:
                 alt = Paged(b, hq, hk, d, dtype, block_n=block_n,
-                            programs_per_sm=per_sm)  # fmt: skip
-                tried[f"block_n {block_n}, {per_sm} per SM"] = kernel_ms(alt.cached)
+                            programs_per_sm=per_sm, num_warps=warps)  # fmt: skip
+                tried[name] = kernel_ms(alt.cached)
                 del alt
             except Exception as e:  # noqa: BLE001 - a launch may not compile
-                tried[f"block_n {block_n}, {per_sm} per SM"] = f"failed: {e}"
+                tried[name] = f"failed: {e}"
     # the two GPU-only choices against their alternatives: Triton's own register
     # count (no paged.register_cap), Triton's own MMA fragments (fence=False)
     if paged.plan.max_registers:

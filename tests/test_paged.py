@@ -357,9 +357,12 @@ def test_the_plans_split_aims_at_the_sms_and_its_scratch_is_its_regions():
 @pytest.mark.parametrize(
     "q_len, head_dim, launch, cap",
     [
-        (1, 128, {}, 168),  # decode, 16-row tiles: 3 programs an SM
-        (1, 64, {}, 128),  # 4 programs an SM
-        (1, 256, {}, 0),  # Triton's count
+        (1, 128, {}, 216),  # decode, 16-row tiles of one warp: 9 warps an SM
+        (1, 64, {}, 144),  # 14 warps an SM
+        (1, 128, {"block_n": 64, "num_warps": 4}, 168),  # 0.6.3's: 3 programs an SM
+        (1, 64, {"block_n": 64, "num_warps": 4}, 128),  # 4 programs an SM
+        (1, 128, {"block_m": 32}, 0),  # a 32-row tile: 4 warps, not DECODE_LAUNCH's 1
+        (1, 256, {}, 0),  # Triton's count (4 warps: one spills at D 256)
         (8, 128, {}, 0),  # 32-row tiles
         (1, 128, {"block_n": 128}, 0),  # another launch
         (1, 128, {"max_registers": 0}, 0),  # asked for
@@ -370,6 +373,10 @@ def test_the_register_cap_is_the_default_launchs_alone(q_len, head_dim, launch, 
     plan = plan_paged(qsl, lens, 16, 4, head_dim, "turboquant_3bit_nc",
                       interpret=False, **launch)  # fmt: skip
     assert plan.max_registers == cap
+    if not launch:  # one warp up to D 128 (paged.DECODE_LAUNCH), else 4
+        assert plan.num_warps == (1 if q_len == 1 and head_dim <= 128 else 4)
+    if launch.get("block_m") == 32:
+        assert (plan.block_n, plan.num_warps) == (64, 4)
     interp = plan_paged(qsl, lens, 16, 4, head_dim, "turboquant_3bit_nc",
                         interpret=True)  # fmt: skip
     assert interp.max_registers == 0

@@ -81,8 +81,9 @@ TOKEN_FIELDS = 4
 # Positions a split holds at least: below this the partial's write and the program's
 # prologue weigh against its reads.
 MIN_SPLIT = 256
-# Programs the planner aims at per SM: enough for two resident programs and the last
-# wave's imbalance.
+# Programs of 4 warps the planner aims at per SM: enough for two resident programs and
+# the last wave's imbalance; programs of fewer warps, proportionally more (the same
+# warps: 16 one-warp programs).
 PROGRAMS_PER_SM = 4
 DEFAULT_SMS = 132  # the H200's
 DEFAULT_SCRATCH_BYTES = 128 << 20
@@ -206,30 +207,55 @@ class PagedScratch:
 MAX_GPU_TILE = 32
 
 
-def default_launch(rows: int, interpret: bool) -> tuple[int, int, int]:
+# The 16-row tile's launch on a GPU: one warp, 32 positions an iteration. A program's
+# warps otherwise share the tile's positions, so that the softmax's row max and sums,
+# the value scales' max and the probabilities (into the value dot's layout) cross warps
+# through shared memory: 16 barriers an iteration at (16, 64, 4), 10 at one warp (the
+# decoded tiles' round trips), and 64.6 -> 50.8 warp instructions per slot-row at
+# 3bit_nc D 128 (NOTES.md §44). The 32-row tile keeps 4 warps: at 2 or 1 its
+# accumulator does not fit the registers; so does D 256's 16-row tile (one warp: 182
+# spill instructions an iteration).
+DECODE_LAUNCH = (16, 32, 1)
+
+
+def default_launch(
+    rows: int, interpret: bool, head_dim: int = 128
+) -> tuple[int, int, int]:
     """(block_m, block_n, num_warps) for a batch whose largest request has ``rows``
     query rows per kv head: one tile of all of them up to MAX_GPU_TILE (each slot
     decoded once per request and kv head), 16 at least (the tensor cores' smallest
-    tile)."""
+    tile); 16-row tiles of one warp (DECODE_LAUNCH) up to head size 128."""
     block_m = min(max(next_power_of_2(max(rows, 1)), 16), MAX_GPU_TILE)
     if interpret:
         return 16, 16, 4
+    if block_m == 16 and head_dim <= 128:
+        return DECODE_LAUNCH
     return block_m, 64 if block_m <= 32 else 32, 4
 
 
 def register_cap(
     block_m: int, block_n: int, num_warps: int, head_dim: int, interpret: bool
 ) -> int:
-    """The attention kernel's registers per thread on a GPU (0: Triton's count). At the
-    default 16-row launch (16, 64, 4) and D 64 or 128, Triton 3.6 counts 128-191
-    for sm_90 (3 programs an SM at D 64, 2 at D 128 but for fp8 keys); capped at 128
-    and 168 (65536 registers an SM over 4 and 3 programs of 128 threads), one more
-    program shares the SM, for about 1 more warp instruction per slot-row and no
-    spill in the loop (benchmarks/sass_report.py). Other launches and head sizes are
-    not measured."""
-    if interpret or (block_m, block_n, num_warps) != (16, 64, 4):
+    """The attention kernel's registers per thread on a GPU (0: Triton's count).
+
+    At the 16-row launch of 0.6.3, (16, 64, 4), and D 64 or 128, Triton 3.6 counts
+    128-191 for sm_90 (3 programs an SM at D 64, 2 at D 128 but for fp8 keys); capped
+    at 128 and 168 (65536 registers an SM over 4 and 3 programs of 128 threads), one
+    more program shares the SM, for about 1 more warp instruction per slot-row and no
+    spill in the loop (benchmarks/sass_report.py; measured paying, NOTES.md §42).
+
+    At the one-warp launch (DECODE_LAUNCH) a warp holds the whole (16, D) float32
+    accumulator and both fp16 query operands: Triton counts 248-255. Capped at 216 (D
+    128: 9 warps an SM, as many as its 24 KiB of shared memory allow) and 144 (D 64:
+    14 warps), 0-3 spill instructions an iteration (NOTES.md §44; not yet timed).
+    Other launches and head sizes are not measured."""
+    if interpret:
         return 0
-    return {64: 128, 128: 168}.get(head_dim, 0)
+    caps = {
+        (16, 64, 4): {64: 128, 128: 168},
+        DECODE_LAUNCH: {64: 144, 128: 216},
+    }.get((block_m, block_n, num_warps), {})
+    return caps.get(head_dim, 0)
 
 
 def plan_paged(
@@ -242,7 +268,7 @@ def plan_paged(
     *,
     requests=None,
     sms: int = DEFAULT_SMS,
-    programs_per_sm: int = PROGRAMS_PER_SM,
+    programs_per_sm: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -258,7 +284,8 @@ def plan_paged(
     query_start_loc: B + 1 host ints; seq_lens: B host ints (cached + new tokens).
     Request r's cached positions ``[0, seq_lens[r] - q_len_r)`` are split into ranges
     of ``split_len`` positions (default: the batch's work over ``sms x
-    programs_per_sm`` programs, at least MIN_SPLIT, a multiple of block_n), each a
+    programs_per_sm`` programs, at least MIN_SPLIT, a multiple of block_n; default
+    programs_per_sm: PROGRAMS_PER_SM x 4 / num_warps), each a
     program per kv head and tile of ``block_m`` query rows (default
     ``default_launch``). Splits double until the scratch fits ``max_scratch_bytes``
     (a ValueError if one split per request does not). A request with nothing cached
@@ -290,7 +317,10 @@ def plan_paged(
     rows = [n * group for n in q_len]
     busy = [i for i in range(len(served)) if cached[i] > 0 and q_len[i] > 0]
     interpret = interpreting() if interpret is None else interpret
-    launch = default_launch(max((rows[i] for i in busy), default=1), interpret)
+    # an explicit block_m takes its own tile's launch (one warp is for 16 rows alone)
+    launch = default_launch(
+        block_m or max((rows[i] for i in busy), default=1), interpret, head_dim
+    )
     block_m = block_m or launch[0]
     block_n = block_n or launch[1]
     num_warps = num_warps or launch[2]
@@ -300,6 +330,8 @@ def plan_paged(
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     tiles = {i: cdiv(rows[i], block_m) for i in busy}
     longest = max((cached[i] for i in busy), default=0)
+    if programs_per_sm is None:
+        programs_per_sm = PROGRAMS_PER_SM * max(4 // num_warps, 1)
     if split_len is None:
         work = sum(hk * tiles[i] * cached[i] for i in busy)
         split_len = max(MIN_SPLIT, cdiv(work, max(sms * programs_per_sm, 1)))
