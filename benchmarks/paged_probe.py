@@ -22,8 +22,9 @@ on a memory-bound grid (GPU).
    K/V of the same lengths), the window path (``continuation_prefill_varlen`` as the
    plugin calls it), the memory-bound path (``paged_attention`` from a plan made and
    uploaded once, after the chunk's causal call: what a step's run does), its cached
-   part alone at a few launches (block_n, programs per SM; without the register cap;
-   with Triton's own MMA fragments), and for decode (q 1) vLLM's
+   part alone at a few launches (block_n, programs per SM, warps; 0.6.3's (16, 64,
+   4); the slots prefetched 0 and 2 tiles ahead; without the register cap; with
+   Triton's own MMA fragments), and for decode (q 1) vLLM's
    ``triton_turboquant_decode_attention``. Bytes: the quantized slots read and fp16
    K/V, each over 4.3 TB/s, and the rate the memory-bound path reads its slots at.
 3. JSON (paged-probe.json, after each workload) and a table, last.
@@ -356,7 +357,7 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
     row["plan"] = dict(
         block_m=paged.plan.block_m, block_n=paged.plan.block_n,
         num_warps=paged.plan.num_warps,
-        max_registers=paged.plan.max_registers,
+        max_registers=paged.plan.max_registers, prefetch=paged.plan.prefetch,
         split_len=paged.plan.split_len, programs=paged.plan.programs,
         scratch_mib=round(paged.plan.scratch_bytes / 2**20, 2),
     )  # fmt: skip
@@ -384,6 +385,12 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
                 del alt
             except Exception as e:  # noqa: BLE001 - a launch may not compile
                 tried[name] = f"failed: {e}"
+    # the slots into L2 ahead of their loads (PagedPlan.prefetch: 1 tile by
+    # default) against none and 2 tiles (NOTES.md §44)
+    for ahead in (0, 2):
+        alt = Paged(b, hq, hk, d, dtype, prefetch=ahead)
+        tried[f"prefetch {ahead}"] = kernel_ms(alt.cached)
+        del alt
     # the two GPU-only choices against their alternatives: Triton's own register
     # count (no paged.register_cap), Triton's own MMA fragments (fence=False)
     if paged.plan.max_registers:

@@ -9,7 +9,8 @@ shared memory, and the SASS instructions per cache slot, by kind (no device time
         [--head-dim D] [--group G]
     python benchmarks/sass_report.py --paged ROWS,POSITIONS,WARPS [--preset P]
         [--head-dim D] [--group G] [--q-len Q] [--dtype float16|bfloat16]
-        [--no-q-split] [--block-size B] [--sass FILE]
+        [--no-q-split] [--prefetch TILES] [--gather] [--no-fence]
+        [--max-registers R] [--block-size B] [--sass FILE]
 
 With --fused, the fused kernel (tq_chunked/experimental/fused.py, one request of 16
 query tokens, G query heads per kv head) at that launch: registers, shared memory, and
@@ -225,6 +226,7 @@ def record_paged(
     lookup=True,
     fence=True,
     max_registers=None,
+    prefetch=None,
 ):
     """(kernel, args, options) of ``paged_attention``'s attention launch for one
     request of ``q_len`` query tokens over 600 cached, at launch (rows, positions,
@@ -299,6 +301,8 @@ def record_paged(
     args[names.index("DOT_F32")] = False  # what a CUDA call passes
     args[names.index("LOOKUP")] = lookup and cfg.key_bits in (3, 4)
     args[names.index("FENCE")] = fence
+    # what a CUDA call passes: the plan's tiles ahead, unless asked
+    args[names.index("PREFETCH")] = plan.prefetch if prefetch is None else prefetch
     return pg._paged_kernel, args, options
 
 
@@ -374,6 +378,7 @@ def main_paged(a):
         not a.gather,
         not a.no_fence,
         a.max_registers,
+        a.prefetch,
     )
     ck = compile_sm90(kernel, args, options)
     sass, res = sass_of(ck.asm["cubin"])
@@ -393,6 +398,7 @@ def main_paged(a):
     print(
         f"paged {a.preset} D {a.head_dim} G {a.group} q {a.q_len} {a.dtype} "
         f"q_split {not a.no_q_split} lookup {not a.gather} fence {not a.no_fence} "
+        f"prefetch {args[[p.name for p in kernel.params].index('PREFETCH')]} "
         f"maxnreg {options.get('maxnreg')} block_size "
         f"{a.block_size} launch {launch}: "
         f"{regs.group(1) if regs else '?'} registers, "
@@ -482,6 +488,13 @@ def main():
     )
     ap.add_argument(
         "--no-fence", action="store_true", help="--paged: Triton's own MMA fragments"
+    )
+    ap.add_argument(
+        "--prefetch",
+        type=int,
+        default=None,
+        help="--paged: the slots this many tiles ahead into L2 (0: none; default "
+        "PagedPlan.prefetch)",
     )
     ap.add_argument(
         "--max-registers",

@@ -123,6 +123,9 @@ class PagedPlan:
     # the attention kernel's registers per thread (Triton's maxnreg); 0: Triton's
     # own count (register_cap)
     max_registers: int = 0
+    # on a GPU, the slots this many tiles ahead asked of L2 while a tile is read and
+    # decoded (_split_attention's PREFETCH); 0: none
+    prefetch: int = 1
 
     @property
     def programs(self) -> int:
@@ -277,6 +280,7 @@ def plan_paged(
     interpret: bool | None = None,
     half_chunk: bool = False,
     max_registers: int | None = None,
+    prefetch: int = 1,
 ) -> PagedPlan:
     """The plan of the memory-bound path for the requests ``requests`` (default: all)
     of a batch, from host ints alone.
@@ -293,7 +297,7 @@ def plan_paged(
     neither. half_chunk: the scratch holds fp16 copies of the served tokens' query,
     key and value for the chunk's own call (bf16 queries: PagedPlan.half_chunk).
     max_registers: the attention kernel's registers per thread, 0 for Triton's own
-    count (default ``register_cap``).
+    count (default ``register_cap``). prefetch: PagedPlan.prefetch.
     """
     cfg = resolve_config(preset, head_dim)
     hq, hk = num_q_heads, num_kv_heads
@@ -346,7 +350,9 @@ def plan_paged(
                 max_registers = register_cap(
                     block_m, block_n, num_warps, head_dim, interpret
                 )
-            return dataclasses.replace(plan, max_registers=max_registers)
+            return dataclasses.replace(
+                plan, max_registers=max_registers, prefetch=prefetch
+            )
         if split_len >= longest:
             raise ValueError(
                 f"the memory-bound path needs {plan.scratch_bytes} bytes of scratch "
@@ -865,6 +871,27 @@ def _operand(x, FENCE: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptr, ok):
+    """Asks L2 for the cache line holding each byte ``ptr`` where ``ok``
+    (``prefetch.global.L2``: a hint, nothing is read into registers and nothing waits
+    for it). Returns a dummy int32 (an instruction with side effects is kept unused).
+    GPU only (inline PTX)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .pred p;
+        setp.ne.b32 p, $2, 0;
+        @p prefetch.global.L2 [$1];
+        mov.b32 $0, 0;
+        }""",
+        constraints="=r,l,r",
+        args=[ptr, ok.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def _pow2_inverse_half(x):
     """0.5 / x for a power of two x = 2^e, e in [-126, 125] (one integer subtraction
     of the exponent fields; outside that range not the quotient)."""
@@ -885,6 +912,22 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 # ---------------------------------------------------------------------------
 # The attention over the cached positions
 # ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _block_ids(bt_row, n0, max_blocks, s_bt_col, BLOCK_N: tl.constexpr,
+               BLOCK_SIZE: tl.constexpr, WHOLE: tl.constexpr):  # fmt: skip
+    """(BLOCK_N,) int32: the block ids of positions n0 .. n0 + BLOCK_N - 1 of the
+    request (its block-table row ``bt_row``), -1 past its ``max_blocks`` columns
+    (positions past the split's end read their column where there is one: the id
+    goes unused). WHOLE: tiles cover whole blocks (n0 a multiple of BLOCK_N, BLOCK_N
+    of BLOCK_SIZE)."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    if WHOLE:
+        col = n0 // BLOCK_SIZE + tl.arange(0, BLOCK_N) // BLOCK_SIZE
+    else:
+        col = pos // BLOCK_SIZE
+    return tl.load(bt_row + col * s_bt_col, mask=col < max_blocks, other=-1)
 
 
 @triton.jit
@@ -921,6 +964,7 @@ def _split_attention(
     EXACT: tl.constexpr,
     LOOKUP: tl.constexpr,
     FENCE: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """The online softmax of the rows (q_hi, q_lo: the query's dot operands; row_scale
     their scores' factor, log2 units) over positions [start, end) of one kv head.
@@ -928,7 +972,10 @@ def _split_attention(
     value dot's sum in units of ``unit``, and whether a value scale or zero was not
     finite. EXACT: every tile's values in the uncentred float32 form ``i s + z``,
     whose NaN and inf elements are one softmax's; otherwise the centred fp16 form, and
-    such a tile only sets ``seen`` (the caller runs the split again, EXACT)."""
+    such a tile only sets ``seen`` (the caller runs the split again, EXACT). PREFETCH
+    (GPU, 0 in the interpreter): the slots of the tile that many ahead are asked of
+    L2 while this one is read and decoded (``_prefetch_l2``), so that their loads
+    wait for L2 instead of DRAM."""
     BLOCK_M: tl.constexpr = q_hi.shape[0]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -951,18 +998,41 @@ def _split_attention(
     if WHOLE:
         within = (tl.arange(0, BLOCK_N) % BLOCK_SIZE).to(tl.int64) * s_cache_pos
         within = within + head_off
-        col0 = tl.arange(0, BLOCK_N) // BLOCK_SIZE
+    # the slot's bytes, prefetched at 32-byte steps (L2's sectors) and at its last
+    # byte: every sector it touches, whether a prefetch fills a sector or a line, by
+    # addresses inside the slot alone
+    SLOT: tl.constexpr = KEY_BYTES + VALUE_INDEX_BYTES + 4
     for n0 in range(start, end, BLOCK_N):
         # -- where each position's slot is ---------------------------------------------
         pos = n0 + tl.arange(0, BLOCK_N)
         in_c = pos < end
         if WHOLE:
-            col = n0 // BLOCK_SIZE + col0
             inner = within
         else:
-            col = pos // BLOCK_SIZE
             inner = (pos % BLOCK_SIZE).to(tl.int64) * s_cache_pos + head_off
-        blk = tl.load(bt_row + col * s_bt_col, mask=col < max_blocks, other=-1)
+        blk = _block_ids(bt_row, n0, max_blocks, s_bt_col, BLOCK_N, BLOCK_SIZE, WHOLE)
+        if PREFETCH > 0:
+            # the slots PREFETCH tiles ahead asked of L2 while this one is read and
+            # decoded: their loads then wait for L2, not DRAM
+            n1 = n0 + PREFETCH * BLOCK_N
+            p1 = n1 + tl.arange(0, BLOCK_N)
+            blk1 = _block_ids(bt_row, n1, max_blocks, s_bt_col, BLOCK_N, BLOCK_SIZE,
+                              WHOLE)  # fmt: skip
+            if WHOLE:
+                inner1 = within
+            else:
+                inner1 = (p1 % BLOCK_SIZE).to(tl.int64) * s_cache_pos + head_off
+            ok1 = (p1 < end) & (
+                blk1.to(tl.uint32, bitcast=True) < num_blocks.to(tl.uint32)
+            )
+            wide1 = blk1.to(tl.uint32, bitcast=True).to(tl.uint64)
+            at1 = cache_ptr + (
+                (wide1 * s_cache_block.to(tl.uint64)).to(tl.int64, bitcast=True)
+                + inner1
+            )
+            for b in tl.static_range(0, SLOT - 1, 32):
+                _prefetch_l2(at1 + b, ok1)
+            _prefetch_l2(at1 + (SLOT - 1), ok1)
         # in [0, num_blocks) in one unsigned comparison (num_blocks >= 0)
         good = blk.to(tl.uint32, bitcast=True) < num_blocks.to(tl.uint32)
         ok = in_c & good  # only these are read
@@ -1099,6 +1169,7 @@ def _paged_kernel(
     DOT_F32: tl.constexpr,  # the interpreter: dots in float32
     LOOKUP: tl.constexpr,  # 3- and 4-bit keys, 3-bit values: byte permutes (GPU)
     FENCE: tl.constexpr,  # the dots' decoded operands behind _operand (GPU)
+    PREFETCH: tl.constexpr,  # the slots this many tiles ahead into L2 (GPU; 0: none)
     CHECK: tl.constexpr,  # record bad block ids at err_ptr
 ):
     """One work item (WORK_FIELDS): BLOCK_M query rows (token-major, the group's heads
@@ -1162,7 +1233,7 @@ def _paged_kernel(
         num_blocks, max_blocks, s_cache_block, s_cache_pos, s_bt_col, D, BLOCK_D,
         BLOCK_SIZE, KEY_BITS, KEY_INDEX_BYTES, KEY_BYTES, VALUE_BITS,
         VALUE_INDEX_BYTES, NORM_CORRECTION, FP8_E4B15, Q_BF16, HALVES, Q_SPLIT,
-        BLOCK_N, DOT_F32, False, LOOKUP, FENCE,
+        BLOCK_N, DOT_F32, False, LOOKUP, FENCE, PREFETCH,
     )  # fmt: skip
     if seen > 0:  # a value field that is not finite: the split again, exactly
         m_i, l_i, z_i, acc, unit, seen = _split_attention(
@@ -1170,7 +1241,7 @@ def _paged_kernel(
             end, num_blocks, max_blocks, s_cache_block, s_cache_pos, s_bt_col, D,
             BLOCK_D, BLOCK_SIZE, KEY_BITS, KEY_INDEX_BYTES, KEY_BYTES, VALUE_BITS,
             VALUE_INDEX_BYTES, NORM_CORRECTION, FP8_E4B15, Q_BF16, HALVES, Q_SPLIT,
-            BLOCK_N, DOT_F32, True, LOOKUP, FENCE,
+            BLOCK_N, DOT_F32, True, LOOKUP, FENCE, PREFETCH,
         )  # fmt: skip
     acc = acc * unit + z_i[:, None]
     empty = l_i == 0  # no key in the split (a NaN sum stays NaN: out and lse)
@@ -1435,6 +1506,7 @@ def paged_attention(
             interp,
             lookup and cfg.key_bits in (3, 4) and not interp,
             fence and not interp,
+            0 if interp else plan.prefetch,
             err is not None,
             num_warps=plan.num_warps,
             num_stages=1,
