@@ -4,6 +4,11 @@ on a memory-bound grid (GPU).
 
     python benchmarks/paged_probe.py [OUT_DIR] [--workloads "decode,64 hits"]
         [--skip-exactness] [--no-configs]
+    python benchmarks/paged_probe.py --ncu [--workloads ...] [--ncu-launches
+        default,0.6.3,no-prefetch]
+
+With --ncu, only one launch of the cached part per workload and launch, for Nsight
+Compute (``bash benchmarks/run_on_device.sh ncu-paged``).
 
 1. Exactness (fails loudly, exit status 1, after the timings): for every preset, fp16
    and bf16, a batch of 8 requests (q 1, 4 and 16 over 300-3000 cached, Hq/Hk 32/8, D
@@ -412,6 +417,43 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
     return row
 
 
+# --ncu's launches of each workload's cached part: the plan's default, and 0.6.3's
+# 16-row launch (16, 64, 4), capped at its 168 / 128 registers (NOTES.md §42, §44)
+NCU_LAUNCHES = {
+    "default": {},
+    "0.6.3": dict(block_n=64, num_warps=4),
+    "no-prefetch": dict(prefetch=0),
+}
+
+
+def ncu_runs(chosen, launches):
+    """One launch of ``_paged_kernel`` per workload and launch name, in order, for
+    Nsight Compute (benchmarks/run_on_device.sh ncu-paged): each printed first, so
+    that the profiler's results can be matched to them (its kernels appear in this
+    order)."""
+    n = 0
+    for name, shape, reqs, preset, dtype_name in chosen:
+        hq, hk, d = SHAPES[shape]
+        dtype = getattr(torch, dtype_name)
+        b = build_batch(preset, reqs, hq, hk, d, 16, dtype, "cuda")
+        for label in launches:
+            paged = Paged(b, hq, hk, d, dtype, **NCU_LAUNCHES[label])
+            p = paged.plan
+            print(
+                f"ncu launch {n}: {name} ({preset}, {dtype_name}, D {d}), {label}: "
+                f"(block_m, block_n, warps) ({p.block_m}, {p.block_n}, "
+                f"{p.num_warps}), {p.max_registers or 'no'} register cap, prefetch "
+                f"{p.prefetch}, split_len {p.split_len}, {p.programs} programs",
+                flush=True,
+            )
+            paged.cached()
+            torch.cuda.synchronize()
+            n += 1
+            del paged
+        del b
+        torch.cuda.empty_cache()
+
+
 def table(rows):
     f = lambda x: f"{x:.3f}" if isinstance(x, float) else str(x)
     lines = [
@@ -458,11 +500,24 @@ def main():
     p.add_argument("--workloads", default="", help="comma-separated name prefixes")
     p.add_argument("--skip-exactness", action="store_true")
     p.add_argument("--no-configs", action="store_true", help="the default launch only")
+    p.add_argument(
+        "--ncu",
+        action="store_true",
+        help="one launch of the cached part per workload and --ncu-launches, nothing "
+        "else (for Nsight Compute)",
+    )
+    p.add_argument(
+        "--ncu-launches",
+        default="default,0.6.3",
+        help=f"--ncu: comma-separated, of {', '.join(NCU_LAUNCHES)}",
+    )
     a = p.parse_args()
     os.makedirs(a.out_dir, exist_ok=True)
     prefixes = [x for x in a.workloads.split(",") if x]
     chosen = [w for w in grid() if not prefixes or any(w[0].startswith(x)
               for x in prefixes)]  # fmt: skip
+    if a.ncu:
+        return ncu_runs(chosen, [x for x in a.ncu_launches.split(",") if x])
     result = dict(probe="paged", device=torch.cuda.get_device_name(), exactness=[],
                   rows=[])  # fmt: skip
     path = os.path.join(a.out_dir, "paged-probe.json")

@@ -25,6 +25,11 @@
 #   bash benchmarks/run_on_device.sh paged     # carry .gpu-carry: the memory-bound path's tests,
 #                                              #   then paged_probe.py (exactness, then its time beside
 #                                              #   the window path, the floor, vLLM's decode kernel)
+#   bash benchmarks/run_on_device.sh ncu-paged # carry .gpu-carry: Nsight Compute on the memory-bound
+#                                              #   kernel over paged_probe's decode workloads (its
+#                                              #   default launch and 0.6.3's: stall reasons, issue
+#                                              #   rate, occupancy, DRAM throughput), then one launch
+#                                              #   per line of paged.py (ncu_lines.py)
 #   bash benchmarks/run_on_device.sh upstream  # carry CARRY (default .gpu-carry) and
 #                                              #   .vllm-envs/vllm-$VLLM_TESTS_VERSION/src: vLLM's own
 #                                              #   TurboQuant tests on the vendored tree
@@ -74,7 +79,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|dispatch|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|ncu-paged|dispatch|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -155,6 +160,32 @@ for mode in "$@"; do
       carry .gpu-carry ncu --import "$OUT/fused-source.ncu-rep" --page source \
         --print-source cuda,sass --csv > "$OUT/ncu-fused-source.csv" 2> "$OUT/ncu-import.log"
       python3 benchmarks/ncu_lines.py "$OUT/ncu-fused-source.csv" | tee "$OUT/fused-lines.md" | head -16 ;;
+    ncu-paged)
+      # where the memory-bound kernel's cycles go (NOTES.md §44): each decode workload of
+      # paged_probe.py once at its default launch and once at 0.6.3's (16, 64, 4)
+      # (PAGED_NCU_LAUNCHES, of paged_probe.NCU_LAUNCHES), about 3-5 minutes; then one
+      # launch (3bit_nc D 128 decode, the default) per line of paged.py, and its report
+      # for the Nsight Compute GUI. The launches' order is the probe's "ncu launch N"
+      # lines in ncu-paged.txt.
+      w=${PAGED_NCU_WORKLOADS:-decode 64 x 1K-8K,decode 256 x 2K-12K,decode 128 x 8K-32K 4bit,decode 256 x 1K-4K k8v4 bf16,decode 128 x 4K-8K d64 k3v4}
+      carry .gpu-carry timeout 360 ncu --clock-control none --kernel-name regex:_paged_kernel \
+        --section SpeedOfLight --section LaunchStats --section Occupancy \
+        --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+        --section ComputeWorkloadAnalysis --section InstructionStats \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,dram__bytes_read.sum.per_second,smsp__issue_active.avg.per_cycle_active,sm__inst_executed.avg.per_cycle_active,sm__warps_active.avg.pct_of_peak_sustained_active" \
+        python3 benchmarks/paged_probe.py --ncu --workloads "$w" \
+        --ncu-launches "${PAGED_NCU_LAUNCHES:-default,0.6.3}" > "$OUT/ncu-paged.txt" 2>&1
+      grep -E "^ncu launch|^  _paged|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|DRAM Throughput|Memory Throughput|Issued Ipc|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|dram__bytes_read|issue_active|stalled_(long_scoreboard|barrier|short_scoreboard|mio_throttle|math_pipe|wait|not_selected|lg_throttle|no_instruction|dispatch)" \
+        "$OUT/ncu-paged.txt" | tee "$OUT/ncu-paged-summary.txt" | head -150
+      carry .gpu-carry timeout 150 ncu --clock-control none --kernel-name regex:_paged_kernel \
+        --launch-count 1 --section SourceCounters --section WarpStateStats \
+        --section InstructionStats --import-source yes --export "$OUT/paged-source" --force-overwrite \
+        python3 benchmarks/paged_probe.py --ncu --ncu-launches default \
+        --workloads "${PAGED_NCU_SOURCE:-decode 256 x 2K-12K}" > "$OUT/ncu-paged-source.log" 2>&1
+      carry .gpu-carry ncu --import "$OUT/paged-source.ncu-rep" --page source \
+        --print-source cuda,sass --csv > "$OUT/ncu-paged-source.csv" 2> "$OUT/ncu-paged-import.log"
+      python3 benchmarks/ncu_lines.py "$OUT/ncu-paged-source.csv" --top 40 \
+        | tee "$OUT/paged-lines.md" | head -30 ;;
     ncu)
       # the sections that say what bounds a kernel: throughput, occupancy, stall reasons
       timeout 300 ncu --clock-control none --kernel-name regex:_fill_kernel \
