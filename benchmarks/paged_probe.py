@@ -28,7 +28,8 @@ Compute (``bash benchmarks/run_on_device.sh ncu-paged``).
    plugin calls it), the memory-bound path (``paged_attention`` from a plan made and
    uploaded once, after the chunk's causal call: what a step's run does), its cached
    part alone at a few launches (block_n, programs per SM, warps; 0.6.3's (16, 64,
-   4); the slots prefetched 0 and 2 tiles ahead; without the register cap; with
+   4); the slots prefetched at the other two of 0, 1 and 2 tiles ahead; without the
+   register cap; with
    Triton's own MMA fragments), and for decode (q 1) vLLM's
    ``triton_turboquant_decode_attention``. Bytes: the quantized slots read and fp16
    K/V, each over 4.3 TB/s, and the rate the memory-bound path reads its slots at.
@@ -374,7 +375,7 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
         # (block_n, programs per SM, warps); the one-warp launch of 16-row tiles
         # (paged.DECODE_LAUNCH) against 0.6.3's (16, 64, 4) first (NOTES.md §44)
         one_warp = paged.plan.num_warps == 1
-        alts = [(64, 4, 4), (16, 16, 1), (32, 8, 1), (32, 32, 1)] if one_warp else []
+        alts = [(64, 4, 4), (16, 16, 1), (32, 8, 1), (32, 16, 1)] if one_warp else []
         alts += [(32, 4, 4), (64, 2, 4), (64, 8, 4), (128, 4, 4)]
         if paged.plan.block_m == 32:
             # 32-row tiles of 2 warps, each its own 16 rows: 63.0 warp instructions
@@ -390,9 +391,9 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
                 del alt
             except Exception as e:  # noqa: BLE001 - a launch may not compile
                 tried[name] = f"failed: {e}"
-    # the slots into L2 ahead of their loads (PagedPlan.prefetch: 1 tile by
-    # default) against none and 2 tiles (NOTES.md §44)
-    for ahead in (0, 2):
+    # the slots into L2 ahead of their loads (PagedPlan.prefetch: 1 tile at one warp,
+    # none at 4) against the other two of none, 1 and 2 tiles (NOTES.md §44, §46)
+    for ahead in sorted({0, 1, 2} - {paged.plan.prefetch}):
         alt = Paged(b, hq, hk, d, dtype, prefetch=ahead)
         tried[f"prefetch {ahead}"] = kernel_ms(alt.cached)
         del alt

@@ -377,9 +377,27 @@ def test_the_register_cap_is_the_default_launchs_alone(q_len, head_dim, launch, 
         assert plan.num_warps == (1 if q_len == 1 and head_dim <= 128 else 4)
     if launch.get("block_m") == 32:
         assert (plan.block_n, plan.num_warps) == (64, 4)
+    # the L2 prefetch is the one-warp launch's alone (NOTES.md §46)
+    assert plan.prefetch == (1 if plan.num_warps == 1 else 0)
     interp = plan_paged(qsl, lens, 16, 4, head_dim, "turboquant_3bit_nc",
                         interpret=True)  # fmt: skip
     assert interp.max_registers == 0
+
+
+@pytest.mark.parametrize(
+    "launch, per_sm",
+    [({}, paged.ONE_WARP_PROGRAMS_PER_SM), ({"num_warps": 4}, paged.PROGRAMS_PER_SM),
+     ({"num_warps": 2}, 2 * paged.PROGRAMS_PER_SM)],
+)  # fmt: skip
+def test_the_split_aims_at_the_launchs_programs_per_sm(launch, per_sm):
+    """64 decode requests of 64K positions over 132 SMs: the split is the work over
+    132 x per_sm programs, rounded up to block_n."""
+    b, hk, cached = 64, 8, 65536
+    qsl, lens = list(range(b + 1)), [cached + 1] * b
+    plan = plan_paged(qsl, lens, 32, hk, 128, "turboquant_3bit_nc", sms=132,
+                      interpret=False, **launch)  # fmt: skip
+    want = -(-b * hk * cached // (132 * per_sm))
+    assert plan.split_len == -(-want // plan.block_n) * plan.block_n
 
 
 def test_splits_grow_until_the_scratch_fits_or_the_plan_is_refused():

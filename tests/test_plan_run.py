@@ -153,7 +153,9 @@ def _metadata(batch, num_decodes, num_decode_tokens, **extra):
     dev = batch.query.device
     return types.SimpleNamespace(
         block_table=batch.block_table,
-        query_start_loc=torch.tensor(batch.query_start_loc, dtype=torch.int32),
+        query_start_loc=torch.tensor(
+            batch.query_start_loc, dtype=torch.int32, device=dev
+        ),
         seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=dev),
         query_start_loc_cpu=torch.tensor(batch.query_start_loc, dtype=torch.int32),
         seq_lens_cpu=torch.tensor(batch.seq_lens, dtype=torch.int32),

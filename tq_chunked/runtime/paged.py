@@ -82,9 +82,10 @@ TOKEN_FIELDS = 4
 # prologue weigh against its reads.
 MIN_SPLIT = 256
 # Programs of 4 warps the planner aims at per SM: enough for two resident programs and
-# the last wave's imbalance; programs of fewer warps, proportionally more (the same
-# warps: 16 one-warp programs).
+# the last wave's imbalance; programs of 2 warps, twice as many. One-warp programs: 32,
+# twice the warps (0.76-0.89x the time of 16, NOTES.md §46).
 PROGRAMS_PER_SM = 4
+ONE_WARP_PROGRAMS_PER_SM = 32
 DEFAULT_SMS = 132  # the H200's
 DEFAULT_SCRATCH_BYTES = 128 << 20
 _ALIGN = 256  # bytes: each scratch region starts on this
@@ -124,8 +125,9 @@ class PagedPlan:
     # own count (register_cap)
     max_registers: int = 0
     # on a GPU, the slots this many tiles ahead asked of L2 while a tile is read and
-    # decoded (_split_attention's PREFETCH); 0: none
-    prefetch: int = 1
+    # decoded (_split_attention's PREFETCH); 0: none. plan_paged asks 1 at the one-warp
+    # launch and 0 at 4 warps, where it cost 4-7 % (NOTES.md §46)
+    prefetch: int = 0
 
     @property
     def programs(self) -> int:
@@ -215,7 +217,8 @@ MAX_GPU_TILE = 32
 # the value scales' max and the probabilities (into the value dot's layout) cross warps
 # through shared memory: 16 barriers an iteration at (16, 64, 4), 10 at one warp (the
 # decoded tiles' round trips), and 64.6 -> 50.8 warp instructions per slot-row at
-# 3bit_nc D 128 (NOTES.md §44). The 32-row tile keeps 4 warps: at 2 or 1 its
+# 3bit_nc D 128 (NOTES.md §44): 0.70-0.84x the time of (16, 64, 4) on the H200
+# (NOTES.md §46). The 32-row tile keeps 4 warps: at 2 or 1 its
 # accumulator does not fit the registers; so does D 256's 16-row tile (one warp: 182
 # spill instructions an iteration).
 DECODE_LAUNCH = (16, 32, 1)
@@ -250,8 +253,9 @@ def register_cap(
     At the one-warp launch (DECODE_LAUNCH) a warp holds the whole (16, D) float32
     accumulator and both fp16 query operands: Triton counts 248-255. Capped at 216 (D
     128: 9 warps an SM, as many as its 24 KiB of shared memory allow) and 144 (D 64:
-    14 warps), 0-3 spill instructions an iteration (NOTES.md §44; not yet timed).
-    Other launches and head sizes are not measured."""
+    14 warps), 0-3 spill instructions an iteration (NOTES.md §44). Without the cap:
+    1.12x the time at D 64, 1.02x at D 128 (NOTES.md §46). Other launches and head
+    sizes are not measured."""
     if interpret:
         return 0
     caps = {
@@ -280,7 +284,7 @@ def plan_paged(
     interpret: bool | None = None,
     half_chunk: bool = False,
     max_registers: int | None = None,
-    prefetch: int = 1,
+    prefetch: int | None = None,
 ) -> PagedPlan:
     """The plan of the memory-bound path for the requests ``requests`` (default: all)
     of a batch, from host ints alone.
@@ -289,7 +293,8 @@ def plan_paged(
     Request r's cached positions ``[0, seq_lens[r] - q_len_r)`` are split into ranges
     of ``split_len`` positions (default: the batch's work over ``sms x
     programs_per_sm`` programs, at least MIN_SPLIT, a multiple of block_n; default
-    programs_per_sm: PROGRAMS_PER_SM x 4 / num_warps), each a
+    programs_per_sm: ONE_WARP_PROGRAMS_PER_SM at one warp, else PROGRAMS_PER_SM x 4 /
+    num_warps), each a
     program per kv head and tile of ``block_m`` query rows (default
     ``default_launch``). Splits double until the scratch fits ``max_scratch_bytes``
     (a ValueError if one split per request does not). A request with nothing cached
@@ -297,7 +302,8 @@ def plan_paged(
     neither. half_chunk: the scratch holds fp16 copies of the served tokens' query,
     key and value for the chunk's own call (bf16 queries: PagedPlan.half_chunk).
     max_registers: the attention kernel's registers per thread, 0 for Triton's own
-    count (default ``register_cap``). prefetch: PagedPlan.prefetch.
+    count (default ``register_cap``). prefetch: PagedPlan.prefetch (default 1 at one
+    warp, else 0).
     """
     cfg = resolve_config(preset, head_dim)
     hq, hk = num_q_heads, num_kv_heads
@@ -335,7 +341,13 @@ def plan_paged(
     tiles = {i: cdiv(rows[i], block_m) for i in busy}
     longest = max((cached[i] for i in busy), default=0)
     if programs_per_sm is None:
-        programs_per_sm = PROGRAMS_PER_SM * max(4 // num_warps, 1)
+        programs_per_sm = (
+            ONE_WARP_PROGRAMS_PER_SM
+            if num_warps == 1
+            else PROGRAMS_PER_SM * max(4 // num_warps, 1)
+        )
+    if prefetch is None:
+        prefetch = 1 if num_warps == 1 else 0
     if split_len is None:
         work = sum(hk * tiles[i] * cached[i] for i in busy)
         split_len = max(MIN_SPLIT, cdiv(work, max(sms * programs_per_sm, 1)))
