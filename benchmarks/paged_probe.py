@@ -381,7 +381,7 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
             # 32-row tiles of 2 warps, each its own 16 rows: 63.0 warp instructions
             # per slot-row against 76.2 at 4 warps, 28 barriers an iteration against
             # 16, 7 spill instructions (3bit_nc D 128; NOTES.md §44)
-            alts += [(64, 8, 2)]
+            alts += [(64, 8, 2), (64, 4, 4)]  # and 0.6.3's launch of 32 rows
         for block_n, per_sm, warps in alts:
             name = f"block_n {block_n}, {per_sm} per SM, {warps} warps"
             try:

@@ -152,6 +152,25 @@ def test_groups_head_sizes_block_sizes_and_splits(
     check_within_full_paths_error(batch, out)
 
 
+@pytest.mark.parametrize("launch", [paged.DECODE_LAUNCH, paged.TILE32_LAUNCH])
+def test_the_gpu_default_launches_at_head_size_128(launch):
+    """The GPU's default tiles, 16 rows of one warp and 32 rows of 128 positions an
+    iteration, with splits that end inside an iteration and blocks of 16."""
+    block_m, block_n, num_warps = launch
+    seed = 330 + block_m
+    batch = make_batch(
+        [(300, 8), (0, 2), (517, 1), (130, 8)],
+        "turboquant_3bit_nc",
+        num_q_heads=8,
+        num_kv_heads=2,
+        seed=seed,
+    )
+    out = run(batch, poisoned(batch), block_m=block_m, block_n=block_n,
+              num_warps=num_warps, split_len=block_n * 2)  # fmt: skip
+    assert not out.isnan().any(), f"seed {seed}: a row was not written"
+    check_within_full_paths_error(batch, out)
+
+
 @pytest.mark.parametrize("q_len", [1, 2, 16])
 def test_decode_and_short_continuations_in_one_tile(q_len):
     # rows per kv head 4 x q_len: one tile of up to 64 rows decodes each slot once
@@ -361,7 +380,8 @@ def test_the_plans_split_aims_at_the_sms_and_its_scratch_is_its_regions():
         (1, 64, {}, 144),  # 14 warps an SM
         (1, 128, {"block_n": 64, "num_warps": 4}, 168),  # 0.6.3's: 3 programs an SM
         (1, 64, {"block_n": 64, "num_warps": 4}, 128),  # 4 programs an SM
-        (1, 128, {"block_m": 32}, 0),  # a 32-row tile: 4 warps, not DECODE_LAUNCH's 1
+        (1, 128, {"block_m": 32}, 0),  # a 32-row tile: TILE32_LAUNCH, 4 warps
+        (8, 64, {}, 0),  # a 32-row tile at D 64: block_n 64
         (1, 256, {}, 0),  # Triton's count (4 warps: one spills at D 256)
         (8, 128, {}, 0),  # 32-row tiles
         (1, 128, {"block_n": 128}, 0),  # another launch
@@ -375,10 +395,11 @@ def test_the_register_cap_is_the_default_launchs_alone(q_len, head_dim, launch, 
     assert plan.max_registers == cap
     if not launch:  # one warp up to D 128 (paged.DECODE_LAUNCH), else 4
         assert plan.num_warps == (1 if q_len == 1 and head_dim <= 128 else 4)
-    if launch.get("block_m") == 32:
-        assert (plan.block_n, plan.num_warps) == (64, 4)
-    # the L2 prefetch is the one-warp launch's alone (NOTES.md §46)
-    assert plan.prefetch == (1 if plan.num_warps == 1 else 0)
+    if plan.block_m == 32:
+        assert (plan.block_n, plan.num_warps) == (128 if head_dim == 128 else 64, 4)
+    # the L2 prefetch at the launches it was timed at alone (NOTES.md §46)
+    launched = (plan.block_m, plan.block_n, plan.num_warps)
+    assert plan.prefetch == (launched in (paged.DECODE_LAUNCH, paged.TILE32_LAUNCH))
     interp = plan_paged(qsl, lens, 16, 4, head_dim, "turboquant_3bit_nc",
                         interpret=True)  # fmt: skip
     assert interp.max_registers == 0

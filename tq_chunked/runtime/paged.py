@@ -125,8 +125,8 @@ class PagedPlan:
     # own count (register_cap)
     max_registers: int = 0
     # on a GPU, the slots this many tiles ahead asked of L2 while a tile is read and
-    # decoded (_split_attention's PREFETCH); 0: none. plan_paged asks 1 at the one-warp
-    # launch and 0 at 4 warps, where it cost 4-7 % (NOTES.md §46)
+    # decoded (_split_attention's PREFETCH); 0: none (plan_paged's default:
+    # PREFETCH_LAUNCHES)
     prefetch: int = 0
 
     @property
@@ -222,6 +222,12 @@ MAX_GPU_TILE = 32
 # accumulator does not fit the registers; so does D 256's 16-row tile (one warp: 182
 # spill instructions an iteration).
 DECODE_LAUNCH = (16, 32, 1)
+# The 32-row tile's launch at head size 128: 128 positions an iteration, 0.70-0.76x
+# the time of block_n 64 (NOTES.md §46; other head sizes keep 64, not measured).
+TILE32_LAUNCH = (32, 128, 4)
+# The launches that ask L2 for the next tile's slots by default (PagedPlan.prefetch):
+# those it was timed at; at (32, 64, 4) it cost 4-7 % (NOTES.md §46).
+PREFETCH_LAUNCHES = (DECODE_LAUNCH, TILE32_LAUNCH)
 
 
 def default_launch(
@@ -230,12 +236,15 @@ def default_launch(
     """(block_m, block_n, num_warps) for a batch whose largest request has ``rows``
     query rows per kv head: one tile of all of them up to MAX_GPU_TILE (each slot
     decoded once per request and kv head), 16 at least (the tensor cores' smallest
-    tile); 16-row tiles of one warp (DECODE_LAUNCH) up to head size 128."""
+    tile); 16-row tiles of one warp (DECODE_LAUNCH) up to head size 128, 32-row
+    tiles at TILE32_LAUNCH at head size 128."""
     block_m = min(max(next_power_of_2(max(rows, 1)), 16), MAX_GPU_TILE)
     if interpret:
         return 16, 16, 4
     if block_m == 16 and head_dim <= 128:
         return DECODE_LAUNCH
+    if block_m == 32 and head_dim == 128:
+        return TILE32_LAUNCH
     return block_m, 64 if block_m <= 32 else 32, 4
 
 
@@ -302,8 +311,8 @@ def plan_paged(
     neither. half_chunk: the scratch holds fp16 copies of the served tokens' query,
     key and value for the chunk's own call (bf16 queries: PagedPlan.half_chunk).
     max_registers: the attention kernel's registers per thread, 0 for Triton's own
-    count (default ``register_cap``). prefetch: PagedPlan.prefetch (default 1 at one
-    warp, else 0).
+    count (default ``register_cap``). prefetch: PagedPlan.prefetch (default 1 at the
+    PREFETCH_LAUNCHES, else 0).
     """
     cfg = resolve_config(preset, head_dim)
     hq, hk = num_q_heads, num_kv_heads
@@ -347,7 +356,7 @@ def plan_paged(
             else PROGRAMS_PER_SM * max(4 // num_warps, 1)
         )
     if prefetch is None:
-        prefetch = 1 if num_warps == 1 else 0
+        prefetch = int((block_m, block_n, num_warps) in PREFETCH_LAUNCHES)
     if split_len is None:
         work = sum(hk * tiles[i] * cached[i] for i in busy)
         split_len = max(MIN_SPLIT, cdiv(work, max(sms * programs_per_sm, 1)))
