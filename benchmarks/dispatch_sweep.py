@@ -3,16 +3,19 @@ time and host time per call of the windows (``path="window"``) and of the memory
 path (``path="paged"``), over query rows per kv head x cached tokens per request, with
 the floor beside them (GPU).
 
-    python benchmarks/dispatch_sweep.py [OUT_DIR] [--long-band | --short-runs]
+    python benchmarks/dispatch_sweep.py [OUT_DIR] [--long-band | --short-runs |
+        --short-band]
 
 Batches of B requests of q_len query tokens over ``cached`` tokens each (Hq/Hk/D
 32/8/128, turboquant_3bit_nc, fp16, and Hq/Hk/D 16/16/64, 4bit_nc, bf16; with
 --long-band, the rule's second band, plan.PAGED_MAX_ROWS_LONG, for the other presets
 and dtypes at head size 128: 32-64 rows over 8K-64K, NOTES.md §41; with --short-runs,
 the rule's run minimum, plan.PAGED_MIN_CACHED: 4-32 rows over 1K-8K at head size 128,
-the four presets), each path through ``continuation_prefill_varlen`` with a workspace
-of workspace_bytes(N) as the plugin calls it. Writes dispatch-sweep.json (after each
-point) and prints a table of paged / windows per point, last.
+the four presets; with --short-band, the second band below its 16K prefixes: 48-64 rows
+over 1K-8K, 64 requests a batch, as the serving grid's "64 hits q16 1K-8K"), each path
+through ``continuation_prefill_varlen`` with a workspace of workspace_bytes(N) as the
+plugin calls it. Writes dispatch-sweep.json (after each point) and prints a table of
+paged / windows per point, last.
 """
 
 import functools
@@ -55,6 +58,20 @@ SHORT_RUNS = (
         ("llama3-8b k8v4 fp16", 32, 8, 128, "turboquant_k8v4", torch.float16, 16),
     ],
     [4, 16, 32],
+    [1 * K, 2 * K, 4 * K, 8 * K],
+)
+
+# --short-band: plan.PAGED_MAX_ROWS_LONG's prefix minimum (16K) with 0.6.4's 32-row
+# tiles of 128 positions (0.70-0.76x 0.6.3's time, NOTES.md §46), in batches of 64
+# requests (64K-512K cached tokens: both sides of the run minimum)
+SHORT_BAND = (
+    [
+        ("llama3-8b 3bit fp16", 32, 8, 128, "turboquant_3bit_nc", torch.float16, 64),
+        ("llama3-8b 4bit fp16", 32, 8, 128, "turboquant_4bit_nc", torch.float16, 64),
+        ("llama3-8b k3v4 bf16", 32, 8, 128, "turboquant_k3v4_nc", torch.bfloat16, 64),
+        ("70b-tp1 3bit bf16", 64, 8, 128, "turboquant_3bit_nc", torch.bfloat16, 64),
+    ],
+    [48, 64],
     [1 * K, 2 * K, 4 * K, 8 * K],
 )
 
@@ -107,11 +124,15 @@ def point(shape, rows, cached):
 
 
 def main():
-    bands = {"--long-band": LONG_BAND, "--short-runs": SHORT_RUNS}
+    bands = {
+        "--long-band": LONG_BAND,
+        "--short-runs": SHORT_RUNS,
+        "--short-band": SHORT_BAND,
+    }
     args = [a for a in sys.argv[1:] if a not in bands]
     chosen = [bands[a] for a in sys.argv[1:] if a in bands]
     if len(chosen) > 1:
-        sys.exit("dispatch_sweep.py: --long-band and --short-runs are one run each")
+        sys.exit("dispatch_sweep.py: choose one of " + ", ".join(bands))
     shapes, rows_per_kvh, cached = chosen[0] if chosen else (SHAPES, ROWS, CACHED)
     out_dir = args[0] if args else os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)

@@ -129,7 +129,8 @@ for mode in "$@"; do
     dispatch)
       # the plan's crossover: windows against the memory-bound path (NOTES.md §35)
       # (DISPATCH_ARGS=--long-band: the rule's second band, NOTES.md §41; --short-runs: its
-      # run minimum at head size 128, NOTES.md §42)
+      # run minimum at head size 128, NOTES.md §42; --short-band: the second band's 48-64
+      # rows over 1K-8K prefixes, NOTES.md §46)
       carry .gpu-carry timeout 420 python3 benchmarks/dispatch_sweep.py "$OUT" ${DISPATCH_ARGS:-} 2>&1 \
         | grep -v "points:" | tail -20 ;;
     fused-nov3)
