@@ -391,8 +391,9 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
                 del alt
             except Exception as e:  # noqa: BLE001 - a launch may not compile
                 tried[name] = f"failed: {e}"
-    # the slots into L2 ahead of their loads (PagedPlan.prefetch: 1 tile at one warp,
-    # none at 4) against the other two of none, 1 and 2 tiles (NOTES.md §44, §46)
+    # the slots into L2 ahead of their loads (PagedPlan.prefetch: 1 tile at
+    # paged.PREFETCH_LAUNCHES, else none) against the other two of none, 1 and 2 tiles
+    # (NOTES.md §44, §46)
     for ahead in sorted({0, 1, 2} - {paged.plan.prefetch}):
         alt = Paged(b, hq, hk, d, dtype, prefetch=ahead)
         tried[f"prefetch {ahead}"] = kernel_ms(alt.cached)

@@ -154,8 +154,9 @@ def test_groups_head_sizes_block_sizes_and_splits(
 
 @pytest.mark.parametrize("launch", [paged.DECODE_LAUNCH, paged.TILE32_LAUNCH])
 def test_the_gpu_default_launches_at_head_size_128(launch):
-    """The GPU's default tiles, 16 rows of one warp and 32 rows of 128 positions an
-    iteration, with splits that end inside an iteration and blocks of 16."""
+    """The GPU's default launches (on a GPU; under the interpreter their tiles and
+    positions an iteration, warps having no meaning there), with the prefetch they
+    default to, splits that end inside an iteration and blocks of 16."""
     block_m, block_n, num_warps = launch
     seed = 330 + block_m
     batch = make_batch(
@@ -166,9 +167,30 @@ def test_the_gpu_default_launches_at_head_size_128(launch):
         seed=seed,
     )
     out = run(batch, poisoned(batch), block_m=block_m, block_n=block_n,
-              num_warps=num_warps, split_len=block_n * 2)  # fmt: skip
+              num_warps=num_warps, split_len=block_n * 2, prefetch=1)  # fmt: skip
     assert not out.isnan().any(), f"seed {seed}: a row was not written"
     check_within_full_paths_error(batch, out)
+
+
+@pytest.mark.parametrize("launch", [paged.DECODE_LAUNCH, paged.TILE32_LAUNCH])
+def test_the_prefetch_changes_no_bit(launch):
+    """Asking L2 for the slots 1 or 2 tiles ahead (a hint on a GPU; a load thrown away
+    under the interpreter) leaves every bit of the answer, a bad block id's NaN
+    request included, as without it."""
+    block_m, block_n, num_warps = launch
+    batch = make_batch([(300, 8), (517, 1), (130, 8)], "turboquant_3bit_nc",
+                       num_q_heads=8, num_kv_heads=2, seed=340)  # fmt: skip
+    batch.block_table[1, 3] = -2  # request 1's positions 48-63 (blocks of 16)
+    outs = [
+        run(batch, poisoned(batch), block_m=block_m, block_n=block_n,
+            num_warps=num_warps, split_len=2 * block_n, prefetch=ahead)
+        for ahead in (0, 1, 2)
+    ]  # fmt: skip
+    q = batch.query_start_loc
+    assert outs[0][q[1] : q[2]].isnan().all(), "seed 340"
+    for ahead, out in ((1, outs[1]), (2, outs[2])):
+        assert torch.equal(out.nan_to_num(), outs[0].nan_to_num()), f"prefetch {ahead}"
+        assert torch.equal(out.isnan(), outs[0].isnan()), f"prefetch {ahead}"
 
 
 @pytest.mark.parametrize("q_len", [1, 2, 16])
@@ -233,14 +255,15 @@ def test_lse_is_one_softmaxs_over_all_keys():
         assert rel_err(lse[:, q0:q1], want) < 1e-3, f"seed 34, request {r}"
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("bad", ["past the end", "negative"])
-def test_a_bad_block_id_is_never_read_and_makes_its_request_nan(bad):
+def test_a_bad_block_id_is_never_read_and_makes_its_request_nan(bad, prefetch):
     batch = make_batch(REQUESTS, head_dim=32, seed=35)
     batch.kv_cache = batch.kv_cache[: int(batch.block_table.max()) + 1]  # ends there
     past = batch.kv_cache.shape[0] + 7
     batch.block_table[3, 2] = past if bad == "past the end" else -3  # request 3
     with reads_within_arguments():
-        out = run(batch, split_len=32)
+        out = run(batch, split_len=32, prefetch=prefetch)
     q = batch.query_start_loc
     assert out[q[3] : q[4]].isnan().all(), "seed 35"
     others = torch.cat([out[: q[3]], out[q[4] :]])
@@ -393,8 +416,8 @@ def test_the_register_cap_is_the_default_launchs_alone(q_len, head_dim, launch, 
     plan = plan_paged(qsl, lens, 16, 4, head_dim, "turboquant_3bit_nc",
                       interpret=False, **launch)  # fmt: skip
     assert plan.max_registers == cap
-    if not launch:  # one warp up to D 128 (paged.DECODE_LAUNCH), else 4
-        assert plan.num_warps == (1 if q_len == 1 and head_dim <= 128 else 4)
+    if not launch:  # one warp at D 64 and 128 (paged.DECODE_LAUNCH), else 4
+        assert plan.num_warps == (1 if q_len == 1 and head_dim in (64, 128) else 4)
     if plan.block_m == 32:
         assert (plan.block_n, plan.num_warps) == (128 if head_dim == 128 else 64, 4)
     # the L2 prefetch at the launches it was timed at alone (NOTES.md §46)
@@ -406,9 +429,45 @@ def test_the_register_cap_is_the_default_launchs_alone(q_len, head_dim, launch, 
 
 
 @pytest.mark.parametrize(
+    "q_len, head_dim, given, want",
+    [
+        (1, 128, {}, paged.DECODE_LAUNCH),
+        (1, 64, {}, paged.DECODE_LAUNCH),
+        (1, 32, {}, (16, 64, 4)),  # measured at D 64 and 128 alone
+        (1, 256, {}, (16, 64, 4)),
+        (8, 128, {}, paged.TILE32_LAUNCH),
+        (8, 64, {}, (32, 64, 4)),
+        (1, 128, {"block_m": 32}, paged.TILE32_LAUNCH),  # the tile's own launch
+        (1, 128, {"block_m": 64}, (64, 64, 4)),
+        (1, 128, {"num_warps": 4}, (16, 64, 4)),  # in part: 0.6.3's for the rest
+        (1, 128, {"block_n": 128}, (16, 128, 4)),
+        (8, 128, {"num_warps": 2}, (32, 64, 2)),
+    ],
+)
+def test_a_launch_given_in_part_takes_the_four_warp_launch_for_the_rest(
+    q_len, head_dim, given, want
+):
+    plan = plan_paged([0, q_len], [4096 + q_len], 16, 4, head_dim,
+                      "turboquant_3bit_nc", interpret=False, **given)  # fmt: skip
+    assert (plan.block_m, plan.block_n, plan.num_warps) == want
+
+
+@pytest.mark.parametrize(
+    "given, want",
+    [({"prefetch": 0}, 0), ({"prefetch": 2}, 2),
+     ({"num_warps": 4, "prefetch": 2}, 2), ({"num_warps": 4}, 0)],
+)  # fmt: skip
+def test_an_explicit_prefetch_is_the_plans(given, want):
+    plan = plan_paged([0, 1], [4097], 16, 4, 128, "turboquant_3bit_nc",
+                      interpret=False, **given)  # fmt: skip
+    assert plan.prefetch == want
+
+
+@pytest.mark.parametrize(
     "launch, per_sm",
     [({}, paged.ONE_WARP_PROGRAMS_PER_SM), ({"num_warps": 4}, paged.PROGRAMS_PER_SM),
-     ({"num_warps": 2}, 2 * paged.PROGRAMS_PER_SM)],
+     ({"num_warps": 2}, 2 * paged.PROGRAMS_PER_SM),
+     ({"programs_per_sm": 8}, 8)],  # asked for, at one warp
 )  # fmt: skip
 def test_the_split_aims_at_the_launchs_programs_per_sm(launch, per_sm):
     """64 decode requests of 64K positions over 132 SMs: the split is the work over
@@ -496,14 +555,16 @@ def test_run_writes_only_the_planned_requests_rows():
     layout=st.sampled_from(["v020", "v033"]),
     odd_cache=st.booleans(),
     split_len=st.sampled_from([16, 32, 48]),
+    prefetch=st.sampled_from([0, 1, 2]),
     bad=st.integers(0, 2**31 - 1),
 )
 def test_the_kernels_stay_inside_their_tensors(
-    requests, preset, group, block_size, layout, odd_cache, split_len, bad
+    requests, preset, group, block_size, layout, odd_cache, split_len, prefetch, bad
 ):
     """Rotation, attention and combine, on a cache that ends at its last block in use,
     at an odd address or not, with a block size that is not a power of two, a bad
-    block id in one request's cached part, a strided query."""
+    block id in one request's cached part, a strided query, the slots of 0-2 tiles
+    ahead prefetched (loads under the interpreter)."""
     seed = bad % 1000
     batch = make_batch(requests, preset, head_dim=32 if preset != "turboquant_k8v4"
                        else 40, num_q_heads=2 * group, num_kv_heads=2,
@@ -519,7 +580,7 @@ def test_the_kernels_stay_inside_their_tensors(
         batch.kv_cache = buf[1:].view(batch.kv_cache.shape).copy_(batch.kv_cache)
     batch.query = batch.query.transpose(0, 1).contiguous().transpose(0, 1)
     with reads_within_arguments() as seen:
-        out = run(batch, split_len=split_len)
+        out = run(batch, split_len=split_len, prefetch=prefetch)
     assert {"_paged_kernel", "_combine_kernel"} <= seen.kernels or not any(
         c > 0 and q > 0 for c, q in requests
     )

@@ -217,35 +217,39 @@ MAX_GPU_TILE = 32
 # the value scales' max and the probabilities (into the value dot's layout) cross warps
 # through shared memory: 16 barriers an iteration at (16, 64, 4), 10 at one warp (the
 # decoded tiles' round trips), and 64.6 -> 50.8 warp instructions per slot-row at
-# 3bit_nc D 128 (NOTES.md §44): 0.70-0.84x the time of (16, 64, 4) on the H200
-# (NOTES.md §46). The 32-row tile keeps 4 warps: at 2 or 1 its
-# accumulator does not fit the registers; so does D 256's 16-row tile (one warp: 182
-# spill instructions an iteration).
+# 3bit_nc D 128 (NOTES.md §44): 0.63-0.84x the time of (16, 64, 4) on the H200 at
+# head sizes 64 and 128, where it was measured and is the default (NOTES.md §46). The
+# 32-row tile keeps 4 warps: at 2 it spills (NOTES.md §44); so would D 256's 16-row
+# tile at one warp (182 spill instructions an iteration).
 DECODE_LAUNCH = (16, 32, 1)
 # The 32-row tile's launch at head size 128: 128 positions an iteration, 0.70-0.76x
 # the time of block_n 64 (NOTES.md §46; other head sizes keep 64, not measured).
 TILE32_LAUNCH = (32, 128, 4)
 # The launches that ask L2 for the next tile's slots by default (PagedPlan.prefetch):
-# those it was timed at; at (32, 64, 4) it cost 4-7 % (NOTES.md §46).
+# the two above, where it was timed (1.02-1.04x the time without it at D 128, even at
+# D 64); at (32, 64, 4) it cost 4-7 % (NOTES.md §46).
 PREFETCH_LAUNCHES = (DECODE_LAUNCH, TILE32_LAUNCH)
 
 
 def default_launch(
-    rows: int, interpret: bool, head_dim: int = 128
+    rows: int, interpret: bool, head_dim: int = 128, block_m: int | None = None
 ) -> tuple[int, int, int]:
     """(block_m, block_n, num_warps) for a batch whose largest request has ``rows``
     query rows per kv head: one tile of all of them up to MAX_GPU_TILE (each slot
     decoded once per request and kv head), 16 at least (the tensor cores' smallest
-    tile); 16-row tiles of one warp (DECODE_LAUNCH) up to head size 128, 32-row
-    tiles at TILE32_LAUNCH at head size 128."""
-    block_m = min(max(next_power_of_2(max(rows, 1)), 16), MAX_GPU_TILE)
+    tile), or the tile ``block_m`` where given; on a GPU, 16-row tiles at
+    DECODE_LAUNCH at head sizes 64 and 128, 32-row tiles at TILE32_LAUNCH at head
+    size 128, other tiles 64 positions an iteration on 4 warps; 16-row tiles of 16
+    positions under the interpreter."""
     if interpret:
-        return 16, 16, 4
-    if block_m == 16 and head_dim <= 128:
+        return block_m or 16, 16, 4
+    if block_m is None:
+        block_m = min(max(next_power_of_2(max(rows, 1)), 16), MAX_GPU_TILE)
+    if block_m == 16 and head_dim in (64, 128):
         return DECODE_LAUNCH
     if block_m == 32 and head_dim == 128:
         return TILE32_LAUNCH
-    return block_m, 64 if block_m <= 32 else 32, 4
+    return block_m, 64, 4
 
 
 def register_cap(
@@ -336,13 +340,16 @@ def plan_paged(
     rows = [n * group for n in q_len]
     busy = [i for i in range(len(served)) if cached[i] > 0 and q_len[i] > 0]
     interpret = interpreting() if interpret is None else interpret
-    # an explicit block_m takes its own tile's launch (one warp is for 16 rows alone)
-    launch = default_launch(
-        block_m or max((rows[i] for i in busy), default=1), interpret, head_dim
-    )
-    block_m = block_m or launch[0]
-    block_n = block_n or launch[1]
-    num_warps = num_warps or launch[2]
+    most = max((rows[i] for i in busy), default=1)
+    if block_n is None and num_warps is None:
+        # the tile's own launch (an explicit block_m chooses the tile)
+        block_m, block_n, num_warps = default_launch(most, interpret, head_dim, block_m)
+    else:
+        # a launch given in part: the tuned launches are whole choices, so the rest is
+        # 64 positions an iteration on 4 warps (0.6.3's, NOTES.md §46)
+        block_m = block_m or default_launch(most, interpret, head_dim)[0]
+        block_n = block_n or (16 if interpret else 64)
+        num_warps = num_warps or 4
     if block_m not in (16, 32, 64, 128):
         raise ValueError(f"block_m must be 16, 32, 64 or 128, got {block_m}")
     if block_n < 16 or block_n & (block_n - 1):
@@ -892,11 +899,14 @@ def _operand(x, FENCE: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptr, ok):
+def _prefetch_l2(ptr, ok, INTERP: tl.constexpr):
     """Asks L2 for the cache line holding each byte ``ptr`` where ``ok``
     (``prefetch.global.L2``: a hint, nothing is read into registers and nothing waits
     for it). Returns a dummy int32 (an instruction with side effects is kept unused).
-    GPU only (inline PTX)."""
+    Under the interpreter (INTERP), a masked load of the same bytes, thrown away: the
+    addresses go through the tests' bounds checks (tests/bounds.py)."""
+    if INTERP:
+        return tl.load(ptr, mask=ok, other=0).to(tl.int32)
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .pred p;
@@ -993,10 +1003,9 @@ def _split_attention(
     value dot's sum in units of ``unit``, and whether a value scale or zero was not
     finite. EXACT: every tile's values in the uncentred float32 form ``i s + z``,
     whose NaN and inf elements are one softmax's; otherwise the centred fp16 form, and
-    such a tile only sets ``seen`` (the caller runs the split again, EXACT). PREFETCH
-    (GPU, 0 in the interpreter): the slots of the tile that many ahead are asked of
-    L2 while this one is read and decoded (``_prefetch_l2``), so that their loads
-    wait for L2 instead of DRAM."""
+    such a tile only sets ``seen`` (the caller runs the split again, EXACT). PREFETCH:
+    the slots of the tile that many ahead are asked of L2 while this one is read and
+    decoded (``_prefetch_l2``), so that their loads wait for L2 instead of DRAM."""
     BLOCK_M: tl.constexpr = q_hi.shape[0]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -1047,13 +1056,14 @@ def _split_attention(
                 blk1.to(tl.uint32, bitcast=True) < num_blocks.to(tl.uint32)
             )
             wide1 = blk1.to(tl.uint32, bitcast=True).to(tl.uint64)
-            at1 = cache_ptr + (
-                (wide1 * s_cache_block.to(tl.uint64)).to(tl.int64, bitcast=True)
-                + inner1
-            )
+            off1 = (wide1 * s_cache_block.to(tl.uint64)).to(tl.int64, bitcast=True)
+            off1 = off1 + inner1
+            if DOT_F32:
+                off1 = tl.where(ok1, off1, 0)  # the interpreter: as ``slot`` below
+            at1 = cache_ptr + off1
             for b in tl.static_range(0, SLOT - 1, 32):
-                _prefetch_l2(at1 + b, ok1)
-            _prefetch_l2(at1 + (SLOT - 1), ok1)
+                _prefetch_l2(at1 + b, ok1, DOT_F32)
+            _prefetch_l2(at1 + (SLOT - 1), ok1, DOT_F32)
         # in [0, num_blocks) in one unsigned comparison (num_blocks >= 0)
         good = blk.to(tl.uint32, bitcast=True) < num_blocks.to(tl.uint32)
         ok = in_c & good  # only these are read
@@ -1190,7 +1200,7 @@ def _paged_kernel(
     DOT_F32: tl.constexpr,  # the interpreter: dots in float32
     LOOKUP: tl.constexpr,  # 3- and 4-bit keys, 3-bit values: byte permutes (GPU)
     FENCE: tl.constexpr,  # the dots' decoded operands behind _operand (GPU)
-    PREFETCH: tl.constexpr,  # the slots this many tiles ahead into L2 (GPU; 0: none)
+    PREFETCH: tl.constexpr,  # the slots this many tiles ahead into L2 (0: none)
     CHECK: tl.constexpr,  # record bad block ids at err_ptr
 ):
     """One work item (WORK_FIELDS): BLOCK_M query rows (token-major, the group's heads
@@ -1527,7 +1537,7 @@ def paged_attention(
             interp,
             lookup and cfg.key_bits in (3, 4) and not interp,
             fence and not interp,
-            0 if interp else plan.prefetch,
+            plan.prefetch,
             err is not None,
             num_warps=plan.num_warps,
             num_stages=1,
