@@ -83,7 +83,7 @@ TOKEN_FIELDS = 4
 MIN_SPLIT = 256
 # Programs of 4 warps the planner aims at per SM: enough for two resident programs and
 # the last wave's imbalance; programs of 2 warps, twice as many. One-warp programs: 32,
-# twice the warps (0.76-0.89x the time of 16, NOTES.md §46).
+# twice the warps (0.88-0.89x the time of 16, NOTES.md §46).
 PROGRAMS_PER_SM = 4
 ONE_WARP_PROGRAMS_PER_SM = 32
 DEFAULT_SMS = 132  # the H200's
@@ -124,9 +124,9 @@ class PagedPlan:
     # the attention kernel's registers per thread (Triton's maxnreg); 0: Triton's
     # own count (register_cap)
     max_registers: int = 0
-    # on a GPU, the slots this many tiles ahead asked of L2 while a tile is read and
-    # decoded (_split_attention's PREFETCH); 0: none (plan_paged's default:
-    # PREFETCH_LAUNCHES)
+    # the slots this many tiles ahead asked of L2 while a tile is read and decoded
+    # (_split_attention's PREFETCH; loads thrown away under the interpreter); 0: none
+    # (plan_paged's default: PREFETCH_LAUNCHES)
     prefetch: int = 0
 
     @property
