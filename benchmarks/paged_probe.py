@@ -286,29 +286,23 @@ def exactness(rows_out):
             row["ratio_v033"] = worst_ratio(b, run(), cached, label + " v033", failures)
             rows_out.append(row)
             print(f"exactness {label}: {row}", flush=True)
-    # one split of 32K positions: the value dot's sum stays the answer's size
-    b = build_batch(
-        "turboquant_3bit_nc", [(32 * K, 8)], 32, 8, 128, 16, torch.float16, "cuda"
-    )
-    out = paged_continuation_prefill_varlen(
-        b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"], None, None,
-        **b["kwargs"], query_start_loc_cpu=b["query_start_loc"],
-        seq_lens_cpu=b["seq_lens"], split_len=32 * K,
-    )  # fmt: skip
-    r = worst_ratio(b, out, [32 * K], "3bit_nc one 32K split", failures)
-    rows_out.append(dict(preset="turboquant_3bit_nc", long_split=32 * K, ratio=r))
-    # and decode's: one query token, the one-warp launch (paged.DECODE_LAUNCH)
-    b = build_batch(
-        "turboquant_3bit_nc", [(32 * K, 1)], 32, 8, 128, 16, torch.float16, "cuda"
-    )
-    out = paged_continuation_prefill_varlen(
-        b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"], None, None,
-        **b["kwargs"], query_start_loc_cpu=b["query_start_loc"],
-        seq_lens_cpu=b["seq_lens"], split_len=32 * K,
-    )  # fmt: skip
-    r = worst_ratio(b, out, [32 * K], "3bit_nc one 32K split, decode", failures)
-    rows_out.append(dict(preset="turboquant_3bit_nc", long_split=32 * K, q=1, ratio=r))
-    print(f"exactness one 32K split: ratio {r:.3f}", flush=True)
+    # one split of 32K positions: the value dot's sum stays the answer's size; with 8
+    # query tokens (32-row tiles) and with decode's one (paged.DECODE_LAUNCH)
+    for q in (8, 1):
+        b = build_batch(
+            "turboquant_3bit_nc", [(32 * K, q)], 32, 8, 128, 16, torch.float16, "cuda"
+        )
+        out = paged_continuation_prefill_varlen(
+            b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"], None,
+            None, **b["kwargs"], query_start_loc_cpu=b["query_start_loc"],
+            seq_lens_cpu=b["seq_lens"], split_len=32 * K,
+        )  # fmt: skip
+        label = f"3bit_nc one 32K split, q {q}"
+        r = worst_ratio(b, out, [32 * K], label, failures)
+        rows_out.append(
+            dict(preset="turboquant_3bit_nc", long_split=32 * K, q=q, ratio=r)
+        )
+        print(f"exactness {label}: ratio {r:.3f}", flush=True)
     return failures
 
 
