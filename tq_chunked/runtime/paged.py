@@ -109,7 +109,7 @@ class PagedPlan:
     num_kv_heads: int
     head_dim: int
     rotated: bool  # MSE keys: the query rotated into the scratch first
-    block_m: int  # query rows per tile
+    block_m: int  # query rows per tile (8: a transposed tile, ``transposed``)
     block_n: int  # positions per loop iteration
     num_warps: int
     split_len: int  # positions per split (a multiple of block_n)
@@ -132,6 +132,12 @@ class PagedPlan:
     @property
     def programs(self) -> int:
         return len(self.work) // WORK_FIELDS
+
+    @property
+    def transposed(self) -> bool:
+        """Whether the tiles are (positions, rows) (``_per_row``): fewer rows than
+        the tensor cores' 16."""
+        return self.block_m < 16
 
     @property
     def num_tokens(self) -> int:
@@ -225,10 +231,17 @@ DECODE_LAUNCH = (16, 32, 1)
 # The 32-row tile's launch at head size 128: 128 positions an iteration, 0.70-0.76x
 # the time of block_n 64 (NOTES.md §46; other head sizes keep 64, not measured).
 TILE32_LAUNCH = (32, 128, 4)
+# The 8-row tile's launch: a transposed tile (``_per_row``: the positions on the
+# tensor cores' 16-row side, the rows on the 8-row side), one warp, 32 positions an
+# iteration. Half the MMAs and half the accumulator of the 16-row tile: 46.1 against
+# 51.6 warp instructions per slot-row at 3bit_nc D 128 G 4 (NOTES.md §47). Taken where
+# asked (``block_m=8``), not by default: not yet timed.
+TRANSPOSED_LAUNCH = (8, 32, 1)
 # The launches that ask L2 for the next tile's slots by default (PagedPlan.prefetch):
-# the two above, where it was timed (1.02-1.04x the time without it at D 128, even at
-# D 64); at (32, 64, 4) it cost 4-7 % (NOTES.md §46).
-PREFETCH_LAUNCHES = (DECODE_LAUNCH, TILE32_LAUNCH)
+# DECODE_LAUNCH and TILE32_LAUNCH, where it was timed (1.02-1.04x the time without it
+# at D 128, even at D 64), and TRANSPOSED_LAUNCH, one warp as DECODE_LAUNCH (not
+# timed); at (32, 64, 4) it cost 4-7 % (NOTES.md §46).
+PREFETCH_LAUNCHES = (DECODE_LAUNCH, TILE32_LAUNCH, TRANSPOSED_LAUNCH)
 
 
 def default_launch(
@@ -239,8 +252,15 @@ def default_launch(
     decoded once per request and kv head), 16 at least (the tensor cores' smallest
     tile), or the tile ``block_m`` where given; on a GPU, 16-row tiles at
     DECODE_LAUNCH at head sizes 64 and 128, 32-row tiles at TILE32_LAUNCH at head
-    size 128, other tiles 64 positions an iteration on 4 warps; 16-row tiles of 16
-    positions under the interpreter."""
+    size 128, other tiles 64 positions an iteration on 4 warps; 8-row tiles (asked
+    for) at TRANSPOSED_LAUNCH up to head size 128, on 2 warps above (one spills 247
+    instructions an iteration at D 256, two 50). Under the interpreter 16 positions
+    an iteration, on 4 warps (one for 8-row tiles)."""
+    if block_m == 8:
+        # never 4 warps: they compile the transposed tile's dots to wgmma (MAX_GPU_TILE)
+        if interpret:
+            return 8, 16, 1
+        return TRANSPOSED_LAUNCH if head_dim <= 128 else (8, 32, 2)
     if interpret:
         return block_m or 16, 16, 4
     if block_m is None:
@@ -267,13 +287,18 @@ def register_cap(
     accumulator and both fp16 query operands: Triton counts 248-255. Capped at 216 (D
     128: 9 warps an SM, as many as its 24 KiB of shared memory allow) and 144 (D 64:
     14 warps), 0-3 spill instructions an iteration (NOTES.md §44). Without the cap:
-    1.12x the time at D 64, 1.02x at D 128 (NOTES.md §46). Other launches and head
-    sizes are not measured."""
+    1.12x the time at D 64, 1.02x at D 128 (NOTES.md §46).
+
+    At TRANSPOSED_LAUNCH, D 64: 144 as DECODE_LAUNCH's (Triton counts 168; no spill
+    at 144). D 128 keeps Triton's 255 at MSE keys: 8 warps an SM, where a cap of 216
+    or 224 (9 warps) spills 23-41 instructions an iteration (NOTES.md §47; not yet
+    timed). Other launches and head sizes are not measured."""
     if interpret:
         return 0
     caps = {
         (16, 64, 4): {64: 128, 128: 168},
         DECODE_LAUNCH: {64: 144, 128: 216},
+        TRANSPOSED_LAUNCH: {64: 144},
     }.get((block_m, block_n, num_warps), {})
     return caps.get(head_dim, 0)
 
@@ -309,13 +334,14 @@ def plan_paged(
     programs_per_sm: ONE_WARP_PROGRAMS_PER_SM at one warp, else PROGRAMS_PER_SM x 4 /
     num_warps), each a
     program per kv head and tile of ``block_m`` query rows (default
-    ``default_launch``). Splits double until the scratch fits ``max_scratch_bytes``
-    (a ValueError if one split per request does not). A request with nothing cached
-    has tokens (the combine writes them) and no work; one without query tokens has
-    neither. half_chunk: the scratch holds fp16 copies of the served tokens' query,
-    key and value for the chunk's own call (bf16 queries: PagedPlan.half_chunk).
-    max_registers: the attention kernel's registers per thread, 0 for Triton's own
-    count (default ``register_cap``). prefetch: PagedPlan.prefetch (default 1 at the
+    ``default_launch``; 8: a transposed tile, ``PagedPlan.transposed``). Splits
+    double until the scratch fits ``max_scratch_bytes`` (a ValueError if one split
+    per request does not). A request with nothing cached has tokens (the combine
+    writes them) and no work; one without query tokens has neither. half_chunk: the
+    scratch holds fp16 copies of the served tokens' query, key and value for the
+    chunk's own call (bf16 queries: PagedPlan.half_chunk). max_registers: the
+    attention kernel's registers per thread, 0 for Triton's own count (default
+    ``register_cap``). prefetch: PagedPlan.prefetch (default 1 at the
     PREFETCH_LAUNCHES, else 0).
     """
     cfg = resolve_config(preset, head_dim)
@@ -346,12 +372,18 @@ def plan_paged(
         block_m, block_n, num_warps = default_launch(most, interpret, head_dim, block_m)
     else:
         # a launch given in part: the tuned launches are whole choices, so the rest is
-        # 64 positions an iteration on 4 warps (0.6.3's, NOTES.md §46)
+        # 64 positions an iteration on 4 warps (0.6.3's, NOTES.md §46), on one warp
+        # for a transposed tile (never 4: wgmma)
         block_m = block_m or default_launch(most, interpret, head_dim)[0]
         block_n = block_n or (16 if interpret else 64)
-        num_warps = num_warps or 4
-    if block_m not in (16, 32, 64, 128):
-        raise ValueError(f"block_m must be 16, 32, 64 or 128, got {block_m}")
+        num_warps = num_warps or (1 if block_m == 8 else 4)
+    if block_m not in (8, 16, 32, 64, 128):
+        raise ValueError(f"block_m must be 8, 16, 32, 64 or 128, got {block_m}")
+    if block_m == 8 and num_warps > 2:
+        raise ValueError(
+            f"block_m 8 (a transposed tile) takes num_warps 1 or 2, got {num_warps}: "
+            "on 4 Triton compiles its dots to Hopper's wgmma (paged.MAX_GPU_TILE)"
+        )
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     tiles = {i: cdiv(rows[i], block_m) for i in busy}
@@ -945,6 +977,60 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 # ---------------------------------------------------------------------------
 
 
+# The tile's orientation. The tensor cores' MMA takes 16 rows on its M side and 8 on
+# its N side, so a tile of fewer than 16 query rows (decode: the group's G rows) holds
+# them on the N side and the positions on the M side (TRANSPOSED): the score tile is
+# (positions, rows), the value dot's accumulator (D, rows). An 8-row tile then takes
+# half the MMAs and half the accumulator of a 16-row one (NOTES.md §47).
+@triton.jit
+def _per_row(x, TRANSPOSED: tl.constexpr):
+    """The (rows,) vector ``x`` broadcast over the tile's positions."""
+    if TRANSPOSED:
+        return x[None, :]
+    else:
+        return x[:, None]
+
+
+@triton.jit
+def _per_position(x, TRANSPOSED: tl.constexpr):
+    """The (positions,) vector ``x`` broadcast over the tile's rows."""
+    if TRANSPOSED:
+        return x[:, None]
+    else:
+        return x[None, :]
+
+
+@triton.jit
+def _score_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """A float32 score tile of zeros: (rows, positions), or (positions, rows)
+    TRANSPOSED."""
+    if TRANSPOSED:
+        return tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        return tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+
+
+@triton.jit
+def _key_operand(k, TRANSPOSED: tl.constexpr):
+    """The decoded keys (positions, D) as ``_scores`` takes them: (D, positions), or
+    as they are TRANSPOSED."""
+    if TRANSPOSED:
+        return k
+    else:
+        return tl.trans(k)
+
+
+@triton.jit
+def _scores(q, k, acc, TRANSPOSED: tl.constexpr, DOT_F32: tl.constexpr):
+    """The scores of the rows' operand ``q`` (rows, D) against the keys ``k``
+    (``_key_operand``), plus ``acc``: (rows, positions); TRANSPOSED, ``q`` (D, rows)
+    (transposed once per split) and (positions, rows)."""
+    if TRANSPOSED:
+        return _dot(k, q, acc, DOT_F32)
+    else:
+        return _dot(q, k, acc, DOT_F32)
+
+
 @triton.jit
 def _block_ids(bt_row, n0, max_blocks, s_bt_col, BLOCK_N: tl.constexpr,
                BLOCK_SIZE: tl.constexpr, WHOLE: tl.constexpr):  # fmt: skip
@@ -996,6 +1082,7 @@ def _split_attention(
     LOOKUP: tl.constexpr,
     FENCE: tl.constexpr,
     PREFETCH: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
 ):
     """The online softmax of the rows (q_hi, q_lo: the query's dot operands; row_scale
     their scores' factor, log2 units) over positions [start, end) of one kv head.
@@ -1005,18 +1092,26 @@ def _split_attention(
     whose NaN and inf elements are one softmax's; otherwise the centred fp16 form, and
     such a tile only sets ``seen`` (the caller runs the split again, EXACT). PREFETCH:
     the slots of the tile that many ahead are asked of L2 while this one is read and
-    decoded (``_prefetch_l2``), so that their loads wait for L2 instead of DRAM."""
+    decoded (``_prefetch_l2``), so that their loads wait for L2 instead of DRAM.
+    TRANSPOSED: the tiles (positions, rows), the accumulator (D, rows) until the
+    end (``_per_row``)."""
     BLOCK_M: tl.constexpr = q_hi.shape[0]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)
     z_i = tl.zeros([BLOCK_M], tl.float32)  # sum of p x the value's (centred) zero
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # in units of `unit`
+    POS: tl.constexpr = 0 if TRANSPOSED else 1  # the tile's axis of positions
+    if TRANSPOSED:
+        acc = tl.zeros([BLOCK_D, BLOCK_M], tl.float32)  # in units of `unit`
+        q_hi = tl.trans(q_hi)
+        q_lo = tl.trans(q_lo)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # in units of `unit`
     # the power of two at or below the largest value scale seen (NOTES.md §27); the
     # exact form's at least 2^-60, so that no finite value over it overflows
     unit = tl.full([], 2.0**-60 if EXACT else 2.0**-126, tl.float32)
     seen = tl.zeros([], tl.int32)
     if NORM_CORRECTION:
-        ones = tl.full([BLOCK_M, BLOCK_D], 1.0, tl.float16)
+        ones = tl.full(q_hi.shape, 1.0, tl.float16)  # the query's operand's shape
     if LOOKUP:
         lo0, lo1, hi0, hi1 = _table_bytes(table_ptr)
         if KEY_BITS == 4:
@@ -1076,14 +1171,14 @@ def _split_attention(
             # the interpreter: no offset of a bad block id formed, even unread (on a
             # GPU the masked lanes' addresses are never used)
             slot = tl.where(ok, slot, 0)
-        # -- scores: q . (a_n c_n), a_n applied to the (rows x positions) tile ---------
+        # -- scores: q . (a_n c_n), a_n applied to the score tile ---------------------
         if KEY_BITS == 8:
             k = _fp8_keys(cache_ptr, slot, ok, D, BLOCK_D, FP8_E4B15, HALVES)
             if Q_BF16:
                 k = k.to(tl.bfloat16)  # exact: fp8 fits bf16
-            k = _operand(k, FENCE)
-            s = _dot(
-                q_hi, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_F32
+            k = _key_operand(_operand(k, FENCE), TRANSPOSED)
+            s = _scores(
+                q_hi, k, _score_tile(BLOCK_M, BLOCK_N, TRANSPOSED), TRANSPOSED, DOT_F32
             )
             a = tl.where(bad, float("nan"), 1.0)
         else:
@@ -1099,24 +1194,32 @@ def _split_attention(
                 else:
                     # indices are in range whatever the bytes: the table read unmasked
                     kc = tl.load(table_ptr + idx)
-            kt = tl.trans(_operand(kc, FENCE))  # (BLOCK_D, BLOCK_N)
-            s = _dot(q_hi, kt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_F32)
+            kt = _key_operand(_operand(kc, FENCE), TRANSPOSED)
+            s = _scores(
+                q_hi, kt, _score_tile(BLOCK_M, BLOCK_N, TRANSPOSED), TRANSPOSED, DOT_F32
+            )
             if Q_SPLIT:
-                s = _dot(q_lo, kt, s, DOT_F32)
+                s = _scores(q_lo, kt, s, TRANSPOSED, DOT_F32)
             a = _fp16_field(cache_ptr + slot + KEY_INDEX_BYTES, ok, HALVES)
             # a norm that is not finite: NaN (its key's infinities meet the query's
             # mixed signs in one softmax)
             a = tl.where((tl.abs(a) < float("inf")) & (~bad), a, float("nan"))
             if NORM_CORRECTION:
                 # |c_n|^2: the squares rounded to fp16, exact products, float32 sums
-                zero = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                s = s * tl.math.rsqrt(_dot(ones, kt * kt, zero, DOT_F32) + 1e-16)
-        t = tl.where(in_c[None, :], s * a[None, :], float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(t, 1) * row_scale)
+                zero = _score_tile(BLOCK_M, BLOCK_N, TRANSPOSED)
+                s = s * tl.math.rsqrt(
+                    _scores(ones, kt * kt, zero, TRANSPOSED, DOT_F32) + 1e-16
+                )
+        t = tl.where(
+            _per_position(in_c, TRANSPOSED),
+            s * _per_position(a, TRANSPOSED),
+            float("-inf"),
+        )
+        m_new = tl.maximum(m_i, tl.max(t, POS) * row_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(t * row_scale[:, None] - m_safe[:, None])
+        p = tl.exp2(t * _per_row(row_scale, TRANSPOSED) - _per_row(m_safe, TRANSPOSED))
         alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, POS)
         m_i = m_new
         # -- values: p . (i s + z) = (p s) . (i - h) + p . (z + h s) ------------------
         vslot = cache_ptr + slot + KEY_BYTES
@@ -1130,9 +1233,12 @@ def _split_attention(
             top = tl.max(tl.where(finite, tl.abs(vs), 0.0), 0)
             new_unit = tl.maximum(unit, _pow2_floor(top))
             vf = vidx.to(tl.float32) * (vs / new_unit)[:, None]
-            z_i = z_i * alpha + tl.sum(p * vz[None, :], 1)
-            acc = acc * (alpha * (unit / new_unit))[:, None]
-            acc = tl.dot(p, vf, acc)
+            z_i = z_i * alpha + tl.sum(p * _per_position(vz, TRANSPOSED), POS)
+            acc = acc * _per_row(alpha * (unit / new_unit), TRANSPOSED)
+            if TRANSPOSED:  # noqa: SIM108 - a constexpr: one branch is compiled
+                acc = tl.dot(tl.trans(vf), p, acc)
+            else:
+                acc = tl.dot(p, vf, acc)
         else:
             # the largest |scale|; inf where a scale or zero is not finite
             top = tl.max(tl.where(finite, tl.abs(vs), float("inf")), 0)
@@ -1143,19 +1249,25 @@ def _split_attention(
             # while every field is finite), exact without a division's range checks;
             # not the quotient only in a tile that sets seen, whose split runs again
             half = _pow2_inverse_half(new_unit)
-            pv = p * (vs * half)[None, :]
+            pv = p * _per_position(vs * half, TRANSPOSED)
             zc = vz + ((1 << (VALUE_BITS - 1)) - 0.5) * vs
-            z_i = z_i * alpha + tl.sum(p * zc[None, :], 1)
+            z_i = z_i * alpha + tl.sum(p * _per_position(zc, TRANSPOSED), POS)
             # unit / new_unit = 2 unit (0.5 / new_unit), exact (at least 2^-142: a
             # float32 subnormal, and the multiplications keep subnormals)
-            acc = acc * (alpha * ((unit * half) * 2.0))[:, None]
+            acc = acc * _per_row(alpha * ((unit * half) * 2.0), TRANSPOSED)
             if BY_LOOKUP:
                 vc = _centred3(vslot, ok, D, BLOCK_D)
             else:
                 vc = _centred(vidx, VALUE_BITS)
-            vc = _operand(vc, FENCE)
-            acc = _dot(pv.to(tl.float16), vc, acc, DOT_F32)
+            if TRANSPOSED:
+                vt = _operand(tl.trans(vc), FENCE)
+                acc = _dot(vt, pv.to(tl.float16), acc, DOT_F32)
+            else:
+                vc = _operand(vc, FENCE)
+                acc = _dot(pv.to(tl.float16), vc, acc, DOT_F32)
         unit = new_unit
+    if TRANSPOSED:
+        acc = tl.trans(acc)
     return m_i, l_i, z_i, acc, unit, seen
 
 
@@ -1201,6 +1313,7 @@ def _paged_kernel(
     LOOKUP: tl.constexpr,  # 3- and 4-bit keys, 3-bit values: byte permutes (GPU)
     FENCE: tl.constexpr,  # the dots' decoded operands behind _operand (GPU)
     PREFETCH: tl.constexpr,  # the slots this many tiles ahead into L2 (0: none)
+    TRANSPOSED: tl.constexpr,  # tiles of (positions, rows) (PagedPlan.transposed)
     CHECK: tl.constexpr,  # record bad block ids at err_ptr
 ):
     """One work item (WORK_FIELDS): BLOCK_M query rows (token-major, the group's heads
@@ -1264,7 +1377,7 @@ def _paged_kernel(
         num_blocks, max_blocks, s_cache_block, s_cache_pos, s_bt_col, D, BLOCK_D,
         BLOCK_SIZE, KEY_BITS, KEY_INDEX_BYTES, KEY_BYTES, VALUE_BITS,
         VALUE_INDEX_BYTES, NORM_CORRECTION, FP8_E4B15, Q_BF16, HALVES, Q_SPLIT,
-        BLOCK_N, DOT_F32, False, LOOKUP, FENCE, PREFETCH,
+        BLOCK_N, DOT_F32, False, LOOKUP, FENCE, PREFETCH, TRANSPOSED,
     )  # fmt: skip
     if seen > 0:  # a value field that is not finite: the split again, exactly
         m_i, l_i, z_i, acc, unit, seen = _split_attention(
@@ -1272,7 +1385,7 @@ def _paged_kernel(
             end, num_blocks, max_blocks, s_cache_block, s_cache_pos, s_bt_col, D,
             BLOCK_D, BLOCK_SIZE, KEY_BITS, KEY_INDEX_BYTES, KEY_BYTES, VALUE_BITS,
             VALUE_INDEX_BYTES, NORM_CORRECTION, FP8_E4B15, Q_BF16, HALVES, Q_SPLIT,
-            BLOCK_N, DOT_F32, True, LOOKUP, FENCE, PREFETCH,
+            BLOCK_N, DOT_F32, True, LOOKUP, FENCE, PREFETCH, TRANSPOSED,
         )  # fmt: skip
     acc = acc * unit + z_i[:, None]
     empty = l_i == 0  # no key in the split (a NaN sum stays NaN: out and lse)
@@ -1538,6 +1651,7 @@ def paged_attention(
             lookup and cfg.key_bits in (3, 4) and not interp,
             fence and not interp,
             plan.prefetch,
+            plan.transposed,
             err is not None,
             num_warps=plan.num_warps,
             num_stages=1,

@@ -674,8 +674,9 @@ def make_parser(prog="tq-chunked bench"):
         metavar="PREFIXES",
         help="keep only the methods whose name starts with one of these, e.g. "
         "full,chunked-torch (the engine modes': baseline, floor, tq_chunked, "
-        "tq_chunked-windows, tq_chunked-default, vllm-<version>, patched); a prefix "
-        "that begins none is an error",
+        "tq_chunked-windows, tq_chunked-default, vllm-<version>, patched; "
+        "--memory-bound's also tq_chunked-paged, vllm-decode); a prefix that begins "
+        "none is an error",
     )
     p.add_argument(
         "--no-vllm",
@@ -734,6 +735,14 @@ def make_parser(prog="tq-chunked bench"):
         help="one short continuation (q_len 8, 32, 128 over 1K, 8K, 64K cached): "
         "vLLM's decode replay against the windowed path",
     )
+    mode.add_argument(
+        "--memory-bound",
+        action="store_true",
+        help="many short continuations and decodes (B 8-256, q 1-128 over 1K-64K "
+        "cached), every head shape and preset, fp16 and bf16: also the memory-bound "
+        "path alone (tq_chunked-paged), vLLM's decode kernel on decode batches "
+        "(vllm-decode), and the bytes each method reads and at what rate",
+    )
     engine.add_argument(
         "--layers",
         type=_positive_int,
@@ -777,12 +786,12 @@ def parse(argv=None, prog="tq-chunked bench"):
                 "argument --memory-lens: peak memory is measured on a GPU only; leave "
                 "it out on the CPU"
             )
-    engine_modes = [m for m in ("stack", "serving", "crossover") if getattr(a, m)]
+    engine_modes = [m for m in WORKLOADS if getattr(a, m.replace("-", "_"))]
     a.engine_mode = engine_modes[0] if engine_modes else None
     if a.workloads and not a.engine_mode and not a.render:
         p.error(
-            "argument --workloads: selects among the workloads of --stack, --serving "
-            "or --crossover; give one of them"
+            "argument --workloads: selects among the workloads of --stack, --serving, "
+            "--crossover or --memory-bound; give one of them"
         )
     if a.engine_mode:  # the workloads are fixed per mode: checked before anything runs
         names = [w.name for w in WORKLOADS[a.engine_mode]()]
@@ -864,8 +873,8 @@ def missing_extra(prog="tq-chunked bench"):
 
 
 def run_engine(args, prog="tq-chunked bench"):
-    """--stack, --serving or --crossover: bench_engine's workloads, written like the
-    grid."""
+    """--stack, --serving, --crossover or --memory-bound: bench_engine's workloads,
+    written like the grid."""
     from . import bench_engine as be
 
     if not torch.cuda.is_available():
@@ -880,7 +889,7 @@ def run_engine(args, prog="tq-chunked bench"):
     names = [w.name for w in workloads]
     keep = select(names, args.workloads, "--workloads", "workload", prog)
     workloads = [w for w in workloads if w.name in keep]
-    methods = be.methods_available(baseline)
+    methods = be.methods_available(baseline, args.engine_mode)
     keep = select(list(methods), args.methods, "--methods", "method", prog)
     methods = {name: methods[name] for name in keep}
     prepare_out(args.out, prog)
@@ -909,7 +918,8 @@ def run_engine(args, prog="tq-chunked bench"):
 
 
 # What --render needs of a result file: the top-level keys and each row's keys, per
-# kind (grid: the default, --quick and --cpu; engine: --stack, --serving, --crossover).
+# kind (grid: the default, --quick and --cpu; engine: --stack, --serving, --crossover,
+# --memory-bound).
 RESULT_KEYS = {
     "grid": (
         ("device", "date", "matmul_ceiling_tflops", "baseline", "rows"),

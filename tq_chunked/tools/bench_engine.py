@@ -6,13 +6,17 @@ prefill and with the floor, in one run.
                                    chunks, head shapes, dtypes and presets
     tq-chunked bench --crossover   one short continuation (q_len <= 128): vLLM's
                                    decode replay against the windowed path
+    tq-chunked bench --memory-bound  many short continuations and decodes over cached
+                                   prefixes, where attention is bound by the cache's
+                                   bytes: each path, and the bandwidth it reads at
 
 vLLM runs attention eagerly between its compiled pieces, so what a step costs is the
 layers called back to back, host work included. Per workload and method, interleaved
 over repeats (median reported):
 
-  stack ms       L layers (each with its own cache) called back to back, from the
-                 first enqueue to the end of the GPU work
+  stack ms       L layers (each with its own cache, up to MAX_CACHE_BYTES of copies)
+                 called back to back, from the first enqueue to the end of the GPU
+                 work
   host ms/call   CPU time until a call returns, with the GPU kept busy by a spin
                  kernel (so the host never waits for it)
   GPU ms/call    GPU time of the same calls (CUDA events; the host ran ahead)
@@ -32,9 +36,22 @@ a preallocated workspace (the plugin's way; each request on the path its plan pi
 ``tq_chunked-default``: the same with every
 default (its own workspace per call, the block-id check on); ``vllm-<version>``: the
 installed release's real ``forward``, unpatched; ``patched``: the same ``forward`` with
-the plugin's replacements. Needs a CUDA GPU and vLLM. Results written before the
-baseline was chosen here name it ``latest`` (vLLM 0.33.0's methods in vLLM 0.20.0's
-runtime); :func:`baseline_name` reads both.
+the plugin's replacements. --memory-bound adds ``tq_chunked-paged``: ``tq_chunked``
+with every request with cached tokens on the memory-bound path (``path="paged"``), and
+on batches of one query token per request ``vllm-decode``: the installed release's
+TurboQuant decode kernel as its ``_decode_attention`` calls it. On those batches vLLM
+decodes: ``vllm-<version>`` and ``patched`` run ``forward`` on the metadata vLLM's
+builder makes for decodes, and the baseline (a continuation prefill's method) sits them
+out, as every method does a workload it does not apply to (``applies``). Needs a CUDA
+GPU and vLLM. Results written before the baseline was chosen here name it ``latest``
+(vLLM 0.33.0's methods in vLLM 0.20.0's runtime); :func:`baseline_name` reads both.
+
+Each row also holds its workload's bytes: the quantized slots of the cached tokens
+(``quantized_bytes``) and fp16/bf16 K/V of every token (``fp16_bytes``); the table of
+--memory-bound sets them against COPY_RATE and against each method's kernel time (the
+rate it reads the cache at: queries, outputs and the new tokens' K/V are not counted).
+A method that fails on a workload gets a row with its error and no times; the others
+run on.
 """
 
 from __future__ import annotations
@@ -59,6 +76,11 @@ from .testing import (
 K = 1024
 LAYERS = 32
 BASELINE = "baseline"  # the baseline method's name in new results
+COPY_RATE = 4.3e12  # bytes per second: the H200's measured copy rate (device to device)
+# The layers' caches in all: each layer its own copy up to this, then reused in turn
+# (far more than the L2 holds either way; the memory-bound grid's largest cache is 2.8
+# GB a layer)
+MAX_CACHE_BYTES = 16 << 30
 
 
 def baseline_name(result) -> str:
@@ -80,11 +102,13 @@ def diff_to_baseline(row):
 
 class Layers:
     """L layers' inputs for one workload: one cache written by vLLM's store, cloned per
-    layer (no layer finds another's cache in L2), and per-layer Q/K/V."""
+    layer up to MAX_CACHE_BYTES in all, then reused in turn (no layer finds another's
+    cache in L2), and per-layer Q/K/V."""
 
     def __init__(self, workload, layers, tq, device):
         hq, hk, d = SHAPES[workload.shape]
         self.hq, self.hk, self.d, self.tq = hq, hk, d, tq
+        self.workload = workload
         self.dtype = getattr(torch, workload.dtype)
         b = build_batch(
             workload.preset,
@@ -100,14 +124,19 @@ class Layers:
         self.kwargs = b["kwargs"]
         self.block_table = b["block_table"]
         self.qsl, self.seq_lens = b["query_start_loc"], b["seq_lens"]
+        self.q_lens = [self.qsl[i + 1] - self.qsl[i] for i in range(len(self.seq_lens))]
         self.qsl_cpu = torch.tensor(self.qsl, dtype=torch.int32)
         self.seq_lens_cpu = torch.tensor(self.seq_lens, dtype=torch.int32)
         self.qsl_dev = self.qsl_cpu.to(device)
         self.seq_lens_dev = self.seq_lens_cpu.to(device)
         gen = torch.Generator(device).manual_seed(1)
-        self.caches = [b["kv_cache"]] + [
-            b["kv_cache"].clone() for _ in range(layers - 1)
-        ]
+        cache = b["kv_cache"]
+        count = max(1, min(layers, MAX_CACHE_BYTES // max(cache.nbytes, 1)))
+        copies = [cache] + [cache.clone() for _ in range(count - 1)]
+        self.caches = [copies[i % count] for i in range(layers)]
+        cached = sum(self.seq_lens) - sum(self.q_lens)
+        self.quantized_bytes = cached * hk * cache.shape[-1]
+        self.fp16_bytes = sum(self.seq_lens) * hk * d * 2 * self.dtype.itemsize
         self.qkv = [(b["query"], b["key"], b["value"])] + [
             tuple(
                 torch.randn(t.shape, generator=gen, device=device, dtype=t.dtype)
@@ -117,29 +146,42 @@ class Layers:
         ]
 
     def metadata(self):
-        """The TurboQuantMetadata vLLM builds for this batch (all prefills, no
-        decodes), with the host copies of the lengths that releases from 0.21 keep."""
+        """The TurboQuantMetadata vLLM's builder makes for this batch: all prefills,
+        or all decodes where every request has one query token (its
+        reorder_batch_threshold is 1); with the host copies of the lengths that
+        releases from 0.21 keep."""
         from vllm.v1.attention.backends.turboquant_attn import TurboQuantMetadata
 
         n = self.qsl[-1]
-        q_lens = [self.qsl[i + 1] - self.qsl[i] for i in range(len(self.seq_lens))]
+        decode = _decodes(self.workload)
+        decodes = len(self.q_lens) if decode else 0
         meta = TurboQuantMetadata(
             seq_lens=self.seq_lens_dev,
             slot_mapping=torch.zeros(n, dtype=torch.int64, device=self.qsl_dev.device),
             block_table=self.block_table,
             query_start_loc=self.qsl_dev,
             num_actual_tokens=n,
-            max_query_len=max(q_lens),
+            max_query_len=max(self.q_lens),
             max_seq_len=max(self.seq_lens),
-            is_prefill=True,
-            num_decodes=0,
-            num_decode_tokens=0,
+            is_prefill=not decode,
+            num_decodes=decodes,
+            num_decode_tokens=decodes,
         )
         meta.query_start_loc_cpu, meta.seq_lens_cpu = (
             self.qsl_cpu,
             self.seq_lens_cpu,
         )  # fields of 0.21+
         return meta
+
+
+def _decodes(workload) -> bool:
+    """Whether every request of the workload has one query token: a batch vLLM
+    decodes."""
+    return all(q == 1 for _, q in workload.requests)
+
+
+# A method (a function of Layers returning the per-layer calls) applies to every
+# workload but where its ``applies`` attribute, a function of the workload, says not.
 
 
 def method_floor(layers: Layers, max_bytes=8 << 30):
@@ -174,7 +216,7 @@ def method_floor(layers: Layers, max_bytes=8 << 30):
     cu_k = torch.tensor(
         [0] + list(itertools.accumulate(layers.seq_lens)), dtype=torch.int32, device=dev
     )
-    max_q = max(layers.qsl[i + 1] - layers.qsl[i] for i in range(len(layers.seq_lens)))
+    max_q = max(layers.q_lens)
 
     def layer_call(i):
         q = layers.qkv[i][0]
@@ -254,6 +296,29 @@ def method_tq_chunked_windows(layers: Layers):
     return method_tq_chunked(layers, path="window")
 
 
+def method_tq_chunked_paged(layers: Layers):
+    return method_tq_chunked(layers, path="paged")
+
+
+def method_vllm_decode(layers: Layers):
+    """The installed vLLM release's TurboQuant decode kernel per layer, as its
+    ``_decode_attention`` calls it (``vllm_harness.vllm_decode``)."""
+    from .vllm_harness import vllm_decode
+
+    kw = layers.kwargs
+    decode = vllm_decode(layers.tq, kw["rotation"], kw["centroids"], kw["scale"],
+                         layers.d, layers.block_table.device)  # fmt: skip
+
+    def layer_call(i):
+        q, cache = layers.qkv[i][0], layers.caches[i]
+        return lambda: decode(q, cache, layers.block_table, layers.seq_lens_dev)
+
+    return [layer_call(i) for i in range(len(layers.caches))]
+
+
+method_vllm_decode.applies = _decodes  # a decode kernel
+
+
 def method_baseline(baseline):
     """The baseline's ``_prefill_attention`` (its per-request loop, calling its own
     ``_continuation_prefill``), on an impl of its own: the installed release's forward
@@ -286,6 +351,7 @@ def method_baseline(baseline):
 
         return [layer_call(i) for i in range(len(layers.caches))]
 
+    make.applies = lambda w: not _decodes(w)  # a continuation prefill's method
     return make
 
 
@@ -451,17 +517,34 @@ def run_workloads(
     ensure_workspace(device)  # the installed forward of releases from 0.21 needs it
     cycles = _spin_cycles_per_ms()
     rows = []
-    for w in tqdm(workloads, desc="workloads", unit="workload", disable=not progress):
+    bar = tqdm(workloads, desc="workloads", unit="workload", disable=not progress)
+    for w in bar:
+        applied = {
+            name: make
+            for name, make in methods.items()
+            if getattr(make, "applies", lambda w: True)(w)
+        }
+        if not applied:
+            bar.write(f"{w.name} ({w.shape}): none of the methods applies; skipped")
+            continue
         hq, hk, d = SHAPES[w.shape]
         tq = build_vllm_tq(w.preset, hq, hk, d)
         inputs = Layers(w, layers, tq, device)
-        calls = {name: make(inputs) for name, make in methods.items()}
         step = Step(w.shape, inputs.qsl[-1], inputs.dtype, device)
-        outs = {}
-        for name, fs in calls.items():  # warm-up (compilation), and layer 0's answer
-            outs[name] = fs[0]().float()
-            for f in fs:
-                f()
+        calls, outs, failed = {}, {}, {}
+        for name, make in applied.items():
+            # warm-up (compilation), and layer 0's answer; a method that fails here
+            # is reported in its row and the others run on
+            try:
+                fs = make(inputs)
+                outs[name] = fs[0]().float()
+                for f in fs:
+                    f()
+                calls[name] = fs
+            except Exception as e:  # noqa: BLE001 - reported in the results
+                failed[name] = f"{type(e).__name__}: {e}"[:300]
+                bar.write(f"{w.name} ({w.shape}), {name} failed: {failed[name]}")
+                torch.cuda.synchronize()
         # the step's GEMMs too: in a run without vLLM's method (whose warm-up calls
         # cuBLAS) cuBLAS's first calls fell in the first step timed, the floor's: 119
         # ms, against 54 where vLLM's method ran first (a median of 2 keeps half)
@@ -477,6 +560,18 @@ def run_workloads(
                 sample = measure(fs, cycles, head_start[name], step)
                 head_start[name] = max(head_start[name], 3 * sample[1])
                 samples[name].append(sample)
+        first = len(rows)
+        workload = dict(
+            workload=w.name,
+            shape=w.shape,
+            preset=w.preset,
+            dtype=w.dtype,
+            requests=len(w.requests),
+            q_tokens=sum(q for _, q in w.requests),
+            cached_tokens=sum(c for c, _ in w.requests),
+            quantized_bytes=inputs.quantized_bytes,
+            fp16_bytes=inputs.fp16_bytes,
+        )
         for name, ss in samples.items():
             med = [statistics.median(s[i] for s in ss) for i in range(5)]
             diff = None
@@ -484,13 +579,7 @@ def run_workloads(
                 diff = ((outs[name] - ref).norm() / ref.norm()).item()
             rows.append(
                 dict(
-                    workload=w.name,
-                    shape=w.shape,
-                    preset=w.preset,
-                    dtype=w.dtype,
-                    requests=len(w.requests),
-                    q_tokens=sum(q for _, q in w.requests),
-                    cached_tokens=sum(c for c, _ in w.requests),
+                    workload,
                     method=name,
                     stack_ms=med[0],
                     stack_ms_all=[s[0] for s in ss],
@@ -503,7 +592,7 @@ def run_workloads(
                     **({"oracle_errors": errors[name]} if name in errors else {}),
                 )
             )
-        mine = rows[-len(samples) :]
+        mine = rows[first:]
         base = next((r for r in mine if r["method"] == BASELINE), None)
         floor = next((r for r in mine if r["method"] == "floor"), None)
         for r in mine:
@@ -512,6 +601,9 @@ def run_workloads(
                 r["kernel_ms_per_call"] / floor["kernel_ms_per_call"] if floor else None
             )
             r["step_to_floor"] = r["step_ms"] / floor["step_ms"] if floor else None
+        for name, error in failed.items():
+            none = dict.fromkeys(("stack_ms", "host_ms_per_call", "gpu_ms_per_call"))
+            rows.append(dict(workload, method=name, error=error, **none))
         del inputs, calls, outs, tq, step
         torch.cuda.empty_cache()
     return rows
@@ -546,9 +638,11 @@ def _oracle_errors(inputs: Layers, outs):
     return errors
 
 
-def methods_available(baseline):
-    """Name -> method (a function of Layers returning the per-layer calls) of what can
-    run here; ``baseline``: a tq_chunked.tools.baseline.Baseline."""
+def methods_available(baseline, mode=None):
+    """Name -> method (a function of Layers returning the per-layer calls; its
+    ``applies``, where it has one, says which workloads it runs) of what can run
+    here; ``baseline``: a tq_chunked.tools.baseline.Baseline; ``mode``: the engine
+    mode (--memory-bound adds the memory-bound path alone and vLLM's decode kernel)."""
     import vllm
 
     from ..runtime.attention import backend_available
@@ -558,6 +652,9 @@ def methods_available(baseline):
         ms["floor"] = method_floor
     ms["tq_chunked"] = method_tq_chunked
     ms["tq_chunked-windows"] = method_tq_chunked_windows
+    if mode == "memory-bound":
+        ms["tq_chunked-paged"] = method_tq_chunked_paged
+        ms["vllm-decode"] = method_vllm_decode
     ms["tq_chunked-default"] = method_tq_chunked_default
     ms[f"vllm-{vllm.__version__}"] = method_vllm
     ms["patched"] = method_patched
@@ -616,6 +713,15 @@ def markdown(result) -> str:
             "" if diff is None else f"{diff:.1e}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    if result["mode"] == "memory-bound":
+        lines += ["", *_bytes_table(result["rows"])]
+    failed = [r for r in result["rows"] if r.get("error")]
+    if failed:
+        lines += ["", "Failed (no times):", ""]
+        lines += [
+            f"- {r['workload']} ({r['shape']}), {r['method']}: {r['error']}"
+            for r in failed
+        ]
     checked = [r for r in result["rows"] if r.get("oracle_errors")]
     if checked:
         lines += [
@@ -637,13 +743,55 @@ def markdown(result) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _bytes_table(rows):
+    """--memory-bound's bytes, a row per workload: the quantized slots of its cached
+    tokens and fp16 K/V of its tokens, each in ms at COPY_RATE; per method, the rate
+    its kernel time reads the cache at (the floor fp16 K/V, the others the quantized
+    slots; queries, outputs and the new tokens' K/V not counted)."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    lines = [
+        (
+            "Bytes: the quantized slots of the cached tokens and fp16 K/V of every "
+            f"token, each in ms at {COPY_RATE / 1e12:.1f} TB/s; per method, the rate "
+            "its GPU kernel time reads the cache at, TB/s (the floor fp16 K/V, the "
+            "others the quantized slots; queries, outputs and the new tokens' K/V "
+            "not counted)."
+        ),
+        "",
+        "| workload | shape | dtype | preset | quantized MB | ms at copy rate | "
+        "fp16 MB | ms at copy rate | " + " | ".join(methods) + " |",
+        "|---" * (8 + len(methods)) + "|",
+    ]
+    by_workload = {}
+    for r in rows:
+        if "quantized_bytes" in r:
+            by_workload.setdefault((r["workload"], r["shape"]), []).append(r)
+    for (name, shape), rs in by_workload.items():
+        q, f = rs[0]["quantized_bytes"], rs[0]["fp16_bytes"]
+        rate = {}
+        for r in rs:
+            kernel = r.get("kernel_ms_per_call")
+            read = f if r["method"] == "floor" else q
+            rate[r["method"]] = read / (kernel * 1e9) if kernel else None
+        cells = [
+            name, shape, rs[0].get("dtype", "float16"),
+            rs[0]["preset"].replace("turboquant_", ""),
+            f"{q / 1e6:.1f}", f"{q / COPY_RATE * 1e3:.3f}",
+            f"{f / 1e6:.1f}", f"{f / COPY_RATE * 1e3:.3f}",
+        ] + [_f(rate.get(m), 2) for m in methods]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def summary(result) -> str:
-    """Geometric means and worst cases of the ratios, per method."""
+    """Geometric means and worst cases of the ratios, per method, over the workloads
+    it ran (their count said: a method that applies to some workloads alone, as
+    vllm-decode, is not compared over the same set)."""
     base = baseline_name(result)
     out = []
     for m in dict.fromkeys(r["method"] for r in result["rows"]):
-        rows = [r for r in result["rows"] if r["method"] == m]
-        parts = [m]
+        rows = [r for r in result["rows"] if r["method"] == m and not r.get("error")]
+        parts = [f"{m} ({len(rows)} workloads)"]
         for key, name in (
             ("ratio", f"stack/{base}"),
             ("kernel_to_floor", "kernel/floor"),

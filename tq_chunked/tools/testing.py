@@ -524,11 +524,57 @@ def crossover_workloads():
     ]
 
 
-# The engine benchmark's modes (tq-chunked bench --stack, --serving, --crossover) ->
-# their workloads. Here rather than in bench_engine so that the bench can check
-# --workloads without importing what the run needs.
+def seeded_hits(seed, n, q_len, lo, hi):
+    """N requests of q_len query tokens over lo..hi cached tokens (multiples of 16),
+    drawn by torch's generator from ``seed`` (the memory-bound grid's; the serving
+    grid's come from one Python generator in order, ``_hits``)."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (int(c) * 16, q_len)
+        for c in torch.randint(lo // 16, hi // 16 + 1, (n,), generator=g)
+    ]
+
+
+def memory_bound_workloads():
+    """The memory-bound grid: many short continuations and decodes over cached
+    prefixes (B 8-256, q 1-128, cached 1K-64K), every head shape of SHAPES, every
+    preset, fp16 and bf16; the serving grid's two decode-like batches first."""
+    serving = {w.name: w for w in serving_workloads()}
+    W, h = Workload, seeded_hits
+    return [serving["64 hits q16 1K-8K"], serving["8 hits q64-128 4K-32K"]] + [
+        W("decode 64 x 1K-8K", "llama3-8b", h(1, 64, 1, K, 8 * K)),
+        W("decode 256 x 2K-12K", "llama3-8b", h(2, 256, 1, 2 * K, 12 * K)),
+        W("decode 128 x 8K-32K 4bit", "llama3-8b", h(3, 128, 1, 8 * K, 32 * K),
+          "turboquant_4bit_nc"),
+        W("decode 256 x 1K-4K k8v4 bf16", "70b-tp8", h(4, 256, 1, K, 4 * K),
+          "turboquant_k8v4", "bfloat16"),
+        W("decode 128 x 4K-8K d64 k3v4", "mha-d64", h(5, 128, 1, 4 * K, 8 * K),
+          "turboquant_k3v4_nc"),
+        W("16 x q4 8K-32K 64/8 k3v4 bf16", "70b-tp1", h(6, 16, 4, 8 * K, 32 * K),
+          "turboquant_k3v4_nc", "bfloat16"),
+        W("32 x q8 1K-16K 28/4 4bit", "qwen2-7b", h(7, 32, 8, K, 16 * K),
+          "turboquant_4bit_nc"),
+        W("16 x q64 4K-16K 8/1 bf16", "70b-tp8", h(8, 16, 64, 4 * K, 16 * K),
+          dtype="bfloat16"),
+        W("16 x q16 64K", "llama3-8b", [(64 * K, 16)] * 16),
+        W("128 x q4 2K-8K k8v4", "llama3-8b", h(9, 128, 4, 2 * K, 8 * K),
+          "turboquant_k8v4"),
+        W("24 x q32 16K-32K d64 4bit bf16", "mha-d64", h(10, 24, 32, 16 * K, 32 * K),
+          "turboquant_4bit_nc", "bfloat16"),
+        W("16 x q128 8K (512 rows a kv head)", "llama3-8b", [(8 * K, 128)] * 16),
+        W("64 x q2 2K-16K 16/2 k8v4", "70b-tp4", h(11, 64, 2, 2 * K, 16 * K),
+          "turboquant_k8v4"),
+        W("decode 64 x 4K-16K d256 bf16", "d256", h(12, 64, 1, 4 * K, 16 * K),
+          dtype="bfloat16"),
+    ]  # fmt: skip
+
+
+# The engine benchmark's modes (tq-chunked bench --stack, --serving, --crossover,
+# --memory-bound) -> their workloads. Here rather than in bench_engine so that the bench
+# can check --workloads without importing what the run needs.
 WORKLOADS = {
     "stack": stack_workloads,
     "serving": serving_workloads,
     "crossover": crossover_workloads,
+    "memory-bound": memory_bound_workloads,
 }

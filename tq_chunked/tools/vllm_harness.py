@@ -4,8 +4,8 @@ benchmark, and the places the CPU tests run vLLM in (``cpu_test_env``,
 
 Builds vLLM's own ``TurboQuantAttentionImpl`` and a layer carrying the buffers vLLM
 derives (centroids, Pi), fills a paged cache with vLLM's own store kernel, and exposes
-vLLM's ``_continuation_prefill`` as installed (another release's methods:
-``tq_chunked.tools.baseline``).
+vLLM's decode kernel and ``_continuation_prefill`` as installed (another release's
+methods: ``tq_chunked.tools.baseline``).
 """
 
 from __future__ import annotations
@@ -69,6 +69,50 @@ def build_vllm_tq(
 def vllm_store(tq: VllmTQ, key, value, kv_cache, slot_mapping) -> None:
     """Write key/value (N, Hk, D) into kv_cache with vLLM's own store kernel."""
     tq.impl.do_kv_cache_update(tq.layer, key, value, kv_cache, slot_mapping)
+
+
+def vllm_decode(tq: VllmTQ, rotation, centroids, scale: float, head_dim: int, device):
+    """The installed vLLM's TurboQuant decode kernel
+    (``triton_turboquant_decode_attention``) as its ``_decode_attention`` calls it:
+    the layer's decode buffers (allocated by the kernel on its first call) and the
+    impl's split count. Returns ``f(query, kv_cache, block_table, seq_lens)``; the
+    rotation (None: the identity), its transpose and the centroids in float32 are made
+    once here, not per call."""
+    from vllm.v1.attention.ops.triton_turboquant_decode import (
+        triton_turboquant_decode_attention,
+    )
+
+    impl, layer = tq.impl, tq.layer
+    cfg = impl.tq_config
+    pi = (
+        rotation if rotation is not None else torch.eye(head_dim, device=device)
+    ).float()
+    pi_t = pi.T.contiguous()
+    centroids = centroids.float()
+
+    def call(query, kv_cache, block_table, seq_lens):
+        return triton_turboquant_decode_attention(
+            query=query,
+            kv_cache=kv_cache,
+            block_table=block_table,
+            seq_lens=seq_lens,
+            Pi=pi,
+            centroids=centroids,
+            scale=scale,
+            mse_bits=cfg.key_mse_bits,
+            key_packed_size=cfg.key_packed_size,
+            value_quant_bits=cfg.effective_value_quant_bits,
+            key_fp8=cfg.key_fp8,
+            norm_correction=cfg.norm_correction,
+            PiT=pi_t,
+            mid_o_buf=getattr(layer, "_tq_mid_o_buf", None),
+            output_buf=getattr(layer, "_tq_output_buf", None),
+            lse_buf=getattr(layer, "_tq_lse_buf", None),
+            buf_holder=layer,
+            max_num_kv_splits=impl.max_num_kv_splits,
+        )
+
+    return call
 
 
 def vllm_continuation_prefill(
