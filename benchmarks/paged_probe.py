@@ -224,14 +224,15 @@ def exactness(rows_out):
             # the same instructions, allocated apart (reported)
             row["cap_equals_uncapped"] = bool(torch.equal(out, run(max_registers=0)))
             # the 16-row tiles of one warp (paged.DECODE_LAUNCH, what a decode batch
-            # gets; this batch's 64-row request makes the default 32-row tiles of 4
-            # warps): every request within the bound (NOTES.md §44)
+            # gets at D 128; this batch's 64-row request makes the default 32-row tiles
+            # of 4 warps): every request within the bound (NOTES.md §44)
             row["ratio_one_warp"] = worst_ratio(
                 b, run(block_m=16, block_n=32, num_warps=1), cached,
                 label + " one warp", failures,
             )  # fmt: skip
-            # the transposed 8-row tiles (paged.TRANSPOSED_LAUNCH, asked for: not a
-            # default yet), every request in tiles of 8 rows (NOTES.md §47)
+            # the transposed 8-row tiles (paged.TRANSPOSED_LAUNCH; the default of
+            # decode batches at D 64, NOTES.md §49), every request in tiles of 8 rows
+            # (NOTES.md §47)
             row["ratio_transposed"] = worst_ratio(
                 b, run(block_m=8), cached, label + " transposed", failures
             )
@@ -347,16 +348,20 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
              dict(block_n=block_n, programs_per_sm=per_sm, num_warps=warps))
             for block_n, per_sm, warps in alts
         ]  # fmt: skip
-        if one_warp and row["q_rows_per_kv_head"] <= 8:
-            # the transposed 8-row tile (paged.TRANSPOSED_LAUNCH, asked for: not a
-            # default yet) at its register cap (D 64: 144; D 128: Triton's 255, 8
-            # warps an SM), and at 216 (D 128: 9 warps, 29 spill instructions an
-            # iteration) or Triton's count (D 64: 168) (NOTES.md §47)
+        if paged.plan.transposed:
+            # the default's transposed 8-row tile against the 16-row tile of one warp
+            # (paged.DECODE_LAUNCH), which it replaced here (NOTES.md §49)
+            alts += [("16-row, one warp", dict(block_m=16))]
+        elif one_warp and row["q_rows_per_kv_head"] <= 8:
+            # the transposed 8-row tile (paged.TRANSPOSED_LAUNCH, not the default
+            # here) at its register cap (D 128: Triton's 255, 8 warps an SM), at 216
+            # (9 warps, 29 spill instructions an iteration), and without the L2
+            # prefetch (fp8 keys: the transposed tile tied the 16-row one without it;
+            # the "prefetch 0" row below is the 16-row tile's) (NOTES.md §47, §49)
             alts += [
                 ("transposed 8-row", dict(block_m=8)),
-                ("transposed 8-row, 216 registers", dict(block_m=8, max_registers=216))
-                if d == 128
-                else ("transposed 8-row, no cap", dict(block_m=8, max_registers=0)),
+                ("transposed 8-row, 216 registers", dict(block_m=8, max_registers=216)),
+                ("transposed 8-row, prefetch 0", dict(block_m=8, prefetch=0)),
             ]
         for name, launch in alts:
             try:

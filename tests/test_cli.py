@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TRITON_OK
 
 from tq_chunked.tools import bench, bench_engine, cli, demo, testing
 
@@ -674,6 +675,46 @@ def test_the_engine_layers_copy_their_cache_up_to_the_byte_cap(monkeypatch):
     assert torch.equal(c[0], c[1])
     assert layers.quantized_bytes == (64 + 100 + 48) * 1 * c[0].shape[-1]  # Hk 1
     assert layers.fp16_bytes == (65 + 101 + 49) * 1 * 128 * 2 * 2
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "auto",
+        pytest.param(
+            "paged", marks=pytest.mark.skipif(not TRITON_OK, reason="needs Triton")
+        ),
+    ],
+)
+def test_the_bench_plans_once_a_step_and_runs_each_layer(monkeypatch, path):
+    """bench_engine.method_tq_chunked runs as the plugin does: one plan a step (in
+    layer 0's call) and a run per layer, each layer's answer the one
+    continuation_prefill_varlen gives for it (the same bits)."""
+    from tq_chunked import ContinuationPrefill, continuation_prefill_varlen
+    from tq_chunked.tools.testing import Workload
+
+    w = Workload("h", "70b-tp8", [(40, 3), (70, 1)], "turboquant_k3v4_nc")
+    layers = bench_engine.Layers(w, 3, None, torch.device("cpu"))
+    plans = []
+    real = ContinuationPrefill.plan
+
+    def plan(self, *args, **kwargs):
+        plans.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ContinuationPrefill, "plan", plan)
+    calls = bench_engine.method_tq_chunked(layers, path=path)
+    for _ in range(2):  # two steps
+        outs = [f() for f in calls]
+    assert len(plans) == 2
+    for i, out in enumerate(outs):
+        q, k, v = layers.qkv[i]
+        want = continuation_prefill_varlen(
+            q, k, v, layers.caches[i], layers.block_table, layers.qsl_dev,
+            layers.seq_lens_dev, **layers.kwargs, query_start_loc_cpu=layers.qsl_cpu,
+            seq_lens_cpu=layers.seq_lens_cpu, path=path,
+        )  # fmt: skip
+        assert torch.equal(out, want), i
 
 
 def test_a_method_applies_where_vllm_would_run_it():

@@ -539,22 +539,30 @@ def test_peak_memory_is_output_plus_workspace():
 
 
 def test_one_million_cached_tokens():
+    """One request of 64 query tokens over 1M cached (k8v4): within the full path's
+    error, in the workspace ``workspace_bytes`` gives the call (the default budget of
+    128 MiB, flat in the cached length: the long request's window fills it, NOTES.md
+    §21), the output, and up to 8 MiB besides (FlashAttention's log-sum-exp and
+    scheduler metadata, the step's device integers: 0.9 MiB on the H200 machine)."""
     args, kwargs = build_case(
         "turboquant_k8v4", 1 << 20, 64, 32, 8, 128, 16, torch.float16, "cuda", seed=9
     )
+    ws = workspace_bytes(64, 32, 8, 128, default_window(8, 128, 16)) / 2**20
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     out = continuation_prefill(*args, **kwargs)
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    beyond = peak - ws - out.numel() * out.element_size() / 2**20
     oracle = oracle_continuation_prefill(*args, **kwargs)
     e_full = rel_err(full_buffer_continuation_prefill(*args, **kwargs), oracle)
     e = rel_err(out, oracle)
     print(
-        f"1M cached, q 64: chunked {e:.3e}, full {e_full:.3e}, "
-        f"peak extra {peak:.1f} MiB"
+        f"1M cached, q 64: chunked {e:.3e}, full {e_full:.3e}, peak extra {peak:.1f} "
+        f"MiB (workspace {ws:.1f}, beyond it and the output {beyond:.2f})"
     )
-    assert e <= 1.1 * e_full + 1e-4 and peak < 128
+    assert e <= 1.1 * e_full + 1e-4
+    assert ws <= 128 and beyond <= 8
 
 
 @pytest.mark.parametrize("where,value,token", NONFINITE_CASES, ids=lambda x: str(x))

@@ -422,6 +422,16 @@ def test_the_plans_work_list_is_the_loops(reqs, heads, split_len, data):
     assert plan.max_splits == max([t[2] for t in tokens], default=0)
 
 
+@given(st.lists(st.integers(0, 40), max_size=64))
+@settings(max_examples=200, deadline=None)
+def test_the_plans_owner_index_is_repeat_interleave(counts):
+    """paged._owners: each entry's owner, as repeat_interleave gives it (owners with
+    no entries anywhere, an empty list included)."""
+    count = torch.tensor(counts, dtype=torch.int64)
+    want = torch.repeat_interleave(torch.arange(len(counts)), count)
+    assert torch.equal(paged._owners(count), want)
+
+
 def test_the_plans_split_aims_at_the_sms_and_its_scratch_is_its_regions():
     qsl, lens = [0, 1, 2], [4097, 9001]
     plan = plan_paged(qsl, lens, 32, 8, 128, "turboquant_3bit_nc", sms=132,
@@ -440,7 +450,7 @@ def test_the_plans_split_aims_at_the_sms_and_its_scratch_is_its_regions():
     "q_len, head_dim, launch, cap",
     [
         (1, 128, {}, 216),  # decode, 16-row tiles of one warp: 9 warps an SM
-        (1, 64, {}, 144),  # 14 warps an SM
+        (1, 64, {}, 144),  # TRANSPOSED_LAUNCH by default: 14 warps an SM
         (1, 128, {"block_n": 64, "num_warps": 4}, 168),  # 0.6.3's: 3 programs an SM
         (1, 64, {"block_n": 64, "num_warps": 4}, 128),  # 4 programs an SM
         (1, 128, {"block_m": 32}, 0),  # a 32-row tile: TILE32_LAUNCH, 4 warps
@@ -458,7 +468,7 @@ def test_the_register_cap_is_the_default_launchs_alone(q_len, head_dim, launch, 
     plan = plan_paged(qsl, lens, 16, 4, head_dim, "turboquant_3bit_nc",
                       interpret=False, **launch)  # fmt: skip
     assert plan.max_registers == cap
-    if not launch:  # one warp at D 64 and 128 (paged.DECODE_LAUNCH), else 4
+    if not launch:  # one warp at D 64 and 128 (DECODE_ or TRANSPOSED_LAUNCH), else 4
         assert plan.num_warps == (1 if q_len == 1 and head_dim in (64, 128) else 4)
     if plan.block_m == 32:
         assert (plan.block_n, plan.num_warps) == (128 if head_dim == 128 else 64, 4)
@@ -474,7 +484,10 @@ def test_the_register_cap_is_the_default_launchs_alone(q_len, head_dim, launch, 
     "q_len, head_dim, given, want",
     [
         (1, 128, {}, paged.DECODE_LAUNCH),
-        (1, 64, {}, paged.DECODE_LAUNCH),
+        (1, 64, {}, paged.TRANSPOSED_LAUNCH),  # transposed_by_default
+        (2, 64, {}, paged.TRANSPOSED_LAUNCH),  # 8 rows a kv head
+        (4, 64, {}, paged.DECODE_LAUNCH),  # 16
+        (1, 64, {"block_m": 16}, paged.DECODE_LAUNCH),  # the tile asked for
         (1, 32, {}, (16, 64, 4)),  # measured at D 64 and 128 alone
         (1, 256, {}, (16, 64, 4)),
         (8, 128, {}, paged.TILE32_LAUNCH),
@@ -496,6 +509,36 @@ def test_a_launch_given_in_part_takes_the_four_warp_launch_for_the_rest(
     plan = plan_paged([0, q_len], [4096 + q_len], 16, 4, head_dim,
                       "turboquant_3bit_nc", interpret=False, **given)  # fmt: skip
     assert (plan.block_m, plan.block_n, plan.num_warps) == want
+
+
+@pytest.mark.parametrize(
+    "q_len, head_dim, preset, transposed",
+    [
+        (1, 64, "turboquant_k3v4_nc", True),  # 8 rows a kv head
+        (1, 64, "turboquant_k8v4", True),
+        (2, 64, "turboquant_3bit_nc", False),  # 16 rows
+        (1, 128, "turboquant_3bit_nc", False),  # 255 registers: 8 warps an SM
+        (1, 128, "turboquant_k8v4", False),  # tied the 16-row tile without prefetch
+        (1, 256, "turboquant_k8v4", False),  # not measured
+    ],
+)
+def test_the_transposed_tile_is_the_gpu_default_where_it_was_measured_faster(
+    q_len, head_dim, preset, transposed
+):
+    """NOTES.md §49: decode batches (at most 8 rows a kv head) at head size 64 take the
+    transposed 8-row tile on a GPU; a launch given in part and the interpreter keep
+    their 16-row tiles."""
+    plan = plan_paged([0, q_len], [4096 + q_len], 16, 2, head_dim, preset,
+                      interpret=False)  # fmt: skip
+    assert plan.transposed == transposed
+    if transposed:
+        assert (plan.block_m, plan.block_n, plan.num_warps) == paged.TRANSPOSED_LAUNCH
+    part = plan_paged([0, q_len], [4096 + q_len], 16, 2, head_dim, preset,
+                      interpret=False, num_warps=4)  # fmt: skip
+    assert not part.transposed
+    interp = plan_paged([0, q_len], [4096 + q_len], 16, 2, head_dim, preset,
+                        interpret=True)  # fmt: skip
+    assert not interp.transposed
 
 
 @pytest.mark.parametrize(

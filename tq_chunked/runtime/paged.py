@@ -234,14 +234,27 @@ TILE32_LAUNCH = (32, 128, 4)
 # The 8-row tile's launch: a transposed tile (``_per_row``: the positions on the
 # tensor cores' 16-row side, the rows on the 8-row side), one warp, 32 positions an
 # iteration. Half the MMAs and half the accumulator of the 16-row tile: 46.1 against
-# 51.6 warp instructions per slot-row at 3bit_nc D 128 G 4 (NOTES.md §47). Taken where
-# asked (``block_m=8``), not by default: not yet timed.
+# 51.6 warp instructions per slot-row at 3bit_nc D 128 G 4 (NOTES.md §47). The default
+# where ``transposed_by_default`` says, else taken where asked (``block_m=8``).
 TRANSPOSED_LAUNCH = (8, 32, 1)
 # The launches that ask L2 for the next tile's slots by default (PagedPlan.prefetch):
 # DECODE_LAUNCH and TILE32_LAUNCH, where it was timed (1.02-1.04x the time without it
 # at D 128, even at D 64), and TRANSPOSED_LAUNCH, one warp as DECODE_LAUNCH (not
 # timed); at (32, 64, 4) it cost 4-7 % (NOTES.md §46).
 PREFETCH_LAUNCHES = (DECODE_LAUNCH, TILE32_LAUNCH, TRANSPOSED_LAUNCH)
+
+
+def transposed_by_default(rows: int, head_dim: int) -> bool:
+    """Whether a GPU batch whose largest request has at most 8 query rows per kv head
+    takes the transposed 8-row tile (TRANSPOSED_LAUNCH) rather than the 16-row one
+    (DECODE_LAUNCH): at head size 64, where it took 0.90x the 16-row tile's time and
+    0.91x its best launch (k3v4_nc decode at G 1; 14 warps an SM either way at the cap
+    of 144); the other presets and groups at D 64 by their SASS counts (3bit_nc G 4:
+    28.6 against 32.2 warp instructions per slot-row; 0-4 spill instructions an
+    iteration; not timed). At 128 it is not: 3- and 4-bit keys need Triton's 255
+    registers there (8 warps an SM against 9; capped they spill) and took 0.99-1.06x
+    the time; fp8 keys tied the 16-row tile without its L2 prefetch (NOTES.md §49)."""
+    return rows <= 8 and head_dim == 64
 
 
 def default_launch(
@@ -252,8 +265,9 @@ def default_launch(
     decoded once per request and kv head), 16 at least (the tensor cores' smallest
     tile), or the tile ``block_m`` where given; on a GPU, 16-row tiles at
     DECODE_LAUNCH at head sizes 64 and 128, 32-row tiles at TILE32_LAUNCH at head
-    size 128, other tiles 64 positions an iteration on 4 warps; 8-row tiles (asked
-    for) at TRANSPOSED_LAUNCH up to head size 128, on 2 warps above (one spills 247
+    size 128, other tiles 64 positions an iteration on 4 warps; 8-row tiles
+    (``plan_paged``'s choice by ``transposed_by_default``, or asked for) at
+    TRANSPOSED_LAUNCH up to head size 128, on 2 warps above (one spills 247
     instructions an iteration at D 256, two 50). Under the interpreter 16 positions
     an iteration, on 4 warps (one for 8-row tiles)."""
     if block_m == 8:
@@ -291,8 +305,9 @@ def register_cap(
 
     At TRANSPOSED_LAUNCH, D 64: 144 as DECODE_LAUNCH's (Triton counts 168; no spill
     at 144). D 128 keeps Triton's 255 at MSE keys: 8 warps an SM, where a cap of 216
-    or 224 (9 warps) spills 23-41 instructions an iteration (NOTES.md §47; not yet
-    timed). Other launches and head sizes are not measured."""
+    or 224 (9 warps) spills 23-41 instructions an iteration (NOTES.md §47), and took
+    1.04-1.08x the time of 255 (NOTES.md §49). Other launches and head sizes are not
+    measured."""
     if interpret:
         return 0
     caps = {
@@ -332,9 +347,10 @@ def plan_paged(
     of ``split_len`` positions (default: the batch's work over ``sms x
     programs_per_sm`` programs, at least MIN_SPLIT, a multiple of block_n; default
     programs_per_sm: ONE_WARP_PROGRAMS_PER_SM at one warp, else PROGRAMS_PER_SM x 4 /
-    num_warps), each a
-    program per kv head and tile of ``block_m`` query rows (default
-    ``default_launch``; 8: a transposed tile, ``PagedPlan.transposed``). Splits
+    num_warps), each a program per kv head and tile of ``block_m`` query rows
+    (default on a GPU: 8 where ``transposed_by_default``, else ``default_launch``'s,
+    as for a launch given in part; 8: a transposed tile, ``PagedPlan.transposed``).
+    Splits
     double until the scratch fits ``max_scratch_bytes`` (a ValueError if one split
     per request does not). A request with nothing cached has tokens (the combine
     writes them) and no work; one without query tokens has neither. half_chunk: the
@@ -369,6 +385,9 @@ def plan_paged(
     most = max((rows[i] for i in busy), default=1)
     if block_n is None and num_warps is None:
         # the tile's own launch (an explicit block_m chooses the tile)
+        choose_tile = block_m is None and not interpret
+        if choose_tile and transposed_by_default(most, head_dim):
+            block_m = 8
         block_m, block_n, num_warps = default_launch(most, interpret, head_dim, block_m)
     else:
         # a launch given in part: the tuned launches are whole choices, so the rest is
@@ -422,6 +441,21 @@ def plan_paged(
         split_len = min(2 * split_len, cdiv(longest, block_n) * block_n)
 
 
+def _owners(count: torch.Tensor) -> torch.Tensor:
+    """``torch.repeat_interleave(torch.arange(len(count)), count)`` (int64 host
+    tensors, ``count >= 0``): i repeated ``count[i]`` times, as the running count of
+    the owners' first positions. repeat_interleave splits even small inputs over
+    torch's CPU threads, and took 0.75 ms instead of 10 us with another process on
+    one of two cores; these ops stay on one thread below their grain size (NOTES.md
+    §49)."""
+    total = int(count.sum())
+    # an owner without entries marks the next owner's first position too
+    first = torch.cumsum(count, 0) - count
+    marks = torch.zeros(total + 1, dtype=torch.int64)
+    marks.index_add_(0, first, torch.ones_like(first))
+    return torch.cumsum(marks[:total], 0) - 1
+
+
 def _build(
     cfg, hq, hk, served, q0, q_len, cached, rows, tiles,
     block_m, block_n, num_warps, split_len, half_chunk,
@@ -438,14 +472,13 @@ def _build(
     splits = torch.where(tiles_a > 0, -(-cached_a // split_len), 0)
     part0 = torch.cumsum(splits * q_a, 0) - splits * q_a  # the request's first row
     crow0 = torch.cumsum(q_a, 0) - q_a  # its first served token
-    every = torch.arange(n)
 
-    i = torch.repeat_interleave(every, q_a)  # each served token's request
+    i = _owners(q_a)  # each served token's request
     t = torch.arange(i.numel()) - crow0[i]
     tokens = torch.stack([q0_a[i] + t, part0[i] + t, splits[i], q_a[i]], dim=1)
 
     count = tiles_a * hk * splits
-    i = torch.repeat_interleave(every, count)  # each program's request
+    i = _owners(count)  # each program's request
     k = torch.arange(i.numel()) - (torch.cumsum(count, 0) - count)[i]  # its index
     s = splits[i]  # > 0 for every program
     j, h, tile = k % s, (k // s) % hk, k // (s * hk)

@@ -29,12 +29,13 @@ Methods: ``baseline``: vLLM's ``_prefill_attention`` with its own
 ``_continuation_prefill``, the installed release's or, with ``--baseline-source``,
 another release's (tq_chunked/tools/baseline.py), the ratios' reference; ``floor``: one
 FlashAttention varlen call per layer over fp16/bf16 K/V of the same lengths (causal, no
-dequantization): what a BF16 cache costs; ``tq_chunked``: one
-``continuation_prefill_varlen`` call per layer with the host copies of the lengths and
-a preallocated workspace (the plugin's way; each request on the path its plan picks);
-``tq_chunked-windows``: the same with every request through windows (``path="window"``);
-``tq_chunked-default``: the same with every
-default (its own workspace per call, the block-id check on); ``vllm-<version>``: the
+dequantization): what a BF16 cache costs; ``tq_chunked``: the plugin's flow, one
+``ContinuationPrefill.plan`` a step (in layer 0's call) with the host copies of the
+lengths and a preallocated workspace, and its ``run`` per layer (each request on the
+path its plan picks); ``tq_chunked-windows``: the same with every request through
+windows (``path="window"``); ``tq_chunked-default``: one ``continuation_prefill_varlen``
+call per layer with every default (a plan each call, its own workspace, the block-id
+check on); ``vllm-<version>``: the
 installed release's real ``forward``, unpatched; ``patched``: the same ``forward`` with
 the plugin's replacements. --memory-bound adds ``tq_chunked-paged``: ``tq_chunked``
 with every request with cached tokens on the memory-bound path (``path="paged"``), and
@@ -65,7 +66,7 @@ import types
 import torch
 from tqdm import tqdm
 
-from .. import continuation_prefill_varlen, workspace_bytes
+from .. import ContinuationPrefill, continuation_prefill_varlen, workspace_bytes
 from ..runtime.plan import default_window
 from .testing import (
     LAYER_GEMMS,
@@ -260,8 +261,12 @@ def method_tq_chunked_default(layers: Layers):
 
 
 def method_tq_chunked(layers: Layers, path="auto"):
-    """The plugin's call: a workspace of workspace_bytes(N), each request on the path
-    the plan picks (``path="window"``: every request through windows)."""
+    """The plugin's flow: one ``ContinuationPrefill`` with a workspace of
+    workspace_bytes(N); its ``plan`` once a step (in layer 0's call, as vLLM's
+    builder makes it once a step before the layers run) and ``run`` per layer, each
+    request on the path the plan picks (``path="window"``: every request through
+    windows; ``"paged"``: every request with cached tokens on the memory-bound path).
+    Host time per call is the plan's share (over the layers) plus a run's."""
     n = layers.qsl[-1]
     window = default_window(layers.hk, layers.d, 16)
     ws = torch.empty(
@@ -269,25 +274,39 @@ def method_tq_chunked(layers: Layers, path="auto"):
         dtype=torch.uint8,
         device=layers.block_table.device,
     )
+    kw = dict(layers.kwargs)
+    prefill = ContinuationPrefill(
+        layers.hq,
+        layers.hk,
+        layers.d,
+        preset=kw.pop("preset"),
+        dtype=layers.dtype,
+        block_size=16,
+        window=window,
+        path=path,
+        check_block_table=False,
+    )
+    step: list = [None]
 
-    def layer_call(i):
-        q, k, v = layers.qkv[i]
-        return lambda: continuation_prefill_varlen(
-            q,
-            k,
-            v,
-            layers.caches[i],
+    def plan():
+        step[0] = prefill.plan(
             layers.block_table,
             layers.qsl_dev,
             layers.seq_lens_dev,
-            **layers.kwargs,
             query_start_loc_cpu=layers.qsl_cpu,
             seq_lens_cpu=layers.seq_lens_cpu,
-            window=window,
             workspace=ws,
-            check_block_table=False,
-            path=path,
         )
+
+    def layer_call(i):
+        q, k, v = layers.qkv[i]
+
+        def call():
+            if i == 0 or step[0] is None:
+                plan()
+            return step[0].run(q, k, v, layers.caches[i], **kw)
+
+        return call
 
     return [layer_call(i) for i in range(len(layers.caches))]
 
@@ -460,7 +479,7 @@ class Step:
 
 def measure(calls, cycles_per_ms, head_start_ms, step=None):
     """(stack ms, host ms per call, GPU ms per call, whether the host stayed ahead,
-    model step ms or None).
+    model step ms or None, the longest call's host ms).
 
     Host and GPU time are taken one call at a time: a spin kernel keeps the GPU busy
     while the host enqueues the call, so the host never waits, and the queue is empty
@@ -498,6 +517,7 @@ def measure(calls, cycles_per_ms, head_start_ms, step=None):
         statistics.mean(gpu),
         max(host) < head_start_ms,
         step_ms,
+        max(host),
     )
 
 
@@ -558,7 +578,8 @@ def run_workloads(
         for _ in range(repeats):  # interleaved: the machine's drift hits all alike
             for name, fs in calls.items():
                 sample = measure(fs, cycles, head_start[name], step)
-                head_start[name] = max(head_start[name], 3 * sample[1])
+                # from the longest call: layer 0's also plans the step (tq_chunked)
+                head_start[name] = max(head_start[name], 3 * sample[5])
                 samples[name].append(sample)
         first = len(rows)
         workload = dict(
