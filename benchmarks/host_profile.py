@@ -12,6 +12,11 @@ With --run: the per-layer ``Step.run`` of a plan made once (issue 34's target), 
 prefix-cache hits (q 64 over 1K-2K cached) in 1 and in 8 windows: its host time per
 layer with the GPU kept busy, and a cProfile of 32 layers x 10 (top functions by own
 time, then by cumulative time).
+
+With --paged: the same for three decode batches of the memory-bound grid
+(``testing.memory_bound_workloads``: 64 x 1K-8K, 256 x 1K-4K k8v4 bf16, 128 x 4K-8K
+d64), each planned onto the memory-bound path, and the host time of the step's plan
+(``ContinuationPrefill.plan``) beside the run's (benchmarks/NOTES.md §49).
 """
 
 import cProfile
@@ -29,9 +34,9 @@ from tq_chunked.runtime._utils import check_overlaps
 from tq_chunked.runtime.attention import varlen_attention
 from tq_chunked.runtime.dequant import fill_window, split_rotation
 from tq_chunked.runtime.format import TQConfig
-from tq_chunked.runtime.plan import LongRequest, default_window, make_plan
+from tq_chunked.runtime.plan import LongRequest, PagedRun, default_window, make_plan
 from tq_chunked.runtime.workspace import carve
-from tq_chunked.tools.testing import build_batch
+from tq_chunked.tools.testing import SHAPES, build_batch, memory_bound_workloads
 
 
 def host_us(fn, n=200):
@@ -71,7 +76,22 @@ CASES = [
 ]
 
 
+# --paged's batches, by name in testing.memory_bound_workloads()
+PAGED_CASES = (
+    "decode 64 x 1K-8K",
+    "decode 256 x 1K-4K k8v4 bf16",
+    "decode 128 x 4K-8K d64 k3v4",
+)
+
+
 def main():
+    if "--paged" in sys.argv[1:]:
+        grid = {w.name: w for w in memory_bound_workloads()}
+        for name in PAGED_CASES:
+            w = grid[name]
+            hq, hk, d = SHAPES[w.shape]
+            profile_run(name, w.requests, None, w.preset, (hq, hk, d), w.dtype)
+        return
     if "--run" in sys.argv[1:]:
         reqs = [(1024 + 64 * i, 64) for i in range(16)]
         need = sum(c + q for c, q in reqs) + 256 * 15
@@ -83,22 +103,27 @@ def main():
         profile_case(name, requests)
 
 
-def profile_run(name, requests, window):
-    """Print the host-time profile of Step.run per layer (see the module's doc)."""
-    b = build_batch(
-        "turboquant_3bit_nc", requests, 32, 8, 128, 16, torch.float16, "cuda"
-    )
+def profile_run(name, requests, window, preset="turboquant_3bit_nc",
+                heads=(32, 8, 128), dtype="float16"):  # fmt: skip
+    """Print the host-time profile of Step.run per layer (see the module's doc); and
+    the plan's host time, where the step runs on the memory-bound path."""
+    hq, hk, d = heads
+    b = build_batch(preset, requests, hq, hk, d, 16, getattr(torch, dtype), "cuda")
     kw = b["kwargs"]
     prefill = ContinuationPrefill(
-        32, 8, 128, preset="turboquant_3bit_nc", dtype=torch.float16, block_size=16,
+        hq, hk, d, preset=preset, dtype=getattr(torch, dtype), block_size=16,
         window=window, check_block_table=False,
     )  # fmt: skip
     n = b["query"].shape[0]
     ws = torch.empty(prefill.workspace_bytes(n), dtype=torch.uint8, device="cuda")
-    step = prefill.plan(
-        b["block_table"], query_start_loc_cpu=b["query_start_loc"],
-        seq_lens_cpu=b["seq_lens"], workspace=ws,
-    )  # fmt: skip
+    lengths = dict(
+        query_start_loc_cpu=torch.tensor(b["query_start_loc"], dtype=torch.int32),
+        seq_lens_cpu=torch.tensor(b["seq_lens"], dtype=torch.int32),
+    )
+    step = prefill.plan(b["block_table"], **lengths, workspace=ws)
+    if any(isinstance(u, PagedRun) for u in step.plan.units):
+        us = host_us(lambda: prefill.plan(b["block_table"], **lengths, workspace=ws))
+        print(f"== {name}: plan() {us:.0f} us")
     out = torch.empty_like(b["query"])
 
     def layer():

@@ -34,7 +34,7 @@
 #                                              #   .vllm-envs/vllm-$VLLM_TESTS_VERSION/src: vLLM's own
 #                                              #   TurboQuant tests on the vendored tree
 #   bash benchmarks/run_on_device.sh kernels   # carry .gpu-carry: stage breakdown
-#   bash benchmarks/run_on_device.sh host      # carry .gpu-carry: host profile
+#   bash benchmarks/run_on_device.sh host      # carry .gpu-carry: host profile (HOST_ARGS)
 #   bash benchmarks/run_on_device.sh before    # carry .gpu-carry, .bench-old: fill bandwidth and
 #                                              #   breakdown of an earlier version, side by side
 #   bash benchmarks/run_on_device.sh kernels-before # carry .gpu-carry, .bench-old: stage breakdown
@@ -206,7 +206,9 @@ for mode in "$@"; do
       carry .gpu-carry timeout 200 python3 benchmarks/breakdown.py --workloads "$WORKLOADS" 2>&1 \
         | tee "$OUT/breakdown.md" | tail -16 ;;
     host)
-      carry .gpu-carry timeout 80 python3 benchmarks/host_profile.py 2>&1 | tee "$OUT/host-profile.txt" \
+      # HOST_ARGS: --run (a window step's run per layer) or --paged (decodes on the
+      # memory-bound path: the plan per step and the run per layer, NOTES.md §49)
+      carry .gpu-carry timeout 120 python3 benchmarks/host_profile.py ${HOST_ARGS:-} 2>&1 | tee "$OUT/host-profile.txt" \
         | grep -E "==|us$" ;;
     before)
       mkdir -p "$OUT/before"
