@@ -348,12 +348,12 @@ def plan_paged(
     programs_per_sm`` programs, at least MIN_SPLIT, a multiple of block_n; default
     programs_per_sm: ONE_WARP_PROGRAMS_PER_SM at one warp, else PROGRAMS_PER_SM x 4 /
     num_warps), each a program per kv head and tile of ``block_m`` query rows
-    (default on a GPU: 8 where ``transposed_by_default``, else ``default_launch``'s,
-    as for a launch given in part; 8: a transposed tile, ``PagedPlan.transposed``).
-    Splits
-    double until the scratch fits ``max_scratch_bytes`` (a ValueError if one split
-    per request does not). A request with nothing cached has tokens (the combine
-    writes them) and no work; one without query tokens has neither. half_chunk: the
+    (default: 8 on a GPU where ``transposed_by_default``, else ``default_launch``'s,
+    which a launch given in part always takes; 8: a transposed tile,
+    ``PagedPlan.transposed``). Splits double until the scratch fits
+    ``max_scratch_bytes`` (a ValueError if one split per request does not). A
+    request with nothing cached has tokens (the combine writes them) and no work; one
+    without query tokens has neither. half_chunk: the
     scratch holds fp16 copies of the served tokens' query, key and value for the
     chunk's own call (bf16 queries: PagedPlan.half_chunk). max_registers: the
     attention kernel's registers per thread, 0 for Triton's own count (default
@@ -444,10 +444,9 @@ def plan_paged(
 def _owners(count: torch.Tensor) -> torch.Tensor:
     """``torch.repeat_interleave(torch.arange(len(count)), count)`` (int64 host
     tensors, ``count >= 0``): i repeated ``count[i]`` times, as the running count of
-    the owners' first positions. repeat_interleave splits even small inputs over
-    torch's CPU threads, and took 0.75 ms instead of 10 us with another process on
-    one of two cores; these ops stay on one thread below their grain size (NOTES.md
-    §49)."""
+    the owners' first positions. repeat_interleave spreads even small inputs over
+    torch's CPU threads, which stall beside another busy process; these ops stay on
+    one thread below their grain size (NOTES.md §49)."""
     total = int(count.sum())
     # an owner without entries marks the next owner's first position too
     first = torch.cumsum(count, 0) - count
