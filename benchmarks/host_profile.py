@@ -16,7 +16,9 @@ time, then by cumulative time).
 With --paged: the same for three decode batches of the memory-bound grid
 (``testing.memory_bound_workloads``: 64 x 1K-8K, 256 x 1K-4K k8v4 bf16, 128 x 4K-8K
 d64), each planned onto the memory-bound path, and the host time of the step's plan
-(``ContinuationPrefill.plan``) beside the run's (benchmarks/NOTES.md §49).
+(``ContinuationPrefill.plan``) beside the run's (benchmarks/NOTES.md §49); and the run's
+host time with the chunk's own keys in the combine (``PagedPlan.own_keys``) against a
+causal call for them, alternating in one process (NOTES.md §50).
 """
 
 import cProfile
@@ -29,7 +31,7 @@ import time
 import torch
 
 from tq_chunked import ContinuationPrefill, continuation_prefill_varlen, workspace_bytes
-from tq_chunked.runtime import dequant
+from tq_chunked.runtime import dequant, paged
 from tq_chunked.runtime._utils import check_overlaps
 from tq_chunked.runtime.attention import varlen_attention
 from tq_chunked.runtime.dequant import fill_window, split_rotation
@@ -134,6 +136,32 @@ def profile_run(name, requests, window, preset="turboquant_3bit_nc",
         )  # fmt: skip
 
     print(f"== {name}: {len(step.plan.units)} units, run() {host_us(layer):.0f} us")
+    own = [u.paged.own_keys for u in step.plan.units if isinstance(u, PagedRun)]
+    if any(own):
+        # the same step with the chunk's own keys through a causal call and the merge
+        # (paged.OWN_KEYS_MAX 0: as before 0.6.7), alternating with this one
+        with_limit = paged.OWN_KEYS_MAX
+        paged.OWN_KEYS_MAX = 0
+        try:
+            before = prefill.plan(b["block_table"], **lengths, workspace=ws)
+        finally:
+            paged.OWN_KEYS_MAX = with_limit
+
+        def layer_before():
+            before.run(
+                b["query"], b["key"], b["value"], b["kv_cache"],
+                centroids=kw["centroids"], rotation=kw["rotation"],
+                scale=kw["scale"], out=out,
+            )  # fmt: skip
+
+        ab = {"own keys": [], "chunk call": []}
+        for _ in range(5):
+            ab["own keys"].append(host_us(layer, n=60))
+            ab["chunk call"].append(host_us(layer_before, n=60))
+        print(
+            f"== {name}: run() own keys {statistics.median(ab['own keys']):.0f} us, "
+            f"chunk call {statistics.median(ab['chunk call']):.0f} us (A/B medians)"
+        )
     # 10 steps of 32 layers, ~30 ms of GPU work ahead of each
     stats = profiled(layer, calls=32, rounds=10, spin_cycles=60_000_000)
     stats.sort_stats("tottime").print_stats(25)

@@ -129,15 +129,20 @@ class Paged:
         self.kw = {k: v for k, v in b["kwargs"].items() if k != "preset"}
 
     def cached(self, new=None, new_lse=None, **kw):
+        """The cached part, merged with ``new`` where given; with the plan's
+        own_keys, the chunk's own keys too (the combine reads them)."""
         b = self.b
+        own = dict(key=b["key"], value=b["value"]) if self.plan.own_keys else {}
         paged_attention(
             b["query"], b["kv_cache"], b["block_table"], self.plan, self.work,
             self.tokens, self.scratch, self.out, cfg=self.cfg, new=new,
-            new_lse=new_lse, **self.kw, **kw,
+            new_lse=new_lse, **own, **self.kw, **kw,
         )  # fmt: skip
         return self.out
 
     def __call__(self, **kw):
+        if self.plan.own_keys:
+            return self.cached(**kw)
         b = self.b
         new_lse = varlen_attention(
             self.call, b["query"], b["key"], b["value"], b["kwargs"]["scale"],
@@ -330,6 +335,14 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
     )  # fmt: skip
     row["paged_ms"] = kernel_ms(paged)
     row["paged_kernels_ms"] = kernels_ms(paged)
+    row["own_keys"] = paged.plan.own_keys
+    if paged.plan.own_keys:
+        # the chunk's own keys through a causal FlashAttention call and the merge,
+        # as before 0.6.7, against the combine's own loop over them (NOTES.md §50)
+        alt = Paged(b, hq, hk, d, dtype, own_keys=False)
+        row["paged_chunk_call_ms"] = kernel_ms(alt)
+        row["paged_chunk_call_kernels_ms"] = kernels_ms(alt)
+        del alt
     row["paged_cached_ms"] = kernel_ms(paged.cached)
     tried = {"default": row["paged_cached_ms"]}
     if configs:
@@ -442,11 +455,12 @@ def table(rows):
     lines = [
         (
             "| workload | preset | dtype | rows/kvh | floor ms | window ms | "
-            "default ms | paged ms | vLLM decode ms | default / floor | "
+            "default ms | paged ms | paged, chunk call ms | vLLM decode ms | "
+            "default / floor | "
             "default / window | quantized bytes at 4.3 TB/s ms | achieved TB/s | "
             "plan (M, N, split, progs) |"
         ),
-        "|---" * 14 + "|",
+        "|---" * 15 + "|",
     ]
     for r in rows:
         if "error" in r:
@@ -458,6 +472,7 @@ def table(rows):
                 [r["workload"], r["preset"].replace("turboquant_", ""), r["dtype"],
                  str(r["q_rows_per_kv_head"]), f(r["floor_ms"]), f(r["window_ms"]),
                  f(r["auto_ms"]), f(r["paged_ms"]),
+                 f(r.get("paged_chunk_call_ms", "-")),
                  f(r.get("vllm_decode_ms", "-")), f"{r['auto_over_floor']:.2f}",
                  f"{r['auto_over_window']:.2f}",
                  f(r["quantized_ms_at_copy_rate"]), f"{r['achieved_tb_s']:.2f}",

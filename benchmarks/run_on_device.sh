@@ -35,6 +35,8 @@
 #                                              #   TurboQuant tests on the vendored tree
 #   bash benchmarks/run_on_device.sh kernels   # carry .gpu-carry: stage breakdown
 #   bash benchmarks/run_on_device.sh host      # carry .gpu-carry: host profile (HOST_ARGS)
+#   bash benchmarks/run_on_device.sh host-calls # carry .gpu-carry: the bench's host time call by
+#                                              #   call, with the collector's passes (HOST_CALLS_ARGS)
 #   bash benchmarks/run_on_device.sh before    # carry .gpu-carry, .bench-old: fill bandwidth and
 #                                              #   breakdown of an earlier version, side by side
 #   bash benchmarks/run_on_device.sh kernels-before # carry .gpu-carry, .bench-old: stage breakdown
@@ -81,7 +83,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|ncu-paged|dispatch|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|memory-bound|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|ncu-paged|dispatch|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|host-calls|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|memory-bound|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -210,6 +212,11 @@ for mode in "$@"; do
       # memory-bound path: the plan per step and the run per layer, NOTES.md §49)
       carry .gpu-carry timeout 120 python3 benchmarks/host_profile.py ${HOST_ARGS:-} 2>&1 | tee "$OUT/host-profile.txt" \
         | grep -E "==|us$" ;;
+    host-calls)
+      # each layer's call of the bench's engine mode alone (NOTES.md §50); e.g.
+      # HOST_CALLS_ARGS="--freeze --workloads 'decode 64 x 1K-8K'"
+      eval carry .gpu-carry timeout 200 python3 benchmarks/host_calls.py "$OUT" ${HOST_CALLS_ARGS:-} 2>&1 \
+        | tee "$OUT/host-calls.txt" | grep -E "head start|CUDA calls" | cut -c1-220 ;;
     before)
       mkdir -p "$OUT/before"
       before .gpu-carry timeout 120 python3 benchmarks/fill_bandwidth.py "$OUT/before" --quick 2>&1 \

@@ -268,6 +268,7 @@ def record_paged(
         split_len=600,
         interpret=False,
         max_registers=max_registers,
+        own_keys=False,  # the cached part's launches alone
     )
     work, tokens = plan.upload("cpu")
     scratch = plan.carve(torch.zeros(plan.scratch_bytes, dtype=torch.uint8))

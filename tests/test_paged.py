@@ -107,6 +107,31 @@ def test_every_preset_dtype_and_layout_is_within_the_full_paths_error(
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_the_combines_own_keys_and_the_chunks_causal_call_agree(preset, dtype):
+    """PagedPlan.own_keys (the combine attends to the chunk's own keys, float32)
+    against a causal call over them merged in the combine: both within the full
+    path's error, and within the call's fp16 rounding of each other."""
+    seed = 140 + sorted(PRESETS).index(preset) * 2 + (dtype == torch.bfloat16)
+    batch = make_batch(
+        REQUESTS + [(90, paged.OWN_KEYS_MAX)],  # the longest own-keys request
+        preset,
+        dtype,
+        num_q_heads=8,
+        num_kv_heads=2,
+        seed=seed,
+    )
+    outs = {}
+    for own in (True, False):
+        info = {}
+        outs[own] = run(batch, poisoned(batch), split_len=32, own_keys=own, info=info)
+        assert info["plan"].own_keys == own
+        assert not outs[own].isnan().any(), f"seed {seed}: a row was not written"
+        check_within_full_paths_error(batch, outs[own])
+    assert rel_err(outs[True], outs[False].double()) < 2e-3, f"seed {seed}"
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", ["v020", "v033"])
 def test_the_transposed_8_row_tile_is_within_the_full_paths_error(
     preset, dtype, layout
@@ -250,6 +275,35 @@ def test_decode_and_short_continuations_in_one_tile(q_len):
     check_within_full_paths_error(batch, out)
 
 
+def test_the_own_keys_are_read_through_their_strides():
+    """Key and value head-major and every second element over D (the gaps NaN, so a
+    misread shows): the same bits as contiguous ones."""
+    batch = make_batch(REQUESTS, num_q_heads=8, num_kv_heads=2, seed=38)
+    want = run(batch, split_len=32)
+    for name in ("key", "value"):
+        t = getattr(batch, name)
+        wide = torch.full((t.shape[1], t.shape[0], 2 * t.shape[2]), float("nan"),
+                          dtype=t.dtype, device=t.device)  # fmt: skip
+        wide[..., ::2] = t.transpose(0, 1)
+        setattr(batch, name, wide.transpose(0, 1)[..., ::2])
+    info = {}
+    out = run(batch, split_len=32, info=info)
+    assert info["plan"].own_keys and batch.key.stride(2) == 2
+    assert torch.equal(out, want), "seed 38"
+
+
+def test_a_later_tokens_infinite_value_never_reaches_earlier_rows():
+    """With the combine's own keys a token never reads a later one (stricter than a
+    causal call's tile, docs/design.md's first exception)."""
+    batch = make_batch([(100, 6), (40, 3)], num_q_heads=4, num_kv_heads=2, seed=39)
+    batch.value[5, 1, 3] = float("inf")  # request 0's last token, kv head 1
+    info = {}
+    out = run(batch, split_len=32, info=info)
+    assert info["plan"].own_keys
+    assert torch.isfinite(out[:5]).all() and torch.isfinite(out[6:]).all(), "seed 39"
+    assert not torch.isfinite(out[5, 2:]).all(), "seed 39: the inf value vanished"
+
+
 @pytest.mark.parametrize("split_len", [16, 48, 400])
 def test_the_answer_does_not_depend_on_the_splits_beyond_rounding(split_len):
     batch = make_batch(REQUESTS, head_dim=32, seed=31)
@@ -266,9 +320,14 @@ def test_rows_of_a_request_with_many_tiles():
     check_within_full_paths_error(batch, out)
 
 
-def test_lse_is_one_softmaxs_over_all_keys():
-    batch = make_batch(REQUESTS, num_q_heads=4, num_kv_heads=2, seed=34)
-    out, lse = run(batch, return_lse=True, split_len=32)
+@pytest.mark.parametrize(
+    "own_keys, dtype, hq",
+    [(None, torch.float16, 4), (False, torch.float16, 4), (None, torch.bfloat16, 8)],
+    ids=["own-keys", "chunk-call", "own-keys-bf16-g4"],
+)
+def test_lse_is_one_softmaxs_over_all_keys(own_keys, dtype, hq):
+    batch = make_batch(REQUESTS, dtype=dtype, num_q_heads=hq, num_kv_heads=2, seed=34)
+    out, lse = run(batch, return_lse=True, split_len=32, own_keys=own_keys)
     for r in range(len(batch.seq_lens)):
         q0, q1 = batch.query_start_loc[r], batch.query_start_loc[r + 1]
         if q1 == q0:
@@ -308,10 +367,14 @@ def test_a_bad_block_id_is_never_read_and_makes_its_request_nan(bad, prefetch):
     assert torch.isfinite(others).all(), "seed 35"
 
 
-@pytest.mark.parametrize("block_m", [None, 8], ids=["default-tile", "transposed"])
+@pytest.mark.parametrize(
+    "block_m, own_keys",
+    [(None, None), (8, None), (None, False)],
+    ids=["default-tile", "transposed", "chunk-call"],
+)
 @pytest.mark.parametrize("where,value,token", NONFINITE_CASES, ids=str)
 def test_non_finite_values_propagate_as_in_one_softmax_over_all_keys(
-    where, value, token, block_m
+    where, value, token, block_m, own_keys
 ):
     # the cases of tests/test_promises.py (request 0: 220 cached, 12 new tokens)
     seed = 31 + len(where) + token
@@ -324,7 +387,7 @@ def test_non_finite_values_propagate_as_in_one_softmax_over_all_keys(
     )
     batch.query.mul_(0.2)
     allowed = poison(batch, where, value, token)
-    out = run(batch, split_len=64, block_m=block_m)
+    out = run(batch, split_len=64, block_m=block_m, own_keys=own_keys)
     assert not torch.isfinite(out).all(), f"seed {seed}: the non-finite value vanished"
     check_against_oracle(batch, out, allowed)
 
@@ -380,7 +443,7 @@ def _work_list_by_loops(plan, qsl, lens, served):
         cached, rows = lens[r] - q, q * group
         busy = cached > 0 and q > 0
         n_splits = -(-cached // plan.split_len) if busy else 0
-        tokens += [(q0 + t, part + t, n_splits, q) for t in range(q)]
+        tokens += [(q0 + t, part + t, n_splits, q, q0) for t in range(q)]
         for tile in range(-(-rows // plan.block_m) if busy else 0):
             for h in range(plan.num_kv_heads):
                 for j in range(n_splits):
@@ -420,6 +483,7 @@ def test_the_plans_work_list_is_the_loops(reqs, heads, split_len, data):
     assert plan.tokens.tolist() == [x for t in tokens for x in t]
     assert plan.part_rows == part
     assert plan.max_splits == max([t[2] for t in tokens], default=0)
+    assert plan.max_q_len == max([t[3] for t in tokens], default=0)
 
 
 @given(st.lists(st.integers(0, 40), max_size=64))
@@ -589,14 +653,40 @@ def test_splits_grow_until_the_scratch_fits_or_the_plan_is_refused():
         (dict(block_n=24), "block_n"),
         (dict(num_q_heads=6), "num_q_heads"),
         (dict(lens=[2]), "seq_lens"),
+        (dict(qsl=[0, paged.OWN_KEYS_MAX + 1], own_keys=True), "own_keys"),
     ],
 )
 def test_bad_plan_arguments_are_value_errors_naming_them(kw, match):
-    args = dict(num_q_heads=8, lens=[40])
+    args = dict(num_q_heads=8, lens=[40], qsl=[0, 4])
     args.update(kw)
-    lens, hq = args.pop("lens"), args.pop("num_q_heads")
+    qsl, lens, hq = args.pop("qsl"), args.pop("lens"), args.pop("num_q_heads")
     with pytest.raises(ValueError, match=match):
-        plan_paged([0, 4], lens, hq, 4, 64, "turboquant_3bit_nc", **args)
+        plan_paged(qsl, lens, hq, 4, 64, "turboquant_3bit_nc", **args)
+
+
+@pytest.mark.parametrize("most", [1, paged.OWN_KEYS_MAX, paged.OWN_KEYS_MAX + 1])
+def test_the_combine_attends_to_the_own_keys_up_to_own_keys_max(most):
+    plan = plan_paged([0, 1, 1 + most], [300, 300 + most], 8, 2, 64,
+                      "turboquant_3bit_nc")  # fmt: skip
+    assert plan.own_keys == (most <= paged.OWN_KEYS_MAX)
+    assert plan.max_q_len == most
+
+
+def test_a_plan_with_own_keys_refuses_a_run_without_key_and_value():
+    batch = make_batch(REQUESTS, head_dim=32, seed=37)
+    n, hq, d = batch.query.shape
+    cfg = TQConfig.from_preset("turboquant_3bit_nc", d)
+    plan = plan_paged(batch.query_start_loc, batch.seq_lens, hq, 2, d, cfg)
+    assert plan.own_keys
+    work, tokens = plan.upload(batch.query.device)
+    buf = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=out_device(batch))
+    kw = {k: v for k, v in batch.kwargs.items() if k != "preset"}
+    wrong = dict(key=batch.key, value=batch.value[:, :1])
+    for extra, match in [({}, "key must be"), (wrong, "value must be")]:
+        with pytest.raises(ValueError, match=match):
+            paged_attention(batch.query, batch.kv_cache, batch.block_table, plan,
+                            work, tokens, plan.carve(buf), poisoned(batch), cfg=cfg,
+                            **kw, **extra)  # fmt: skip
 
 
 def test_a_buffer_too_small_for_the_scratch_is_refused():
@@ -605,17 +695,20 @@ def test_a_buffer_too_small_for_the_scratch_is_refused():
         plan.carve(torch.empty(plan.scratch_bytes - 1, dtype=torch.uint8))
 
 
-def test_run_writes_only_the_planned_requests_rows():
+@pytest.mark.parametrize("own_keys", [True, False], ids=["own-keys", "cached-only"])
+def test_run_writes_only_the_planned_requests_rows(own_keys):
     # the lead's dispatch: some requests on this path, the rest elsewhere
     batch = make_batch(REQUESTS, head_dim=32, seed=36)
     n, hq, d = batch.query.shape
     cfg = TQConfig.from_preset("turboquant_3bit_nc", d)
     plan = plan_paged(batch.query_start_loc, batch.seq_lens, hq, 2, d, cfg,
-                      requests=[0, 4], split_len=32)  # fmt: skip
+                      requests=[0, 4], split_len=32, own_keys=own_keys)  # fmt: skip
     work, tokens = plan.upload(batch.query.device)
     buf = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=out_device(batch))
     out = poisoned(batch)
     kw = {k: v for k, v in batch.kwargs.items() if k != "preset"}
+    if own_keys:
+        kw.update(key=batch.key, value=batch.value)
     paged_attention(batch.query, batch.kv_cache, batch.block_table, plan, work,
                     tokens, plan.carve(buf), out, cfg=cfg, **kw)  # fmt: skip
     q = batch.query_start_loc
@@ -647,17 +740,18 @@ def test_run_writes_only_the_planned_requests_rows():
     split_len=st.sampled_from([16, 32, 48]),
     prefetch=st.sampled_from([0, 1, 2]),
     block_m=st.sampled_from([None, 8]),
+    own_keys=st.sampled_from([None, False]),
     bad=st.integers(0, 2**31 - 1),
 )
 def test_the_kernels_stay_inside_their_tensors(
     requests, preset, group, block_size, layout, odd_cache, split_len, prefetch,
-    block_m, bad,
+    block_m, own_keys, bad,
 ):  # fmt: skip
     """Rotation, attention and combine, on a cache that ends at its last block in use,
     at an odd address or not, with a block size that is not a power of two, a bad
-    block id in one request's cached part, a strided query, the slots of 0-2 tiles
-    ahead prefetched (loads under the interpreter), 16-row or transposed 8-row
-    tiles."""
+    block id in one request's cached part, a strided query, key and value, the slots
+    of 0-2 tiles ahead prefetched (loads under the interpreter), 16-row or transposed
+    8-row tiles, the chunk's own keys in the combine or through a causal call."""
     seed = bad % 1000
     batch = make_batch(requests, preset, head_dim=32 if preset != "turboquant_k8v4"
                        else 40, num_q_heads=2 * group, num_kv_heads=2,
@@ -671,9 +765,12 @@ def test_the_kernels_stay_inside_their_tensors(
     if odd_cache:
         buf = torch.empty(batch.kv_cache.numel() + 1, dtype=torch.uint8)
         batch.kv_cache = buf[1:].view(batch.kv_cache.shape).copy_(batch.kv_cache)
-    batch.query = batch.query.transpose(0, 1).contiguous().transpose(0, 1)
+    for name in ("query", "key", "value"):
+        t = getattr(batch, name)
+        setattr(batch, name, t.transpose(0, 1).contiguous().transpose(0, 1))
     with reads_within_arguments() as seen:
-        out = run(batch, split_len=split_len, prefetch=prefetch, block_m=block_m)
+        out = run(batch, split_len=split_len, prefetch=prefetch, block_m=block_m,
+                  own_keys=own_keys)  # fmt: skip
     assert {"_paged_kernel", "_combine_kernel"} <= seen.kernels or not any(
         c > 0 and q > 0 for c, q in requests
     )

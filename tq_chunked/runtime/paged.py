@@ -16,8 +16,11 @@ The work, in three launches (two for fp8-key presets):
    enough programs that every SM streams (flash-decoding). A program reads each slot
    once, keeps an online softmax over its split and writes a partial (out, lse).
 3. ``_combine_kernel``: per token and query head, the splits' partials merged by
-   log-sum-exp, with one more partial if given (the chunk's own causal attention, as
-   FlashAttention returns it), into ``out`` in its dtype.
+   log-sum-exp with the chunk's own causal attention, into ``out`` in its dtype. Where
+   every request of the plan has at most OWN_KEYS_MAX query tokens
+   (``PagedPlan.own_keys``: decode, speculative verification), the combine attends to
+   the chunk's keys itself (float32 scores and sums, over the key and value tensors);
+   otherwise it merges the partial a causal FlashAttention call returned.
 
 Exactness. A key is ``a_n c_n``: ``c_n`` its centroids as the fp16 table holds them (the
 dot's operand as loaded), ``a_n = norm / |c_n|`` applied to the scores; the sum of
@@ -76,8 +79,13 @@ from .merge import _term
 # partial row.
 WORK_FIELDS = 9
 # Per served token (one row of the combine), int32: the token, its first partial row,
-# its request's number of splits, the stride between its splits' rows (q_len).
-TOKEN_FIELDS = 4
+# its request's number of splits, the stride between its splits' rows (q_len), its
+# request's first query token (its first own key).
+TOKEN_FIELDS = 5
+# The most query tokens a request may have for the combine to attend to the chunk's own
+# keys (PagedPlan.own_keys): each combine program loops over that many keys, and the
+# causal FlashAttention call and its launch are saved (NOTES.md §50).
+OWN_KEYS_MAX = 16
 # Positions a split holds at least: below this the partial's write and the program's
 # prologue weigh against its reads.
 MIN_SPLIT = 256
@@ -117,10 +125,14 @@ class PagedPlan:
     tokens: torch.Tensor  # (served tokens x TOKEN_FIELDS,) int32, on the host
     part_rows: int  # rows of the split partials
     max_splits: int  # the most splits of a served request
+    max_q_len: int  # the most query tokens of a served request
     # bf16 queries: the chunk's own call on fp16 copies of its query, key and value,
     # so that its partial is rounded once in fp16 before the combine, as a long
-    # request's windows are (benchmarks/NOTES.md §3, §39)
+    # request's windows are (benchmarks/NOTES.md §3, §39); never with own_keys
     half_chunk: bool = False
+    # the combine attends to the chunk's own keys (no causal call before it, no
+    # partial to merge): every request has at most OWN_KEYS_MAX query tokens
+    own_keys: bool = False
     # the attention kernel's registers per thread (Triton's maxnreg); 0: Triton's
     # own count (register_cap)
     max_registers: int = 0
@@ -338,6 +350,7 @@ def plan_paged(
     half_chunk: bool = False,
     max_registers: int | None = None,
     prefetch: int | None = None,
+    own_keys: bool | None = None,
 ) -> PagedPlan:
     """The plan of the memory-bound path for the requests ``requests`` (default: all)
     of a batch, from host ints alone.
@@ -353,12 +366,13 @@ def plan_paged(
     ``PagedPlan.transposed``). Splits double until the scratch fits
     ``max_scratch_bytes`` (a ValueError if one split per request does not). A
     request with nothing cached has tokens (the combine writes them) and no work; one
-    without query tokens has neither. half_chunk: the
-    scratch holds fp16 copies of the served tokens' query, key and value for the
-    chunk's own call (bf16 queries: PagedPlan.half_chunk). max_registers: the
-    attention kernel's registers per thread, 0 for Triton's own count (default
-    ``register_cap``). prefetch: PagedPlan.prefetch (default 1 at the
-    PREFETCH_LAUNCHES, else 0).
+    without query tokens has neither. own_keys: the combine attends to the chunk's
+    own keys (PagedPlan.own_keys; default: where every served request has at most
+    OWN_KEYS_MAX query tokens). half_chunk: the scratch holds fp16 copies of the
+    served tokens' query, key and value for the chunk's own call (bf16 queries:
+    PagedPlan.half_chunk; not with own_keys). max_registers: the attention kernel's
+    registers per thread, 0 for Triton's own count (default ``register_cap``).
+    prefetch: PagedPlan.prefetch (default 1 at the PREFETCH_LAUNCHES, else 0).
     """
     cfg = resolve_config(preset, head_dim)
     hq, hk = num_q_heads, num_kv_heads
@@ -380,6 +394,14 @@ def plan_paged(
     if any(n < 0 for n in q_len) or any(c < 0 for c in cached):
         raise ValueError("seq_lens[r] must be at least request r's query tokens")
     rows = [n * group for n in q_len]
+    if own_keys is None:
+        own_keys = max(q_len, default=0) <= OWN_KEYS_MAX
+    elif own_keys and max(q_len, default=0) > OWN_KEYS_MAX:
+        raise ValueError(
+            f"own_keys takes requests of at most OWN_KEYS_MAX = {OWN_KEYS_MAX} query "
+            f"tokens, got {max(q_len)}"
+        )
+    half_chunk = half_chunk and not own_keys
     busy = [i for i in range(len(served)) if cached[i] > 0 and q_len[i] > 0]
     interpret = interpreting() if interpret is None else interpret
     most = max((rows[i] for i in busy), default=1)
@@ -430,7 +452,7 @@ def plan_paged(
                     block_m, block_n, num_warps, head_dim, interpret
                 )
             return dataclasses.replace(
-                plan, max_registers=max_registers, prefetch=prefetch
+                plan, max_registers=max_registers, prefetch=prefetch, own_keys=own_keys
             )
         if split_len >= longest:
             raise ValueError(
@@ -474,7 +496,7 @@ def _build(
 
     i = _owners(q_a)  # each served token's request
     t = torch.arange(i.numel()) - crow0[i]
-    tokens = torch.stack([q0_a[i] + t, part0[i] + t, splits[i], q_a[i]], dim=1)
+    tokens = torch.stack([q0_a[i] + t, part0[i] + t, splits[i], q_a[i], q0_a[i]], dim=1)
 
     count = tiles_a * hk * splits
     i = _owners(count)  # each program's request
@@ -500,6 +522,7 @@ def _build(
         tokens.to(torch.int32).reshape(-1),
         int((splits * q_a).sum()),
         int(splits.max()) if n else 0,
+        int(q_a.max()) if n else 0,
         half_chunk,
     )
 
@@ -530,13 +553,15 @@ def _rotate_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TOKEN_FIELDS: tl.constexpr,
 ):
     """Rows (served token, head) of ``q @ rotation^T`` in float32 (products and sums
     in float32, as ``q.float() @ rotation.float().T``); program 0 also writes the
     centroid table as fp16."""
     i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = i < n_rows
-    tok = tl.load(tokens_ptr + (i // HQ) * 4, mask=live, other=0).to(tl.int64)
+    tok = tl.load(tokens_ptr + (i // HQ) * TOKEN_FIELDS, mask=live, other=0)
+    tok = tok.to(tl.int64)
     head = (i % HQ).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
@@ -1439,39 +1464,120 @@ def _paged_kernel(
 # ---------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["n_tokens", "max_splits", "new_lse_row0"])
+@triton.jit
+def _own_keys(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tok,
+    q0,
+    live,
+    head,
+    n_own,
+    s_q_tok,
+    s_q_head,
+    s_q_d,
+    s_k_tok,
+    s_k_head,
+    s_k_d,
+    s_v_tok,
+    s_v_head,
+    s_v_d,
+    scale,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """The chunk's own causal attention of BLOCK_T tokens for one query head: token
+    ``tok`` over its request's keys ``q0 .. tok`` (at most ``n_own``), scores and sums
+    in float32 (natural log). Returns (m, l, acc, nan): the largest score, the sum of
+    exp(score - m), the unnormalized sum of exp(score - m) x value, and whether a
+    score was NaN or +inf (the row is NaN, as one softmax gives). A key past the
+    token is never read; a -inf score weighs 0 (times a value's inf: NaN, as a
+    matmul gives)."""
+    d = tl.arange(0, BLOCK_D)[None, :]
+    dm = live[:, None] & (d < D)
+    kv_head = head // GROUP
+    q = tl.load(q_ptr + tok[:, None] * s_q_tok + head * s_q_head + d * s_q_d,
+                mask=dm, other=0.0).to(tl.float32)  # fmt: skip
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_T], tl.float32)
+    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    nan = tl.zeros([BLOCK_T], tl.int1)
+    for j in range(0, n_own):
+        key = q0 + j
+        see = live & (key <= tok)
+        sm = see[:, None] & (d < D)
+        k = tl.load(k_ptr + key[:, None] * s_k_tok + kv_head * s_k_head + d * s_k_d,
+                    mask=sm, other=0.0).to(tl.float32)  # fmt: skip
+        s = tl.sum(q * k, axis=1) * scale
+        bad = (s != s) | (s == float("inf"))
+        nan = nan | (see & bad)
+        s = tl.where(see & ~bad, s, float("-inf"))
+        m_new = tl.maximum(m, s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe)
+        v = tl.load(v_ptr + key[:, None] * s_v_tok + kv_head * s_v_head + d * s_v_d,
+                    mask=sm, other=0.0).to(tl.float32)  # fmt: skip
+        total = total * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v  # p = 0, v = 0 past the token
+        m = m_new
+    return m, total, acc, nan
+
+
+@triton.jit(do_not_specialize=["n_tokens", "max_splits", "new_lse_row0", "n_own"])
 def _combine_kernel(
     po_ptr,  # (part_rows, HQ, D) float32
     plse_ptr,  # (part_rows, HQ) float32
     tokens_ptr,  # (served tokens, TOKEN_FIELDS) int32
     new_ptr,  # the chunk's partial (N, HQ, D), any float dtype (HAS_NEW)
     new_lse_ptr,  # (HQ, N') float32, FlashAttention's conventions (HAS_NEW)
+    q_ptr,  # (N, HQ, D) the query (OWN_KEYS)
+    k_ptr,  # (N, HK, D) the chunk's keys (OWN_KEYS)
+    v_ptr,  # (N, HK, D) the chunk's values (OWN_KEYS)
     out_ptr,  # (N, HQ, D)
     lse_out_ptr,  # (HQ, N) float32 (WRITE_LSE)
     n_tokens,
     max_splits,
+    n_own,  # the most query tokens of a served request (OWN_KEYS)
     s_new_tok,
     s_new_head,
     s_new_lse_head,
     new_lse_row0,  # the token whose chunk lse is new_lse's first column
+    s_q_tok,
+    s_q_head,
+    s_q_d,
+    s_k_tok,
+    s_k_head,
+    s_k_d,
+    s_v_tok,
+    s_v_head,
+    s_v_d,
+    scale,  # the softmax scale (OWN_KEYS)
     s_out_tok,
     s_out_head,
     s_lse_head,
     HQ: tl.constexpr,
+    GROUP: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     HAS_NEW: tl.constexpr,
+    OWN_KEYS: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     ROUND_BF16: tl.constexpr,  # see _utils.round_bf16
+    TOKEN_FIELDS: tl.constexpr,
 ):
     """The out (and lse) of BLOCK_T served tokens for one head: the log-sum-exp merge of
-    their splits' partials and the chunk's, with merge.py's rules (a side without keys
-    weighs nothing and is never read; a NaN sum makes the row NaN)."""
-    head = tl.program_id(1)
+    their splits' partials and the chunk's own attention (OWN_KEYS: computed here;
+    HAS_NEW: the partial given), with merge.py's rules (a side without keys weighs
+    nothing and is never read; a NaN sum makes the row NaN)."""
+    head = tl.program_id(1).to(tl.int64)  # int64 addresses: head x a head's stride
     c = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # served token rows
     live = c < n_tokens
-    fields = tokens_ptr + c * 4
+    fields = tokens_ptr + c * TOKEN_FIELDS
     tok = tl.load(fields, mask=live, other=0).to(tl.int64)
     first = tl.load(fields + 1, mask=live, other=0)
     n_splits = tl.load(fields + 2, mask=live, other=0)
@@ -1487,6 +1593,15 @@ def _combine_kernel(
                      other=float("-inf"))  # fmt: skip
         nan = nan | (lj != lj)
         m = tl.maximum(m, lj)
+    if OWN_KEYS:
+        q0 = tl.load(fields + 4, mask=live, other=0).to(tl.int64)
+        m_o, l_o, acc_o, nan_o = _own_keys(
+            q_ptr, k_ptr, v_ptr, tok, q0, live, head, n_own,
+            s_q_tok, s_q_head, s_q_d, s_k_tok, s_k_head, s_k_d, s_v_tok, s_v_head,
+            s_v_d, scale, GROUP, D, BLOCK_D, BLOCK_T,
+        )  # fmt: skip
+        nan = nan | nan_o
+        m = tl.maximum(m, m_o)
     if HAS_NEW:
         o_s = tl.load(
             new_ptr + tok[:, None] * s_new_tok + head * s_new_head + d, mask=dm, other=0
@@ -1516,6 +1631,11 @@ def _combine_kernel(
         wj = tl.exp(lj - m)
         acc += _term(wj[:, None], o)
         total += wj
+    if OWN_KEYS:
+        # the own keys' sums, taken from their largest score to the merge's
+        w_o = tl.exp(m_o - m)
+        acc += _term(w_o[:, None], acc_o)
+        total += w_o * l_o
     if HAS_NEW:
         w_s = tl.exp(l_s - m)
         acc += _term(w_s[:, None], o_s)
@@ -1561,15 +1681,19 @@ def paged_attention(
     new: torch.Tensor | None = None,
     new_lse: torch.Tensor | None = None,
     new_lse_row0: int = 0,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
     err: torch.Tensor | None = None,
     q_split: bool = True,
     lookup: bool = True,
     fence: bool = True,
 ) -> None:
     """The memory-bound path for ``plan``'s tokens: ``out`` rows (and ``lse``) of each
-    served token, over its request's cached positions and, given ``new`` and
+    served token, over its request's cached positions and its chunk's own keys: with
+    ``plan.own_keys`` from ``key`` and ``value`` (required), else, given ``new`` and
     ``new_lse``, merged with that partial (the chunk's own causal attention, as
-    ``attention.varlen_attention`` writes and returns it).
+    ``attention.varlen_attention`` writes and returns it; without them, the cached
+    positions alone).
 
     query: (N, Hq, D) fp16/bf16, any strides. kv_cache: uint8 (num_blocks,
     block_size, Hk, slot_bytes), unit stride over the slot. block_table: int32 (B,
@@ -1578,7 +1702,8 @@ def paged_attention(
     stride over D, any float dtype: only the served tokens' rows are written. lse:
     (Hq, N) float32, unit stride over N, or None. new: (N, Hq, D), unit stride over D
     (may be ``out`` itself: each element is read before it is written); new_lse: (Hq,
-    N') float32, unit stride over N', column ``t - new_lse_row0`` token t's. err: int64
+    N') float32, unit stride over N', column ``t - new_lse_row0`` token t's. key,
+    value: (N, Hk, D) of the query's dtype, any strides (own_keys). err: int64
     (1,) on the device, or None: the smallest ``(request << 32) + column`` of a block id
     outside ``[0, num_blocks)`` among those read, by ``atomic_min``. q_split: the
     rotated query as fp16 hi + lo (two key dots); off, one. lookup: 3- and 4-bit
@@ -1607,6 +1732,16 @@ def paged_attention(
         )
     if plan.rotated and (rotation is None or rotation.shape != (d, d)):
         raise ValueError(f"rotation must be ({d}, {d}) for MSE keys")
+    if plan.own_keys:
+        for name, t in (("key", key), ("value", value)):
+            if t is None or t.shape != (n, hk, d) or t.dtype != query.dtype:
+                raise ValueError(
+                    f"{name} must be a {query.dtype} ({n}, {hk}, {d}) tensor for a "
+                    f"plan whose combine attends to the chunk's own keys, got "
+                    f"{None if t is None else (t.dtype, tuple(t.shape))}"
+                )
+        if new is not None:
+            raise ValueError("new: a plan with own_keys takes key and value, not new")
     interp = interpreting() or not query.is_cuda
     block_d = next_power_of_2(d)
     if plan.num_tokens == 0:
@@ -1635,6 +1770,7 @@ def paged_attention(
             block_d,
             block_r,
             min(block_d, 32),
+            TOKEN_FIELDS,
             num_warps=4,
         )
         q = scratch.query
@@ -1690,10 +1826,12 @@ def paged_attention(
             maxnreg=plan.max_registers or None,
         )
     block_t = 16 if block_d <= 128 else 8
-    has_new = new is not None
+    own = plan.own_keys
+    has_new = new is not None and not own
     new_strides = (0, 0, 0)
-    if new is not None and new_lse is not None:
+    if has_new and new_lse is not None:
         new_strides = (new.stride(0), new.stride(1), new_lse.stride(0))
+    k, v = (key, value) if own else (query, query)  # not read without own keys
     launch_combine(
         (cdiv(plan.num_tokens, block_t), hq),
         scratch.part_out,
@@ -1701,22 +1839,33 @@ def paged_attention(
         tokens,
         new if has_new else out,
         new_lse if has_new else scratch.part_lse,
+        query,
+        k,
+        v,
         out,
         lse if lse is not None else scratch.part_lse,
         plan.num_tokens,
         plan.max_splits,
+        plan.max_q_len if own else 0,
         *new_strides,
         new_lse_row0,
+        *query.stride(),
+        *k.stride(),
+        *v.stride(),
+        scale,
         out.stride(0),
         out.stride(1),
         lse.stride(0) if lse is not None else 0,
         hq,
+        hq // hk,
         d,
         block_d,
         block_t,
         has_new,
+        own,
         lse is not None,
         interpreter_rounds_bf16(out.dtype),
+        TOKEN_FIELDS,
         num_warps=4,
     )
 
@@ -1748,12 +1897,13 @@ def paged_continuation_prefill_varlen(
 ):
     """What ``continuation_prefill_varlen`` computes, through the memory-bound path
     for every request: the cached positions by ``paged_attention``, the chunk's own
-    tokens by one causal varlen call, merged in the combine. Allocates its scratch and
+    tokens in its combine (``PagedPlan.own_keys``) or by one causal varlen call merged
+    there. Allocates its scratch and
     work arrays (a convenience for tests and benchmarks; ``plan_paged``,
     ``PagedPlan.carve`` and ``paged_attention`` are the allocation-free form).
     ``launch``: ``plan_paged``'s keywords (block_m, block_n, num_warps, split_len,
-    sms, programs_per_sm); q_split, lookup, fence: ``paged_attention``'s. info: a
-    dict given here receives the plan."""
+    sms, programs_per_sm, own_keys); q_split, lookup, fence: ``paged_attention``'s.
+    info: a dict given here receives the plan."""
     from .attention import make_call, resolve_backend, varlen_attention
 
     as_list = lambda x: [int(v) for v in (x.tolist() if hasattr(x, "tolist") else x)]
@@ -1777,15 +1927,17 @@ def paged_continuation_prefill_varlen(
     out = torch.empty_like(query) if out is None else out
     if return_lse and lse is None:
         lse = torch.empty(hq, n, dtype=torch.float32, device=query.device)
-    b = len(lens)
-    q_lens = [qsl[i + 1] - qsl[i] for i in range(b)]
-    backend = resolve_backend(backend, query.device, d)
-    call = make_call(q_lens, q_lens, True, query.device)
-    # the chunk's partial in fp16 for bf16 queries too, as a step's paged run makes it
-    # (prefill._Layer.paged_run; NOTES.md §39)
-    q, k, v = (x.to(torch.float16) for x in (query, key, value))
-    new = torch.empty_like(q)
-    new_lse = varlen_attention(call, q, k, v, scale, new, backend)
+    new = new_lse = None
+    if not plan.own_keys:
+        b = len(lens)
+        q_lens = [qsl[i + 1] - qsl[i] for i in range(b)]
+        backend = resolve_backend(backend, query.device, d)
+        call = make_call(q_lens, q_lens, True, query.device)
+        # the chunk's partial in fp16 for bf16 queries too, as a step's paged run
+        # makes it (prefill._Layer.paged_run; NOTES.md §39)
+        q, k, v = (x.to(torch.float16) for x in (query, key, value))
+        new = torch.empty_like(q)
+        new_lse = varlen_attention(call, q, k, v, scale, new, backend)
     paged_attention(
         query,
         kv_cache,
@@ -1802,6 +1954,8 @@ def paged_continuation_prefill_varlen(
         lse=lse,
         new=new,
         new_lse=new_lse,
+        key=key,
+        value=value,
         q_split=q_split,
         lookup=lookup,
         fence=fence,

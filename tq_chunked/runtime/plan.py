@@ -146,14 +146,16 @@ class LongRequest:
 
 @dataclass(frozen=True)
 class PagedRun:
-    """Consecutive requests through the memory-bound path: one causal call over their
-    own tokens (``chunk``: query rows [q0, q1) against the same rows of key/value),
-    then ``paged.paged_attention`` over their cached positions, merged with it."""
+    """Consecutive requests through the memory-bound path: ``paged.paged_attention``
+    over their cached positions and their own tokens: in its combine where each has at
+    most paged.OWN_KEYS_MAX (``paged.own_keys``), else after one causal call over
+    their own tokens (``chunk``: query rows [q0, q1) against the same rows of
+    key/value), merged with it."""
 
     q0: int
     q1: int
     requests: tuple[int, ...]
-    chunk: Call
+    chunk: Call | None  # None with paged.own_keys
     paged: PagedPlan  # the splits and the scratch
     work: torch.Tensor  # int32 (programs, WORK_FIELDS) on the device
     tokens: torch.Tensor  # int32 (served tokens, TOKEN_FIELDS) on the device
@@ -691,8 +693,10 @@ def _units(
             at, nc, nw, nt, cu = paged_spans[s[1]]
             w0, t0 = at + nc, at + nc + nw
             lens = [cu[i + 1] - cu[i] for i in range(len(run))]
-            chunk = Call(dev[at : at + nc], dev[at : at + nc], cu, cu,
-                         max(lens), max(lens), True)  # fmt: skip
+            chunk = None
+            if not plan.own_keys:  # the combine attends to the own keys itself
+                chunk = Call(dev[at : at + nc], dev[at : at + nc], cu, cu,
+                             max(lens), max(lens), True)  # fmt: skip
             out.append(
                 PagedRun(
                     q0=qsl[run[0]],

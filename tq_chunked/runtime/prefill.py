@@ -827,24 +827,28 @@ class _Layer:
             self.lse[:, rows].copy_(lse)
 
     def paged_run(self, run, scratch):
-        """Requests through the memory-bound path: their own tokens' causal attention
-        into out's bytes (a partial, fp16 for fp16 and bf16 queries alike), then their
-        cached positions read from the cache and merged with it into out
-        (paged.py)."""
+        """Requests through the memory-bound path: their cached positions read from
+        the cache (paged.py) and their own tokens' causal attention, merged into out.
+        Requests of at most paged.OWN_KEYS_MAX tokens (``run.paged.own_keys``): the
+        combine attends to their own keys itself. Longer ones: a causal call first,
+        its partial into out's bytes (fp16 for fp16 and bf16 queries alike), which
+        the combine merges."""
         rows = slice(run.q0, run.q1)
-        q, k, v = self.query[rows], self.key[rows], self.value[rows]
-        part = self.out
-        if run.paged.half_chunk:
-            # bf16: the partial computed and rounded in fp16, as a long request's
-            # windows are (NOTES.md §3, §39); it waits in out's own bytes
-            scratch.chunk_q.copy_(q)
-            scratch.chunk_k.copy_(k)
-            scratch.chunk_v.copy_(v)
-            q, k, v = scratch.chunk_q, scratch.chunk_k, scratch.chunk_v
-            part = self.out.view(torch.float16)
-        chunk_lse = varlen_attention(
-            run.chunk, q, k, v, self.scale, part[rows], self.step.backend
-        )
+        new = new_lse = None
+        if not run.paged.own_keys:
+            q, k, v = self.query[rows], self.key[rows], self.value[rows]
+            new = self.out
+            if run.paged.half_chunk:
+                # bf16: the partial computed and rounded in fp16, as a long request's
+                # windows are (NOTES.md §3, §39); it waits in out's own bytes
+                scratch.chunk_q.copy_(q)
+                scratch.chunk_k.copy_(k)
+                scratch.chunk_v.copy_(v)
+                q, k, v = scratch.chunk_q, scratch.chunk_k, scratch.chunk_v
+                new = self.out.view(torch.float16)
+            new_lse = varlen_attention(
+                run.chunk, q, k, v, self.scale, new[rows], self.step.backend
+            )
         paged_attention(
             self.query,
             self.kv_cache,
@@ -859,9 +863,11 @@ class _Layer:
             rotation=self.rotation,
             scale=self.scale,
             lse=self.lse,
-            new=part,
-            new_lse=chunk_lse,
+            new=new,
+            new_lse=new_lse,
             new_lse_row0=run.q0,
+            key=self.key,
+            value=self.value,
             err=self.err,
         )
 

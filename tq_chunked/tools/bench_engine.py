@@ -66,7 +66,7 @@ import types
 import torch
 from tqdm import tqdm
 
-from .. import ContinuationPrefill, continuation_prefill_varlen, workspace_bytes
+from .. import ContinuationPrefill, continuation_prefill_varlen
 from ..runtime.plan import default_window
 from .testing import (
     LAYER_GEMMS,
@@ -262,18 +262,11 @@ def method_tq_chunked_default(layers: Layers):
 
 def method_tq_chunked(layers: Layers, path="auto"):
     """The plugin's flow: one ``ContinuationPrefill`` with a workspace of
-    workspace_bytes(N); its ``plan`` once a step (in layer 0's call, as vLLM's
+    its workspace_bytes(N); its ``plan`` once a step (in layer 0's call, as vLLM's
     builder makes it once a step before the layers run) and ``run`` per layer, each
     request on the path the plan picks (``path="window"``: every request through
     windows; ``"paged"``: every request with cached tokens on the memory-bound path).
     Host time per call is the plan's share (over the layers) plus a run's."""
-    n = layers.qsl[-1]
-    window = default_window(layers.hk, layers.d, 16)
-    ws = torch.empty(
-        workspace_bytes(n, layers.hq, layers.hk, layers.d, window, layers.dtype),
-        dtype=torch.uint8,
-        device=layers.block_table.device,
-    )
     kw = dict(layers.kwargs)
     prefill = ContinuationPrefill(
         layers.hq,
@@ -282,9 +275,14 @@ def method_tq_chunked(layers: Layers, path="auto"):
         preset=kw.pop("preset"),
         dtype=layers.dtype,
         block_size=16,
-        window=window,
+        window=default_window(layers.hk, layers.d, 16),
         path=path,
         check_block_table=False,
+    )
+    ws = torch.empty(
+        prefill.workspace_bytes(layers.qsl[-1]),
+        dtype=torch.uint8,
+        device=layers.block_table.device,
     )
     step: list = [None]
 

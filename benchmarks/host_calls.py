@@ -1,0 +1,130 @@
+"""Host time of each layer's call in the bench's engine mode, one call at a time (GPU).
+
+    python benchmarks/host_calls.py OUT_DIR [--workloads "decode 64 x 1K-8K,..."]
+        [--methods floor,tq_chunked] [--freeze]
+
+``tq-chunked bench`` reports the mean host time per call over a step's layers; one
+slow call (layer 0's, which also plans the step) moves that mean. Here each layer's
+call of a workload of ``testing.memory_bound_workloads`` (default: the first decode) is
+timed alone behind a spin kernel, as ``bench_engine.measure`` does, for 2 rounds at a
+head start of 2 ms and 2 at 10 ms; printed per round: layer 0's host time, the other
+layers' median and largest, the mean, and the garbage collector's passes that fell in
+the round (``gc.callbacks``: generation and ms). Then the CUDA runtime calls of layers
+0 and 1 (profiler) and any synchronization torch's sync debug mode warns of. With
+--freeze, the rounds run again after ``gc.collect(); gc.freeze()`` (what vLLM's engine
+does once it has started), to tell the collector's share (benchmarks/NOTES.md §50).
+JSON: host-calls.json in OUT_DIR (each round's per-layer ms).
+"""
+
+import argparse
+import gc
+import json
+import statistics
+import time
+import warnings
+
+import torch
+
+from tq_chunked.tools import bench_engine as be
+from tq_chunked.tools.testing import SHAPES, memory_bound_workloads
+from tq_chunked.tools.vllm_harness import build_vllm_tq
+
+METHODS = {"floor": be.method_floor, "tq_chunked": be.method_tq_chunked}
+
+
+class GCPauses:
+    """The collector's passes while recording: (generation, ms)."""
+
+    def __init__(self):
+        self.pauses, self._t0 = [], 0.0
+        gc.callbacks.append(self)
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            ms = (time.perf_counter() - self._t0) * 1e3
+            self.pauses.append((info["generation"], round(ms, 2)))
+
+
+def rounds(fs, cycles, collector, label, out):
+    for head in (2.0, 2.0, 10.0, 10.0):
+        collector.pauses.clear()
+        host = []
+        for f in fs:
+            torch.cuda._sleep(int(head * cycles))
+            t0 = time.perf_counter()
+            f()
+            host.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize()
+        print(
+            f"{label}, head start {head:g} ms: layer 0 {host[0]:.3f} ms, others "
+            f"median {statistics.median(host[1:]):.3f} max {max(host[1:]):.3f}, mean "
+            f"{statistics.mean(host):.3f}; gc passes {collector.pauses}",
+            flush=True,
+        )
+        out.append(dict(label=label, head_ms=head, host_ms=host,
+                        gc=list(collector.pauses)))  # fmt: skip
+
+
+def runtime_calls(fs, cycles):
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        torch.cuda._sleep(int(5 * cycles))
+        fs[0]()
+        fs[1]()
+        torch.cuda.synchronize()
+    calls = sorted({e.name for e in prof.events() if e.name.startswith("cu")})
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fs[0]()
+        fs[1]()
+    torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message)[:160] for w in seen if "ynchroniz" in str(w.message)]
+    return calls, syncs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--workloads", default="decode 64 x 1K-8K")
+    ap.add_argument("--methods", default="floor,tq_chunked")
+    ap.add_argument("--freeze", action="store_true")
+    a = ap.parse_args()
+    grid = {w.name: w for w in memory_bound_workloads()}
+    names = a.workloads.split(",")
+    unknown = [n for n in names if n not in grid] + [
+        m for m in a.methods.split(",") if m not in METHODS
+    ]
+    if unknown:
+        ap.error(f"unknown workloads or methods: {unknown}")
+    collector, results = GCPauses(), []
+    cycles = be._spin_cycles_per_ms()
+    for name in names:
+        w = grid[name]
+        hq, hk, d = SHAPES[w.shape]
+        layers = be.Layers(w, be.LAYERS, build_vllm_tq(w.preset, hq, hk, d), "cuda")
+        for method in a.methods.split(","):
+            fs = METHODS[method](layers)
+            for f in fs:  # compiles, plans
+                f()
+            torch.cuda.synchronize()
+            label = f"{name}, {method}"
+            rounds(fs, cycles, collector, label, results)
+            calls, syncs = runtime_calls(fs, cycles)
+            print(f"{label}: CUDA calls of layers 0-1 {calls}; sync warnings {syncs}")
+            if a.freeze:
+                gc.collect()
+                gc.freeze()
+                rounds(fs, cycles, collector, label + ", gc frozen", results)
+                gc.unfreeze()
+        del layers
+        torch.cuda.empty_cache()
+    with open(f"{a.out}/host-calls.json", "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
