@@ -1829,9 +1829,12 @@ def paged_attention(
     own = plan.own_keys
     has_new = new is not None and not own
     new_strides = (0, 0, 0)
-    if has_new and new_lse is not None:
+    if new is not None and new_lse is not None and not own:
         new_strides = (new.stride(0), new.stride(1), new_lse.stride(0))
-    k, v = (key, value) if own else (query, query)  # not read without own keys
+    k, v = query, query  # not read without own keys
+    if own:
+        assert key is not None and value is not None  # checked above
+        k, v = key, value
     launch_combine(
         (cdiv(plan.num_tokens, block_t), hq),
         scratch.part_out,
