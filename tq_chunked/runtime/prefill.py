@@ -829,10 +829,10 @@ class _Layer:
     def paged_run(self, run, scratch):
         """Requests through the memory-bound path: their cached positions read from
         the cache (paged.py) and their own tokens' causal attention, merged into out.
-        Requests of at most paged.OWN_KEYS_MAX tokens (``run.paged.own_keys``): the
-        combine attends to their own keys itself. Longer ones: a causal call first,
-        its partial into out's bytes (fp16 for fp16 and bf16 queries alike), which
-        the combine merges."""
+        A run whose requests have at most paged.OWN_KEYS_MAX tokens each
+        (``run.paged.own_keys``): the combine attends to their own keys itself.
+        Otherwise a causal call first, its partial into out's bytes (fp16 for fp16 and
+        bf16 queries alike), which the combine merges."""
         rows = slice(run.q0, run.q1)
         new = new_lse = None
         if not run.paged.own_keys:
