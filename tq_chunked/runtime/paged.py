@@ -1490,12 +1490,12 @@ def _own_keys(
     BLOCK_T: tl.constexpr,
 ):
     """The chunk's own causal attention of BLOCK_T tokens for one query head: token
-    ``tok`` over its request's keys ``q0 .. tok`` (at most ``n_own``), scores and sums
-    in float32 (natural log). Returns (m, l, acc, nan): the largest score, the sum of
-    exp(score - m), the unnormalized sum of exp(score - m) x value, and whether a
-    score was NaN or +inf (the row is NaN, as one softmax gives). A key past the
-    token is never read; a -inf score weighs 0 (times a value's inf: NaN, as a
-    matmul gives)."""
+    ``tok`` over its request's keys ``q0 .. tok`` (at most ``n_own``), scores and
+    sums in float32 (natural log). Returns (m, total, acc, nan): the largest score,
+    the sum of exp(score - m), the unnormalized sum of exp(score - m) x value, and
+    whether a score was NaN or +inf (the row is NaN, as one softmax gives). A key
+    past the token is never read; a -inf score weighs 0 (times a value's inf: NaN,
+    as a matmul gives)."""
     d = tl.arange(0, BLOCK_D)[None, :]
     dm = live[:, None] & (d < D)
     kv_head = head // GROUP
@@ -1901,9 +1901,9 @@ def paged_continuation_prefill_varlen(
     """What ``continuation_prefill_varlen`` computes, through the memory-bound path
     for every request: the cached positions by ``paged_attention``, the chunk's own
     tokens in its combine (``PagedPlan.own_keys``) or by one causal varlen call merged
-    there. Allocates its scratch and
-    work arrays (a convenience for tests and benchmarks; ``plan_paged``,
-    ``PagedPlan.carve`` and ``paged_attention`` are the allocation-free form).
+    there. Allocates its scratch and work arrays (a convenience for tests and
+    benchmarks; ``plan_paged``, ``PagedPlan.carve`` and ``paged_attention`` are the
+    allocation-free form).
     ``launch``: ``plan_paged``'s keywords (block_m, block_n, num_warps, split_len,
     sms, programs_per_sm, own_keys); q_split, lookup, fence: ``paged_attention``'s.
     info: a dict given here receives the plan."""
