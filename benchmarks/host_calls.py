@@ -8,17 +8,25 @@ slow call (layer 0's, which also plans the step) moves that mean. Here each laye
 call of a workload of ``testing.memory_bound_workloads`` (default: the first decode) is
 timed alone behind a spin kernel, as ``bench_engine.measure`` does, for 2 rounds at a
 head start of 2 ms and 2 at 10 ms; printed per round: layer 0's host time, the other
-layers' median and largest, the mean, and the garbage collector's passes that fell in
-the round (``gc.callbacks``: generation and ms). Then the CUDA runtime calls of layers
-0 and 1 (profiler) and any synchronization torch's sync debug mode warns of. With
---freeze, the rounds run again after ``gc.collect(); gc.freeze()`` (what vLLM's engine
-does once it has started), to tell the collector's share (benchmarks/NOTES.md §50).
-JSON: host-calls.json in OUT_DIR (each round's per-layer ms).
+layers' median and largest, the mean, the garbage collector's passes that fell in
+the round (``gc.callbacks``: generation and ms), and what the round's calls asked of
+the allocators (``ALLOCATOR_COUNTS``: new device segments, retries, pinned host
+allocations and their us). Layer 0's call runs under cProfile in every round (its host
+time includes the profiler's); where it takes over 10 ms its five slowest functions by
+cumulative time are printed, so that a slow plan names its cause. Then the CUDA
+runtime calls of layers 0 and 1 (profiler) and any synchronization torch's sync debug
+mode warns of. With --freeze, the rounds run again after ``gc.collect();
+gc.freeze()`` (what vLLM's engine does once it has started), to tell the collector's
+share (benchmarks/NOTES.md §50). JSON: host-calls.json in OUT_DIR (each round's
+per-layer ms and allocator counts).
 """
 
 import argparse
+import cProfile
 import gc
+import io
 import json
+import pstats
 import statistics
 import time
 import warnings
@@ -30,6 +38,24 @@ from tq_chunked.tools.testing import SHAPES, memory_bound_workloads
 from tq_chunked.tools.vllm_harness import build_vllm_tq
 
 METHODS = {"floor": be.method_floor, "tq_chunked": be.method_tq_chunked}
+# What a call can ask of the allocators that takes milliseconds: (stats function, key).
+# A device segment is a cudaMalloc (a retry frees the cache first, which synchronizes);
+# a pinned host allocation is a cudaHostAlloc (the plan's upload pins its ints). A
+# torch without host_memory_stats (before 2.7) reports 0 for the host's.
+host_stats = getattr(torch.cuda, "host_memory_stats", dict)
+ALLOCATOR_COUNTS = {
+    "device segments": (torch.cuda.memory_stats, "num_device_alloc"),
+    "device retries": (torch.cuda.memory_stats, "num_alloc_retries"),
+    "host allocs": (host_stats, "num_host_alloc"),
+    "host alloc us": (host_stats, "host_alloc_time.total"),
+}
+SLOW_MS = 10.0
+
+
+def allocator_counts() -> dict:
+    return {
+        name: stats().get(key, 0) for name, (stats, key) in ALLOCATOR_COUNTS.items()
+    }
 
 
 class GCPauses:
@@ -50,21 +76,32 @@ class GCPauses:
 def rounds(fs, cycles, collector, label, out):
     for head in (2.0, 2.0, 10.0, 10.0):
         collector.pauses.clear()
-        host = []
-        for f in fs:
+        host, before = [], allocator_counts()
+        prof = cProfile.Profile()
+        for i, f in enumerate(fs):
             torch.cuda._sleep(int(head * cycles))
             t0 = time.perf_counter()
-            f()
+            if i == 0:
+                prof.runcall(f)
+            else:
+                f()
             host.append((time.perf_counter() - t0) * 1e3)
             torch.cuda.synchronize()
+        after = allocator_counts()
+        asked = {k: round(after[k] - before[k], 3) for k in after}
         print(
-            f"{label}, head start {head:g} ms: layer 0 {host[0]:.3f} ms, others "
-            f"median {statistics.median(host[1:]):.3f} max {max(host[1:]):.3f}, mean "
-            f"{statistics.mean(host):.3f}; gc passes {collector.pauses}",
+            f"{label}, head start {head:g} ms: layer 0 {host[0]:.3f} ms (profiled), "
+            f"others median {statistics.median(host[1:]):.3f} max {max(host[1:]):.3f}, "
+            f"mean {statistics.mean(host):.3f}; gc passes {collector.pauses}; "
+            f"allocators {asked}",
             flush=True,
         )
+        if host[0] > SLOW_MS:
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(5)
+            print(text.getvalue().strip(), flush=True)
         out.append(dict(label=label, head_ms=head, host_ms=host,
-                        gc=list(collector.pauses)))  # fmt: skip
+                        gc=list(collector.pauses), allocators=asked))  # fmt: skip
 
 
 def runtime_calls(fs, cycles):

@@ -486,16 +486,6 @@ def test_the_plans_work_list_is_the_loops(reqs, heads, split_len, data):
     assert plan.max_q_len == max([t[3] for t in tokens], default=0)
 
 
-@given(st.lists(st.integers(0, 40), max_size=64))
-@settings(max_examples=200, deadline=None)
-def test_the_plans_owner_index_is_repeat_interleave(counts):
-    """paged._owners: each entry's owner, as repeat_interleave gives it (owners with
-    no entries anywhere, an empty list included)."""
-    count = torch.tensor(counts, dtype=torch.int64)
-    want = torch.repeat_interleave(torch.arange(len(counts)), count)
-    assert torch.equal(paged._owners(count), want)
-
-
 def test_the_plans_split_aims_at_the_sms_and_its_scratch_is_its_regions():
     qsl, lens = [0, 1, 2], [4097, 9001]
     plan = plan_paged(qsl, lens, 32, 8, 128, "turboquant_3bit_nc", sms=132,

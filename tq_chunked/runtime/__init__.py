@@ -1,7 +1,7 @@
 """tq_chunked's runtime: windowed continuation prefill over a TurboQuant-compressed
 paged KV cache. This directory is what vLLM vendors (``python -m tq_chunked.vendor``)
 as ``vllm.v1.attention.ops.tq_chunked``; it imports only itself, the standard library,
-torch, triton and (inside functions) vllm."""
+numpy, torch, triton and (inside functions) vllm."""
 
 from .format import PRESETS, TQConfig, hadamard, lloyd_max_centroids
 from .plan import default_window, workspace_bytes

@@ -56,6 +56,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -387,24 +388,28 @@ def plan_paged(
             f"query_start_loc must hold B + 1 = {b + 1} ints, got "
             f"{len(query_start_loc)}"
         )
-    served = range(b) if requests is None else list(requests)
-    q0 = [int(query_start_loc[r]) for r in served]
-    q_len = [int(query_start_loc[r + 1]) - q0[i] for i, r in enumerate(served)]
-    cached = [int(seq_lens[r]) - q_len[i] for i, r in enumerate(served)]
-    if any(n < 0 for n in q_len) or any(c < 0 for c in cached):
+    # the served requests' ints as int64 arrays, one entry a request (numpy: its ops
+    # on arrays this small cost a fraction of torch's, NOTES.md §51)
+    served = np.arange(b) if requests is None else np.asarray(requests, np.int64)
+    starts = np.asarray(query_start_loc, np.int64)
+    q0 = starts[served]
+    q_len = starts[served + 1] - q0
+    cached = np.asarray(seq_lens, np.int64)[served] - q_len
+    if (q_len < 0).any() or (cached < 0).any():
         raise ValueError("seq_lens[r] must be at least request r's query tokens")
-    rows = [n * group for n in q_len]
+    rows = q_len * group
+    longest_q = int(q_len.max(initial=0))
     if own_keys is None:
-        own_keys = max(q_len, default=0) <= OWN_KEYS_MAX
-    elif own_keys and max(q_len, default=0) > OWN_KEYS_MAX:
+        own_keys = longest_q <= OWN_KEYS_MAX
+    elif own_keys and longest_q > OWN_KEYS_MAX:
         raise ValueError(
             f"own_keys takes requests of at most OWN_KEYS_MAX = {OWN_KEYS_MAX} query "
-            f"tokens, got {max(q_len)}"
+            f"tokens, got {longest_q}"
         )
     half_chunk = half_chunk and not own_keys
-    busy = [i for i in range(len(served)) if cached[i] > 0 and q_len[i] > 0]
+    busy = (cached > 0) & (q_len > 0)
     interpret = interpreting() if interpret is None else interpret
-    most = max((rows[i] for i in busy), default=1)
+    most = int(rows[busy].max(initial=1))
     if block_n is None and num_warps is None:
         # the tile's own launch (an explicit block_m chooses the tile)
         choose_tile = block_m is None and not interpret
@@ -427,8 +432,8 @@ def plan_paged(
         )
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    tiles = {i: cdiv(rows[i], block_m) for i in busy}
-    longest = max((cached[i] for i in busy), default=0)
+    tiles = np.where(busy, -(-rows // block_m), 0)
+    longest = int(cached[busy].max(initial=0))
     if programs_per_sm is None:
         programs_per_sm = (
             ONE_WARP_PROGRAMS_PER_SM
@@ -438,7 +443,7 @@ def plan_paged(
     if prefetch is None:
         prefetch = int((block_m, block_n, num_warps) in PREFETCH_LAUNCHES)
     if split_len is None:
-        work = sum(hk * tiles[i] * cached[i] for i in busy)
+        work = int((tiles * cached).sum()) * hk
         split_len = max(MIN_SPLIT, cdiv(work, max(sms * programs_per_sm, 1)))
     split_len = cdiv(max(min(split_len, longest), 1), block_n) * block_n
     while True:
@@ -463,51 +468,33 @@ def plan_paged(
         split_len = min(2 * split_len, cdiv(longest, block_n) * block_n)
 
 
-def _owners(count: torch.Tensor) -> torch.Tensor:
-    """``torch.repeat_interleave(torch.arange(len(count)), count)`` (int64 host
-    tensors, ``count >= 0``): i repeated ``count[i]`` times, as the running count of
-    the owners' first positions. repeat_interleave spreads even small inputs over
-    torch's CPU threads, which stall beside another busy process; these ops stay on
-    one thread below their grain size (NOTES.md §49)."""
-    total = int(count.sum())
-    # an owner without entries marks the next owner's first position too
-    first = torch.cumsum(count, 0) - count
-    marks = torch.zeros(total + 1, dtype=torch.int64)
-    marks.index_add_(0, first, torch.ones_like(first))
-    return torch.cumsum(marks[:total], 0) - 1
-
-
 def _build(
     cfg, hq, hk, served, q0, q_len, cached, rows, tiles,
     block_m, block_n, num_warps, split_len, half_chunk,
 ) -> PagedPlan:  # fmt: skip
-    """The work list and the tokens' fields, built by tensor ops on the host
-    (thousands of programs per step: a Python loop took milliseconds,
-    benchmarks/NOTES.md §38). Request i's programs, in order: tile, kv head, split;
-    its tokens: its query tokens in order."""
+    """The work list and the tokens' fields, built by array ops on the host from the
+    served requests' int64 arrays (thousands of programs per step: a Python loop took
+    milliseconds, benchmarks/NOTES.md §38). Request i's programs, in order: tile, kv
+    head, split; its tokens: its query tokens in order."""
     n = len(served)
-    ints = lambda x: torch.tensor(list(x), dtype=torch.int64)  # noqa: E731
-    served_a, q0_a, q_a = ints(served), ints(q0), ints(q_len)
-    cached_a, rows_a = ints(cached), ints(rows)
-    tiles_a = ints(tiles.get(i, 0) for i in range(n))
-    splits = torch.where(tiles_a > 0, -(-cached_a // split_len), 0)
-    part0 = torch.cumsum(splits * q_a, 0) - splits * q_a  # the request's first row
-    crow0 = torch.cumsum(q_a, 0) - q_a  # its first served token
+    splits = np.where(tiles > 0, -(-cached // split_len), 0)
+    part0 = np.cumsum(splits * q_len) - splits * q_len  # the request's first row
+    crow0 = np.cumsum(q_len) - q_len  # its first served token
 
-    i = _owners(q_a)  # each served token's request
-    t = torch.arange(i.numel()) - crow0[i]
-    tokens = torch.stack([q0_a[i] + t, part0[i] + t, splits[i], q_a[i], q0_a[i]], dim=1)
+    i = np.repeat(np.arange(n), q_len)  # each served token's request
+    t = np.arange(i.size) - crow0[i]
+    tokens = np.stack([q0[i] + t, part0[i] + t, splits[i], q_len[i], q0[i]], axis=1)
 
-    count = tiles_a * hk * splits
-    i = _owners(count)  # each program's request
-    k = torch.arange(i.numel()) - (torch.cumsum(count, 0) - count)[i]  # its index
+    count = tiles * hk * splits
+    i = np.repeat(np.arange(n), count)  # each program's request
+    k = np.arange(i.size) - (np.cumsum(count) - count)[i]  # its index
     s = splits[i]  # > 0 for every program
     j, h, tile = k % s, (k // s) % hk, k // (s * hk)
     p0 = j * split_len
-    work = torch.stack(
-        [served_a[i], h, q0_a[i], crow0[i], rows_a[i], tile * block_m, p0,
-         torch.minimum(cached_a[i], p0 + split_len), part0[i] + j * q_a[i]],
-        dim=1,
+    work = np.stack(
+        [served[i], h, q0[i], crow0[i], rows[i], tile * block_m, p0,
+         np.minimum(cached[i], p0 + split_len), part0[i] + j * q_len[i]],
+        axis=1,
     )  # fmt: skip
     return PagedPlan(
         hq,
@@ -518,11 +505,11 @@ def _build(
         block_n,
         num_warps,
         split_len,
-        work.to(torch.int32).reshape(-1),
-        tokens.to(torch.int32).reshape(-1),
-        int((splits * q_a).sum()),
-        int(splits.max()) if n else 0,
-        int(q_a.max()) if n else 0,
+        torch.from_numpy(work.astype(np.int32).reshape(-1)),
+        torch.from_numpy(tokens.astype(np.int32).reshape(-1)),
+        int((splits * q_len).sum()),
+        int(splits.max(initial=0)),
+        int(q_len.max(initial=0)),
         half_chunk,
     )
 

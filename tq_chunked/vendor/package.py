@@ -25,8 +25,9 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent
 RUNTIME = f"{PACKAGE}.runtime"
 RUNTIME_DIR = PACKAGE_DIR / "runtime"
 # What the copied code may import besides itself: the standard library and what vLLM
-# depends on already (Triton through vLLM: rewrite_triton_imports).
-THIRD_PARTY = frozenset({"torch", "vllm"})
+# depends on already (Triton through vLLM: rewrite_triton_imports; numpy, which vLLM
+# requires and its attention builders import for their host ints).
+THIRD_PARTY = frozenset({"numpy", "torch", "vllm"})
 # The imports of Triton the vendored copy takes from vLLM's module instead, as
 # {(module, asname): the name it binds}: vLLM's pre-commit allows Triton only as
 # ``from vllm.triton_utils import tl, triton``.
