@@ -11,11 +11,11 @@ head start of 2 ms and 2 at 10 ms; printed per round: layer 0's host time, the o
 layers' median and largest, the mean, the garbage collector's passes that fell in
 the round (``gc.callbacks``: generation and ms), and what the round's calls asked of
 the allocators (``ALLOCATOR_COUNTS``: new device segments, retries, pinned host
-allocations and their us). Layer 0's call runs under cProfile in every round (its host
-time includes the profiler's); where it takes over 10 ms its five slowest functions by
-cumulative time are printed, so that a slow plan names its cause. Then the CUDA
-runtime calls of layers 0 and 1 (profiler) and any synchronization torch's sync debug
-mode warns of. With --freeze, the rounds run again after ``gc.collect();
+allocations and their us). Then four more rounds with layer 0's call under cProfile
+(its time then holds the profiler's): where it takes over 10 ms its five slowest
+functions by cumulative time are printed, so that a slow plan names its cause. Then
+the CUDA runtime calls of layers 0 and 1 (profiler) and any synchronization torch's
+sync debug mode warns of. With --freeze, the rounds run again after ``gc.collect();
 gc.freeze()`` (what vLLM's engine does once it has started), to tell the collector's
 share (benchmarks/NOTES.md §50). JSON: host-calls.json in OUT_DIR (each round's
 per-layer ms and allocator counts).
@@ -73,7 +73,9 @@ class GCPauses:
             self.pauses.append((info["generation"], round(ms, 2)))
 
 
-def rounds(fs, cycles, collector, label, out):
+def rounds(fs, cycles, collector, label, out, profile=False):
+    """Four rounds of the layers' calls, each behind a spin kernel; with ``profile``,
+    layer 0's call under cProfile (its time then holds the profiler's)."""
     for head in (2.0, 2.0, 10.0, 10.0):
         collector.pauses.clear()
         host, before = [], allocator_counts()
@@ -81,7 +83,7 @@ def rounds(fs, cycles, collector, label, out):
         for i, f in enumerate(fs):
             torch.cuda._sleep(int(head * cycles))
             t0 = time.perf_counter()
-            if i == 0:
+            if i == 0 and profile:
                 prof.runcall(f)
             else:
                 f()
@@ -90,13 +92,13 @@ def rounds(fs, cycles, collector, label, out):
         after = allocator_counts()
         asked = {k: round(after[k] - before[k], 3) for k in after}
         print(
-            f"{label}, head start {head:g} ms: layer 0 {host[0]:.3f} ms (profiled), "
-            f"others median {statistics.median(host[1:]):.3f} max {max(host[1:]):.3f}, "
-            f"mean {statistics.mean(host):.3f}; gc passes {collector.pauses}; "
-            f"allocators {asked}",
+            f"{label}, head start {head:g} ms: layer 0 {host[0]:.3f} ms, others "
+            f"median {statistics.median(host[1:]):.3f} max {max(host[1:]):.3f}, mean "
+            f"{statistics.mean(host):.3f}; gc passes {collector.pauses}; allocators "
+            f"{asked}",
             flush=True,
         )
-        if host[0] > SLOW_MS:
+        if profile and host[0] > SLOW_MS:
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(5)
             print(text.getvalue().strip(), flush=True)
@@ -150,6 +152,7 @@ def main():
             torch.cuda.synchronize()
             label = f"{name}, {method}"
             rounds(fs, cycles, collector, label, results)
+            rounds(fs, cycles, collector, label + ", layer 0 profiled", results, True)
             calls, syncs = runtime_calls(fs, cycles)
             print(f"{label}: CUDA calls of layers 0-1 {calls}; sync warnings {syncs}")
             if a.freeze:

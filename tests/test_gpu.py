@@ -11,6 +11,7 @@ from test_promises import (
     NONFINITE_CASES,
     REQUESTS,
     WINDOW,
+    check_a_row_of_minus_inf_scores,
     check_against_oracle,
     poison,
 )
@@ -600,6 +601,16 @@ def test_non_finite_values_propagate_with_flash_attention(where, value, token, d
         seq_lens_cpu=batch.seq_lens,
     )
     check_against_oracle(batch, out, allowed)
+
+
+@pytest.mark.parametrize("path", ["window", "paged"])
+def test_a_row_of_minus_inf_scores_with_flash_attention(path):
+    """tests/test_promises.py's row whose every score is -inf, with FlashAttention (the
+    window path's causal call; the paged path's kernels, its own keys in the
+    combine): 0 and lse -inf, as docs/design.md's third exception says."""
+    if "flash" not in _backends(64):
+        pytest.skip("FlashAttention is not available")
+    check_a_row_of_minus_inf_scores(path, "flash", "cuda")
 
 
 @pytest.mark.parametrize(

@@ -435,7 +435,8 @@ def test_the_plan_covers_each_requests_cached_positions_once_per_kv_head_and_til
 
 def _work_list_by_loops(plan, qsl, lens, served):
     """The work list and tokens as plain loops over the served requests, tiles, kv
-    heads and splits (paged._build builds them with tensor ops): the reference."""
+    heads and splits (paged._build builds them with numpy's array ops): the
+    reference."""
     group = plan.num_q_heads // plan.num_kv_heads
     work, tokens, part, crow = [], [], 0, 0
     for r in served:

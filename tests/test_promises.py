@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tq_chunked import continuation_prefill_varlen, workspace_bytes
-from tq_chunked.runtime.format import TQConfig
+from tq_chunked.runtime.format import TQConfig, encode_reference
 from tq_chunked.tools.reference import oracle_continuation_prefill
 from tq_chunked.tools.testing import make_batch, strided
 
@@ -169,6 +169,55 @@ def test_non_finite_values_propagate_as_in_one_softmax_over_all_keys(
     )
     assert not torch.isfinite(out).all(), f"seed {seed}: the non-finite value vanished"
     check_against_oracle(batch, out, allowed)
+
+
+def check_a_row_of_minus_inf_scores(path, backend, device):
+    """docs/design.md's third exception: a query of +inf in one element against keys
+    that are all negative there (fp8 keys, cached and new) makes every score of that
+    row -inf; the oracle's softmax gives NaN, the call 0 and lse -inf, as a row without
+    keys. Every other element as the oracle."""
+    seed, cached, q_len = 7, 40, 3
+    batch = make_batch(
+        [(cached, q_len), (24, 2)], "turboquant_k8v4", seed=seed, device=device
+    )
+    gen = torch.Generator().manual_seed(seed)
+    key = torch.randn(cached + q_len, 2, 64, generator=gen)
+    key[:, :, 0] = -1.0 - key[:, :, 0].abs()
+    key, value = key.to(device), torch.randn(key.shape, generator=gen).to(device)
+    bs = batch.kv_cache.shape[1]
+    pos = torch.arange(cached + q_len, device=device)
+    slots = batch.block_table[0].long()[pos // bs] * bs + pos % bs
+    cfg = TQConfig.from_preset("turboquant_k8v4", 64)
+    encode_reference(key, value, batch.kv_cache, slots, cfg, batch.kwargs["centroids"])
+    batch.key[:q_len] = key[cached:].to(batch.key)
+    batch.value[:q_len] = value[cached:].to(batch.value)
+    batch.query[q_len - 1, 0] = 0.0
+    batch.query[q_len - 1, 0, 0] = INF  # the last token sees every key of request 0
+    out, lse = continuation_prefill_varlen(
+        *batch.args,
+        **batch.kwargs,
+        backend=backend,
+        path=path,
+        return_lse=True,
+        query_start_loc_cpu=batch.query_start_loc,
+        seq_lens_cpu=batch.seq_lens,
+    )
+    oracle = oracle_continuation_prefill(*batch.request(0), **batch.kwargs)
+    tag = f"seed {seed}, {path}, {backend}"
+    assert oracle[q_len - 1, 0].isnan().all(), f"{tag}: the oracle's row"
+    assert (out[q_len - 1, 0] == 0).all(), f"{tag}: {out[q_len - 1, 0, :4]}"
+    assert lse[0, q_len - 1] == -INF, f"{tag}: lse {lse[0, q_len - 1]}"
+    assert torch.isfinite(lse[1:, q_len - 1]).all(), f"{tag}: the other heads' lse"
+    got = out.clone()
+    got[q_len - 1, 0] = NAN  # the exception's row, as the oracle has it
+    check_against_oracle(batch, got)
+
+
+@pytest.mark.parametrize("path", ["window", "paged"])
+def test_a_row_whose_every_score_is_minus_inf_is_zero_with_lse_minus_inf(path):
+    if path == "paged" and not TRITON_OK:
+        pytest.skip("the memory-bound path needs Triton (a GPU or the interpreter)")
+    check_a_row_of_minus_inf_scores(path, BACKEND, DEVICE)
 
 
 # --- overlaps and layouts of what the call writes -------------------------------------

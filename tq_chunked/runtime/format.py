@@ -83,7 +83,8 @@ class TQConfig:
         """Bits of the centroid table vLLM builds (value bits for fp8-key presets)."""
         return self.value_bits if self.key_fp8 else self.key_bits
 
-    @property
+    # the byte counts: cached (a frozen config), since each layer's launches read them
+    @functools.cached_property
     def key_index_bytes(self) -> int:
         return (
             self.head_dim
@@ -91,19 +92,19 @@ class TQConfig:
             else math.ceil(self.head_dim * self.key_bits / 8)
         )
 
-    @property
+    @functools.cached_property
     def key_bytes(self) -> int:
         return self.key_index_bytes + (0 if self.key_fp8 else 2)
 
-    @property
+    @functools.cached_property
     def value_index_bytes(self) -> int:
         return math.ceil(self.head_dim * self.value_bits / 8)
 
-    @property
+    @functools.cached_property
     def value_bytes(self) -> int:
         return self.value_index_bytes + 4
 
-    @property
+    @functools.cached_property
     def slot_bytes(self) -> int:
         s = self.key_bytes + self.value_bytes
         return s + (s % 2)

@@ -390,7 +390,11 @@ def plan_paged(
         )
     # the served requests' ints as int64 arrays, one entry a request (numpy: its ops
     # on arrays this small cost a fraction of torch's, NOTES.md §51)
-    served = np.arange(b) if requests is None else np.asarray(requests, np.int64)
+    served = (
+        np.arange(b, dtype=np.int64)
+        if requests is None
+        else np.fromiter(requests, np.int64)
+    )
     starts = np.asarray(query_start_loc, np.int64)
     q0 = starts[served]
     q_len = starts[served + 1] - q0
@@ -1731,20 +1735,21 @@ def paged_attention(
             raise ValueError("new: a plan with own_keys takes key and value, not new")
     interp = interpreting() or not query.is_cuda
     block_d = next_power_of_2(d)
-    if plan.num_tokens == 0:
+    tokens_n, programs = plan.num_tokens, plan.programs  # len() of tensors: read once
+    if tokens_n == 0:
         return
-    if plan.rotated and plan.programs:
+    if plan.rotated and programs:
         assert centroids is not None and rotation is not None  # checked above
         block_r = 16
         launch_rotate(
-            (cdiv(plan.num_tokens * hq, block_r),),
+            (cdiv(tokens_n * hq, block_r),),
             query,
             rotation,
             centroids,
             tokens,
             scratch.query,
             scratch.table,
-            plan.num_tokens * hq,
+            tokens_n * hq,
             centroids.numel(),
             query.stride(0),
             query.stride(1),
@@ -1765,9 +1770,9 @@ def paged_attention(
     else:
         q = query
         s_q = query.stride()
-    if plan.programs:
+    if programs:
         launch_paged(
-            (plan.programs,),
+            (programs,),
             q,
             kv_cache,
             block_table,
@@ -1823,7 +1828,7 @@ def paged_attention(
         assert key is not None and value is not None  # checked above
         k, v = key, value
     launch_combine(
-        (cdiv(plan.num_tokens, block_t), hq),
+        (cdiv(tokens_n, block_t), hq),
         scratch.part_out,
         scratch.part_lse,
         tokens,
@@ -1834,7 +1839,7 @@ def paged_attention(
         v,
         out,
         lse if lse is not None else scratch.part_lse,
-        plan.num_tokens,
+        tokens_n,
         plan.max_splits,
         plan.max_q_len if own else 0,
         *new_strides,

@@ -6,7 +6,7 @@ and nothing else (the plugin, the tools, the vendor tool and the kernel prototyp
 outside it). Each import of the runtime by its full name is made relative; Triton is
 taken from ``vllm.triton_utils``, as vLLM's own modules take it (its pre-commit forbids
 ``import triton``); and every import of the copied code is checked: relative to a
-copied module, the standard library, torch or vllm.
+copied module, the standard library, numpy, torch or vllm.
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def _imported_tops(node) -> list[str]:
 
 def check_imports(name: str, text: str, copied: set[str]) -> None:
     """Every import of a copied module, after the rewrites: relative to a copied
-    module, or of the standard library, torch or vllm; no import by name of
+    module, or of the standard library, numpy, torch or vllm; no import by name of
     tq_chunked."""
     for node in ast.walk(ast.parse(text)):
         where = f"{_origin(name)}:{getattr(node, 'lineno', '?')}"
