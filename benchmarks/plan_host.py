@@ -121,7 +121,7 @@ def measure() -> dict:
     return result
 
 
-def label(tree: Path) -> str:
+def tree_label(tree: Path) -> str:
     """The tree's version and commit (+ where it has uncommitted changes)."""
     version = re.search(
         r'__version__ = "([^"]+)"', (tree / "tq_chunked" / "__init__.py").read_text()
@@ -164,7 +164,7 @@ def main():
         if not (a.against / "tq_chunked" / "__init__.py").is_file():
             ap.error(f"--against {a.against}: not a checkout of tq_chunked")
         trees = [a.against.resolve(), ROOT]
-    trees = {label(tree): tree for tree in trees}
+    trees = {tree_label(tree): tree for tree in trees}
     rounds: dict[str, list[dict]] = {t: [] for t in trees}
     for i in range(a.rounds):
         for label, tree in trees.items():
