@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tq_chunked import continuation_prefill_varlen, workspace_bytes
+from tq_chunked.runtime import prefill
 from tq_chunked.runtime.format import TQConfig, encode_reference
 from tq_chunked.tools.reference import oracle_continuation_prefill
 from tq_chunked.tools.testing import make_batch, strided
@@ -489,6 +490,45 @@ def test_a_given_lse_is_written_and_returned(small):
     assert got is lse and torch.isfinite(lse).all()
     _, ref = _call(small, return_lse=True)
     assert torch.equal(lse, ref)
+
+
+def _first_bad_request(qsl, seq_lens, block_size, max_blocks):
+    """The reference of prefill._check_lengths past its first entry: the first request
+    whose lengths are refused, and why (None: none is)."""
+    for r, s in enumerate(seq_lens):
+        q = qsl[r + 1] - qsl[r]
+        if q < 0:
+            return r, "non-decreasing"
+        if s < q:
+            return r, "at least the request's query"
+        if q and -(-(s - q) // block_size) > max_blocks:
+            return r, "more cached blocks"
+    return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(-3, 40), st.integers(0, 120)), max_size=10),
+    st.sampled_from([1, 16]),
+    st.integers(0, 6),
+)
+def test_the_lengths_check_refuses_exactly_the_first_bad_request(reqs, bs, max_blocks):
+    """prefill._check_lengths (every request at once, the loop only to name the first
+    bad one) against the plain loop: the same request refused for the same reason,
+    or none; requests without query tokens are not held to the block table."""
+    qsl, lens = [0], []
+    for q, s in reqs:
+        qsl.append(qsl[-1] + q)
+        lens.append(s)
+    bad = _first_bad_request(qsl, lens, bs, max_blocks)
+    names = ("query_start_loc", "seq_lens[{r}]")
+    if bad is None:
+        prefill._check_lengths(qsl, lens, bs, max_blocks, names)
+        return
+    r, why = bad
+    with pytest.raises(ValueError, match=why) as e:
+        prefill._check_lengths(qsl, lens, bs, max_blocks, names)
+    assert f"request {r}" in str(e.value) or f"seq_lens[{r}]" in str(e.value)
 
 
 # --- bad input drawn at random --------------------------------------------------------

@@ -58,6 +58,8 @@ region lies).
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -415,20 +417,24 @@ def make_plan(
                     ) from None
                 continue  # the windows serve them (NOTES.md §35)
             runs.append((run, plan))
-    on_paged = {r for run, _ in runs for r in run}
-    reads = [
-        s for r, s in enumerate(seq_lens) if qsl[r + 1] > qsl[r] and r not in on_paged
-    ]
+    # the requests the windows serve: with query tokens, outside the paged runs (each
+    # a span of consecutive requests, whose others have no query tokens)
+    on_windows = [True] * len(seq_lens)
+    for run, _ in runs:
+        on_windows[run[0] : run[-1] + 1] = [False] * (run[-1] + 1 - run[0])
+    served = [r for r in itertools.compress(range(len(seq_lens)), on_windows)
+              if qsl[r + 1] > qsl[r]]  # fmt: skip
+    reads = [seq_lens[r] for r in served]
     rows = sum(reads) + GAP * max(len(reads) - 1, 0)  # the most rows the step fills
     # batch windows; with a long request (> cap rows) this is capacity(window, n)
     cap = capacity(min(window, max(rows, 1)), n)
     longs = {}
-    for r, s in enumerate(seq_lens):
-        q = qsl[r + 1] - qsl[r]
-        if q and s > cap and r not in on_paged:
+    for r in served:
+        if seq_lens[r] > cap:
             longs[r] = long_window(
-                q, num_q_heads, num_kv_heads, head_dim, cap, dtype, budget
-            )
+                qsl[r + 1] - qsl[r], num_q_heads, num_kv_heads, head_dim, cap, dtype,
+                budget,
+            )  # fmt: skip
     units, ints = _units(
         qsl,
         seq_lens,
@@ -507,11 +513,15 @@ def paged_runs(
         return []
     runs: list[tuple[int, ...]] = []
     run: list[int] = []
-    for r, s in enumerate(seq_lens):
-        q = qsl[r + 1] - qsl[r]
+    every = path == "paged"
+    for r, (s, q) in enumerate(zip(seq_lens, map(operator.sub, qsl[1:], qsl[:-1]))):
         if not q:
             continue
-        if s > q and (path == "paged" or paged_eligible(q * group, s - q, cfg)):
+        # paged_eligible's first test inline: its call cost more than the rest (§51)
+        rows = q * group
+        if s > q and (
+            every or rows <= PAGED_MAX_ROWS or paged_eligible(rows, s - q, cfg)
+        ):
             run.append(r)
         elif run:
             runs.append(tuple(run))
@@ -567,8 +577,10 @@ def _units(
         specs.append((kind, segs, causal))
         return len(specs) - 1
 
-    paged_at = {run[0]: i for i, (run, _) in enumerate(runs)}
-    on_paged = {r for run, _ in runs for r in run}
+    # each run's first request -> (the run's index, the request after its last): a run
+    # is consecutive requests (between them only requests without query tokens), which
+    # the loop below passes over
+    paged_at = {run[0]: (i, run[-1] + 1) for i, (run, _) in enumerate(runs)}
     units: list = []  # a window's index, a long request's fields or ("paged", i)
     batch: list[tuple[int, ...]] = []
     batch_rows = 0
@@ -580,15 +592,18 @@ def _units(
             units.append(window("batch", batch[:-1], True))
         batch, batch_rows = [], 0
 
+    past_run = 0  # the request after the last paged run met
     for r in range(b):
+        if r < past_run:
+            continue  # in a paged run
+        if r in paged_at:
+            flush()
+            i, past_run = paged_at[r]
+            units.append(("paged", i))
+            continue
         q = qsl[r + 1] - qsl[r]
         if q == 0:
             continue  # nothing to compute, and no rows: batch windows stay contiguous
-        if r in on_paged:
-            flush()
-            if r in paged_at:
-                units.append(("paged", paged_at[r]))
-            continue
         c = seq_lens[r] - q
         if c + q <= capacity:
             if batch and batch_rows + c + q > capacity:
@@ -641,9 +656,7 @@ def _units(
     pieces = [torch.tensor(packed, dtype=torch.int32)]
     end = len(packed)
     for run, plan in runs:
-        run_cu = [0]
-        for r in run:
-            run_cu.append(run_cu[-1] + qsl[r + 1] - qsl[r])
+        run_cu = [0, *itertools.accumulate(qsl[r + 1] - qsl[r] for r in run)]
         pieces += [torch.tensor(run_cu, dtype=torch.int32), plan.work, plan.tokens]
         nw, nt = len(plan.work), len(plan.tokens)
         paged_spans.append((end, len(run_cu), nw, nt, tuple(run_cu)))
@@ -692,11 +705,11 @@ def _units(
             run, plan = runs[s[1]]
             at, nc, nw, nt, cu = paged_spans[s[1]]
             w0, t0 = at + nc, at + nc + nw
-            lens = [cu[i + 1] - cu[i] for i in range(len(run))]
             chunk = None
             if not plan.own_keys:  # the combine attends to the own keys itself
+                most = plan.max_q_len  # the run's longest request
                 chunk = Call(dev[at : at + nc], dev[at : at + nc], cu, cu,
-                             max(lens), max(lens), True)  # fmt: skip
+                             most, most, True)  # fmt: skip
             out.append(
                 PagedRun(
                     q0=qsl[run[0]],

@@ -33,6 +33,7 @@ overlapping tensors: docs/design.md, "What the call promises".
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -130,9 +131,9 @@ def _host_ints(name, cpu, device_tensor, device):
             f"{shown} must be a tensor, a numpy array or a sequence of ints, got "
             f"{type(src).__name__}"
         )
-    for i, v in enumerate(values):
-        if not 0 <= v <= INT32_MAX:
-            raise ValueError(f"{shown}[{i}] must be in [0, 2**31), got {v}")
+    if values and (min(values) < 0 or max(values) > INT32_MAX):
+        i, v = next((i, v) for i, v in enumerate(values) if not 0 <= v <= INT32_MAX)
+        raise ValueError(f"{shown}[{i}] must be in [0, 2**31), got {v}")
     return tuple(values)
 
 
@@ -154,6 +155,17 @@ def _check_lengths(qsl, seq_lens, block_size, max_blocks, names):
     q_name, s_name = names
     if qsl[0] != 0:
         raise ValueError(f"{q_name} must start at 0, got {qsl[0]}")
+    # every request at once by C-level maps; the loop below, which names the first bad
+    # request, only where one may be (a request without query tokens is not held to
+    # the block table: the loop tells)
+    q_lens = list(map(operator.sub, qsl[1:], qsl[:-1]))
+    if (
+        min(q_lens, default=0) >= 0
+        and not any(map(operator.lt, seq_lens, q_lens))
+        and max(map(operator.sub, seq_lens, q_lens), default=0)
+        <= max_blocks * block_size
+    ):
+        return
     for r, s in enumerate(seq_lens):
         q_len = qsl[r + 1] - qsl[r]
         if q_len < 0:
