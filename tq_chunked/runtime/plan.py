@@ -483,7 +483,8 @@ def paged_eligible(rows: int, cached: int, cfg: TQConfig) -> bool:
     """Whether "auto" may send a request of ``rows`` query rows per kv head over
     ``cached`` cached tokens (at least one) to the memory-bound path: at most
     PAGED_MAX_ROWS rows, or at most PAGED_MAX_ROWS_LONG over PAGED_LONG_CACHED cached
-    tokens or more at head size 128 over MSE keys."""
+    tokens or more at head size 128 over MSE keys (``paged_runs`` tests the first
+    inline)."""
     if rows <= PAGED_MAX_ROWS:
         return True
     return (
@@ -657,6 +658,9 @@ def _units(
     end = len(packed)
     for run, plan in runs:
         run_cu = [0, *itertools.accumulate(qsl[r + 1] - qsl[r] for r in run)]
+        if run_cu[-1] != qsl[run[-1] + 1] - qsl[run[0]]:
+            # the loop above passed over the run's span: nothing else may have tokens
+            raise AssertionError("a paged run's span holds another request's tokens")
         pieces += [torch.tensor(run_cu, dtype=torch.int32), plan.work, plan.tokens]
         nw, nt = len(plan.work), len(plan.tokens)
         paged_spans.append((end, len(run_cu), nw, nt, tuple(run_cu)))
