@@ -32,7 +32,6 @@ WORKLOADS = (
     "decode 256 x 1K-4K k8v4 bf16",
     "decode 128 x 4K-8K d64 k3v4",
 )
-RUN_WORKLOADS = (WORKLOADS[0], WORKLOADS[2], WORKLOADS[3])  # host_profile's --paged
 
 
 def median_us(fn, calls):
@@ -49,6 +48,7 @@ def median_us(fn, calls):
 def measure() -> dict:
     """One round in this process, on the tq_chunked that PYTHONPATH names."""
     import torch
+    from host_profile import PAGED_CASES  # the run's workloads: host_profile's --paged
 
     from tq_chunked import ContinuationPrefill
     from tq_chunked.runtime import paged
@@ -89,7 +89,7 @@ def measure() -> dict:
     launches = ("launch_rotate", "launch_paged", "launch_combine")
     for n in launches:
         setattr(paged, n, lambda *args, **options: None)
-    for name in RUN_WORKLOADS:
+    for name in PAGED_CASES:
         w = grid[name]
         hq, hk, d = SHAPES[w.shape]
         dtype = getattr(torch, w.dtype)
