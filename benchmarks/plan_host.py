@@ -1,18 +1,22 @@
-"""Host time of the memory-bound path's plan per step and of its run's Python per layer,
-on the CPU, this tree against another (benchmarks/NOTES.md §51).
+"""Host time of the memory-bound path's plan per step and of its run per layer, on the
+CPU, this tree against another (benchmarks/NOTES.md §51, §52).
 
-    TRITON_INTERPRET=1 python benchmarks/plan_host.py OUT_DIR [--against DIR]
-        [--rounds 3]
+    python benchmarks/plan_host.py OUT_DIR [--against DIR] [--rounds 3]
 
 For the decodes of ``testing.memory_bound_workloads`` that ``host_profile.py --paged``
 profiles on a GPU, plus 256 x 2K-12K: ``ContinuationPrefill.plan`` (medians of 100
-calls), and ``Step.run`` per layer with its three kernel launches replaced by no-ops
-(medians of 400 calls; its cached lengths cut to 64 tokens, which the run's Python does
-not depend on), each tree in its own process, the trees in turn for ``--rounds``
-rounds; each figure is the median of its rounds. ``--against``: the root of another
-checkout (a ``git worktree`` of an earlier commit). ``TRITON_INTERPRET=1`` makes the
-CPU plan the memory-bound path as a GPU does. Writes plan-host.json and plan-host.md
-to OUT_DIR.
+calls); ``Step.run`` per layer with its three kernel launches replaced by no-ops (the
+run's Python); and ``Step.run`` per layer down to each launch's compiled kernel (the
+run to the launches: the launchers' own Python too, Triton's compilation replaced by a
+compiled kernel that does nothing, a driver stand-in and CPU tensors that say they are
+on CUDA, so that the launchers take the path they take on a GPU; what is left out is
+that kernel's ``run``, the same in every tree). The runs: medians of 400 calls over
+LAYERS layers of distinct tensors of one layout, in turn, their cached lengths cut to 64
+tokens (which the host does not depend on). Each tree in its own processes, the trees in
+turn for ``--rounds`` rounds; each figure is the median of its rounds. ``--against``:
+the root of another checkout (a ``git worktree`` of an earlier commit). The plan and the
+run's Python run under ``TRITON_INTERPRET=1``, so that the CPU plans the memory-bound
+path as a GPU does. Writes plan-host.json and plan-host.md to OUT_DIR.
 """
 
 import argparse
@@ -32,6 +36,7 @@ WORKLOADS = (
     "decode 256 x 1K-4K k8v4 bf16",
     "decode 128 x 4K-8K d64 k3v4",
 )
+LAYERS = 8  # the run's layers: distinct tensors of one layout, in turn
 
 
 def median_us(fn, calls):
@@ -121,6 +126,106 @@ def measure() -> dict:
     return result
 
 
+def measure_launches() -> dict:
+    """One round of the run per layer down to each launch's compiled kernel (its
+    ``run``), in this process, on the tq_chunked that PYTHONPATH names: Triton's real
+    kernels (this process runs without TRITON_INTERPRET), whose compilation is replaced
+    by a compiled kernel that does nothing, a driver stand-in, and CPU tensors that say
+    they are on CUDA, so that the launchers take the path they take on a GPU."""
+    import dataclasses
+
+    import torch
+    import triton
+    from host_profile import PAGED_CASES
+
+    from tq_chunked import ContinuationPrefill
+    from tq_chunked.runtime import _utils, paged
+    from tq_chunked.tools.testing import SHAPES, build_batch, memory_bound_workloads
+
+    class Cuda(torch.Tensor):
+        """A CPU tensor that says it is on CUDA."""
+
+        __torch_function__ = torch._C._disabled_torch_function_impl
+
+        @property
+        def is_cuda(self):
+            return True
+
+    class Compiled:
+        function = packed_metadata = None
+
+        def run(self, *args):
+            pass
+
+    class Kernel:
+        """A launcher's kernel whose compilation gives a Compiled (its params kept)."""
+
+        def __init__(self, kernel):
+            self.params = kernel.params
+
+        def __getitem__(self, grid):
+            return lambda *args, **options: Compiled()
+
+    class Driver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 0
+
+    triton.runtime.driver.set_active(Driver())
+    _utils.Launcher.direct = True
+    _utils._hooks_set = lambda: False
+    for name in ("launch_rotate", "launch_paged", "launch_combine"):
+        launcher = getattr(paged, name)
+        launcher.kernel = Kernel(launcher.kernel)
+        launcher.compiled.clear()
+    cuda = lambda t: None if t is None else t.as_subclass(Cuda)
+    grid = {w.name: w for w in memory_bound_workloads()}
+    result = {"run_us": {}}
+    for name in PAGED_CASES:
+        w = grid[name]
+        hq, hk, d = SHAPES[w.shape]
+        dtype = getattr(torch, w.dtype)
+        b = build_batch(w.preset, [(64, q) for _, q in w.requests], hq, hk, d, 16,
+                        dtype, "cpu")  # fmt: skip
+        kw = b["kwargs"]
+        prefill = ContinuationPrefill(
+            hq, hk, d, preset=w.preset, dtype=dtype, block_size=16,
+            check_block_table=False, path="paged",
+        )  # fmt: skip
+        n = b["query"].shape[0]
+        ws = torch.empty(prefill.workspace_bytes(n), dtype=torch.uint8)
+        os.environ["TRITON_INTERPRET"] = "1"  # the plan a GPU makes
+        step = prefill.plan(
+            b["block_table"],
+            query_start_loc_cpu=torch.tensor(b["query_start_loc"], dtype=torch.int32),
+            seq_lens_cpu=torch.tensor(b["seq_lens"], dtype=torch.int32),
+            workspace=ws,
+        )
+        del os.environ["TRITON_INTERPRET"]
+        step.buffers = tuple(  # the scratch's views "on CUDA" too
+            dataclasses.replace(
+                s, **{f.name: cuda(getattr(s, f.name)) for f in dataclasses.fields(s)}
+            )
+            for s in step.buffers
+        )
+        names = ("query", "key", "value", "kv_cache")
+        layers = [
+            tuple(cuda(b[k].clone()) for k in names) for _ in range(LAYERS)
+        ]  # fmt: skip
+        tables = {k: cuda(kw[k]) for k in ("centroids", "rotation")}
+        out = cuda(torch.empty_like(b["query"]))
+        turn = iter(range(1 << 40))
+
+        def layer(step=step, layers=layers, tables=tables, out=out, kw=kw, turn=turn):
+            step.run(*layers[next(turn) % LAYERS], **tables, scale=kw["scale"],
+                     out=out)  # fmt: skip
+
+        result["run_us"][name] = median_us(layer, 400)
+    return result
+
+
 def tree_label(tree: Path) -> str:
     """The tree's version and commit (+ where it has uncommitted changes)."""
     version = re.search(
@@ -138,19 +243,29 @@ def tree_label(tree: Path) -> str:
 
 
 def round_in(tree: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree), TRITON_INTERPRET="1")
-    r = subprocess.run(
-        [sys.executable, __file__, "--measure"],
-        cwd=tree, env=env, capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    if r.returncode:
-        raise SystemExit(f"{tree}: {r.stderr.strip()[-2000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    """A round of each measurement in its own process: the plan and the run's Python
+    under the interpreter, the run down to the launches without it."""
+    result = {}
+    for mode, interpret in (("--measure", {"TRITON_INTERPRET": "1"}),
+                            ("--measure-launches", {})):  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.update(PYTHONPATH=str(tree), **interpret)
+        r = subprocess.run(
+            [sys.executable, __file__, mode],
+            cwd=tree, env=env, capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if r.returncode:
+            raise SystemExit(f"{tree}: {r.stderr.strip()[-2000:]}")
+        result.update(json.loads(r.stdout.strip().splitlines()[-1]))
+    return result
 
 
 def main():
     if sys.argv[1:] == ["--measure"]:
         print(json.dumps(measure()))
+        return
+    if sys.argv[1:] == ["--measure-launches"]:
+        print(json.dumps(measure_launches()))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
@@ -173,7 +288,7 @@ def main():
     summary = {
         label: {
             kind: {w: statistics.median(r[kind][w] for r in rs) for w in rs[0][kind]}
-            for kind in ("plan_us", "run_python_us")
+            for kind in ("plan_us", "run_python_us", "run_us")
         }
         for label, rs in rounds.items()
     }
@@ -185,15 +300,15 @@ def main():
     labels = list(trees)
     lines = [
         "| workload | " + " | ".join(f"plan, {t}" for t in labels)
-        + " | " + " | ".join(f"run's Python, {t}" for t in labels) + " |",
-        "|---" * (1 + 2 * len(labels)) + "|",
+        + " | " + " | ".join(f"run's Python, {t}" for t in labels)
+        + " | " + " | ".join(f"run to the launches, {t}" for t in labels) + " |",
+        "|---" * (1 + 3 * len(labels)) + "|",
     ]  # fmt: skip
     for w in WORKLOADS:
         plan = [f"{summary[t]['plan_us'][w] / 1e3:.3f} ms" for t in labels]
         run = [
-            f"{summary[t]['run_python_us'][w]:.1f} us"
-            if w in summary[t]["run_python_us"]
-            else "-"
+            f"{summary[t][kind][w]:.1f} us" if w in summary[t][kind] else "-"
+            for kind in ("run_python_us", "run_us")
             for t in labels
         ]
         lines.append(f"| {w} | " + " | ".join(plan + run) + " |")

@@ -34,6 +34,8 @@ BACKEND = "triton" if DEVICE == "cuda" else "torch"
 REQUESTS = [(90, 3), (0, 5), (33, 0), (130, 17), (45, 16), (200, 1), (70, 20)]
 UNITS = ["paged 0", "window 1 3", "paged 4 5", "window 6"]
 PAGED_UNITS = ["paged 0", "window 1", "paged 3 4 5 6"]  # path="paged"
+# at most paged.OWN_KEYS_MAX query tokens each: one paged run with own keys
+OWN_KEYS = [(90, 3), (33, 0), (200, 1), (45, 16)]
 
 
 @pytest.fixture(autouse=True)
@@ -220,6 +222,105 @@ def test_the_head_major_cache_and_one_layer_after_another(preset):
         )
         assert torch.equal(out, one)
     check_within_full_paths_error(batch, step.run(*batch.args[:4], **kw))
+
+
+def _layers(batch):
+    """(name, query, key, value, kv_cache) of one step's layers, in order: the
+    batch's; new tensors of the same layouts; value the key itself; apart again; a
+    query of other strides; the cache at another alignment class."""
+    new = lambda t: t.clone()  # same layout, another address
+    wide = torch.empty_like(batch.query.repeat(1, 1, 2))
+    wide[..., ::2] = batch.query  # the same values, strides (., ., 2)
+    moved = torch.empty(
+        batch.kv_cache.numel() + 2, dtype=torch.uint8, device=batch.kv_cache.device
+    )
+    shifted = moved[2:].view(batch.kv_cache.shape)
+    shifted.copy_(batch.kv_cache)
+    q, k, v, c = batch.query, batch.key, batch.value, batch.kv_cache
+    return [
+        ("the batch's", q, k, v, c),
+        ("new tensors", new(q) * 0.5, new(k), new(v), new(c)),
+        ("value is key", q, k, k, c),
+        ("apart again", new(q), new(v), new(k), c),
+        ("strided query", wide[..., ::2], k, v, c),
+        ("shifted cache", q, k, v, shifted),
+    ]
+
+
+@pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
+def test_a_steps_layers_launch_bound_as_each_alone(preset):
+    """Every layer of a step after the first of its layouts launches its paged runs
+    from the arguments the first built (paged.BoundRun), its own tensors put in:
+    each layer's answer is the one call's bit for bit, through layers of the same
+    layouts, a value that is the key, other strides and another alignment class."""
+    batch = make_batch(REQUESTS, preset, seed=6, device=DEVICE)
+    step = _plan(batch, path="paged")
+    assert _units(step) == PAGED_UNITS  # one run with own keys, one with the call
+    kw = {k: batch.kwargs[k] for k in ("centroids", "rotation", "scale")}
+    bound = []
+    for name, query, key, value, cache in _layers(batch):
+        out = step.run(query, key, value, cache, **kw)
+        one = continuation_prefill_varlen(
+            query, key, value, cache, *batch.args[4:5], None, None, **batch.kwargs,
+            query_start_loc_cpu=batch.query_start_loc,
+            seq_lens_cpu=batch.seq_lens, backend=BACKEND, path="paged",
+        )  # fmt: skip
+        assert torch.equal(out, one), (name, batch.seed)
+        bound.append(len(step._bound))
+    # two runs: bound at the first layer, again where the layouts or the aliasing
+    # changed, and not where only the addresses did
+    assert bound == [2, 2, 4, 4, 6, 8]
+
+
+def test_a_bound_run_launches_what_paged_launches_builds(monkeypatch):
+    """The arguments a bound run gives each launcher are those ``paged_launches``
+    builds for that layer's tensors: the same objects where they are tensors, equal
+    values elsewhere."""
+    from tq_chunked.runtime import paged
+
+    seen = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, grid, *args, **options):
+            seen.append((self.name, grid, args, options))
+
+    for name in ("launch_rotate", "launch_paged", "launch_combine"):
+        monkeypatch.setattr(paged, name, Recorder(name))
+    built = []
+    real = paged.paged_launches
+
+    def recording(*args, **kwargs):
+        launches = real(*args, **kwargs)
+        built.append(launches)
+        return launches
+
+    monkeypatch.setattr("tq_chunked.runtime.prefill.paged_launches", recording)
+    # every request up to OWN_KEYS_MAX tokens: each tensor argument is the layer's
+    # or the step's (no FlashAttention partial, made anew by each call)
+    batch = make_batch(OWN_KEYS, "turboquant_3bit_nc", seed=7, device=DEVICE)
+    step = _plan(batch, path="paged")
+    kw = {k: batch.kwargs[k] for k in ("centroids", "rotation", "scale")}
+    binds = []
+    for name, query, key, value, cache in _layers(batch):
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        seen.clear()
+        before = len(built)
+        step.run(query, key, value, cache, **kw, out=out)
+        binds.append(len(built) - before)
+        # what paged_launches builds for this layer's tensors
+        with monkeypatch.context() as m:
+            m.setattr(step, "_bound", {})
+            step.run(query, key, value, cache, **kw, out=out)
+        launches, fresh = seen[: len(seen) // 2], seen[len(seen) // 2 :]
+        assert len(launches) == len(fresh) == 3  # rotate, paged, combine
+        for a, b in zip(launches, fresh):
+            assert a[:2] == b[:2] and a[3] == b[3] and len(a[2]) == len(b[2])
+            for x, y in zip(a[2], b[2]):
+                assert x is y if isinstance(y, torch.Tensor) else x == y, name
+    assert binds == [1, 0, 1, 0, 1, 1]  # built where the layouts or aliasing changed
 
 
 @settings(

@@ -17,7 +17,7 @@ import torch
 import triton
 
 from tq_chunked.runtime import dequant, merge
-from tq_chunked.runtime._utils import Launcher
+from tq_chunked.runtime._utils import Launcher, layout
 
 native = pytest.importorskip(
     "triton._C.libtriton",
@@ -120,3 +120,110 @@ def test_the_device_and_the_options_are_in_the_key():
         launcher._key(args, (("num_warps", 8),), 0),
     }
     assert len(keys) == 3
+
+
+class _Compiled:
+    """A compiled kernel's stand-in: records its direct runs."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *a):
+        self.runs.append(a)
+
+
+class _Driver:
+    def __init__(self):
+        self.device = 0
+
+    def get_current_device(self):
+        return self.device
+
+    def get_current_stream(self, device):
+        return f"stream of {device}"
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    """Launcher's direct path on this CPU: a driver stand-in, no launch hooks."""
+    from tq_chunked.runtime import _utils
+
+    driver = _Driver()
+    monkeypatch.setattr(triton.runtime.driver, "_active", driver)
+    monkeypatch.setattr(Launcher, "direct", True)
+    monkeypatch.setattr(_utils, "_hooks_set", lambda: False)
+    return driver
+
+
+@pytest.mark.parametrize("grid", [(5,), (5, 2)])
+def test_a_bound_launch_runs_the_kept_kernel_with_the_tensors_swapped(
+    grid, direct, monkeypatch
+):
+    """BoundLaunch: the first launch goes through the launcher, which returns the
+    kernel it compiled; later ones run that kernel directly with the arguments bound
+    and the given tensors in their slots (as Launcher.__call__ runs it), until the
+    device changes (through the launcher again) or a hook is set."""
+    from tq_chunked.runtime import _utils
+    from tq_chunked.runtime._utils import BoundLaunch
+
+    compiled = _Compiled()
+    calls = []
+
+    class Recording(Launcher):
+        def __call__(self, grid, *args, **options):
+            calls.append((grid, args, options))
+            return compiled
+
+    launcher = Recording(dequant._fill_kernel)
+    a, b, c = (torch.zeros(4) for _ in range(3))
+    bound = BoundLaunch(
+        launcher, grid, (a, 7, b, "x"), {"num_warps": 4}, ((0, 0), (2, 1))
+    )
+    assert bound.args == [None, 7, None, "x"]  # no layer's tensor kept
+    bound((a, b))
+    assert calls == [(grid, (a, 7, b, "x"), {"num_warps": 4})]
+    bound((c, a))
+    g = grid + (1,) * (3 - len(grid))
+    head = (*g, "stream of 0", "function", "metadata", None, None, None)
+    assert len(compiled.runs) == 1 and len(calls) == 1
+    run = compiled.runs[0]
+    assert run[:9] == head and run[9] is c and run[10] == 7 and run[11] is a
+    direct.device = 1  # another device: through the launcher, kept for it
+    bound((b, c))
+    assert len(calls) == 2 and calls[1][1][0] is b and bound.device == 1
+    bound((b, c))
+    assert len(compiled.runs) == 2 and compiled.runs[1][3] == "stream of 1"
+    monkeypatch.setattr(_utils, "_hooks_set", lambda: True)  # a profiler's hook
+    bound((a, b))
+    assert len(calls) == 3 and len(compiled.runs) == 2
+
+
+def test_a_bound_launch_without_a_kept_kernel_always_takes_the_launcher(direct):
+    """Triton's own path (the launcher returns no kernel: interpreter, CPU tensors):
+    every launch goes through it, with the bound arguments."""
+    from tq_chunked.runtime._utils import BoundLaunch
+
+    calls = []
+    a, b = torch.zeros(2), torch.ones(2)
+    bound = BoundLaunch(
+        lambda grid, *args, **o: calls.append(args), (1,), (a, 3), {}, ((0, 0),)
+    )
+    for t in (a, b, a):
+        bound((t,))
+    assert [args[0] for args in calls] == [a, b, a] and bound.compiled is None
+
+
+def test_layout_tells_apart_dtype_shape_strides_and_alignment():
+    base = torch.zeros(64, dtype=torch.float16)
+    t = base[:32].view(4, 8)
+    same = {layout(x) for x in (t, base[16:48].view(4, 8), t.clone())}
+    assert len(same) == 1
+    others = [
+        t.float(),
+        base[:32].view(8, 4),
+        base[:32].view(8, 4).t(),
+        base[1:33].view(4, 8),  # 2 bytes off the alignment class
+    ]
+    assert len({layout(x) for x in [t, *others]}) == 5

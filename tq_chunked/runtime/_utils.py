@@ -292,7 +292,8 @@ class Launcher:
     one Triton would pick. Used on CUDA only, with Triton's launch hooks unset and a
     launch path of the known shape; otherwise every call goes through
     ``kernel[grid]``. ``args`` are all of the kernel's parameters, in order, constexprs
-    included.
+    included. A call returns the compiled kernel it launched or kept (None where
+    Triton's own path ran), for ``BoundLaunch``.
     """
 
     direct = None  # decided on first use: _passes_constexprs(), None if unusable
@@ -332,14 +333,14 @@ class Launcher:
             or _hooks_set()
         ):
             self.kernel[grid](*args, **options)
-            return
+            return None
         driver = triton.runtime.driver.active
         device = driver.get_current_device()
         key = self._key(args, tuple(sorted(options.items())), device)
         compiled = self.compiled.get(key)
         if compiled is None:
-            self.compiled[key] = self.kernel[grid](*args, **options)
-            return
+            compiled = self.compiled[key] = self.kernel[grid](*args, **options)
+            return compiled
         if not Launcher.direct:
             args = tuple(a for i, a in enumerate(args) if i not in self._constexpr)
         g = tuple(grid) + (1,) * (3 - len(grid))
@@ -355,3 +356,71 @@ class Launcher:
             None,
             *args,
         )
+        return compiled
+
+
+def layout(t: torch.Tensor) -> tuple:
+    """What a launch reads of a tensor argument besides its address: dtype, shape,
+    strides, and the address's 16-byte alignment class (Triton's specialization;
+    ints derived from the shape and strides): two tensors of one layout launch alike."""
+    return (t.dtype, t.shape, t.stride(), t.data_ptr() & 15)
+
+
+class BoundLaunch:
+    """One launch of a ``Launcher``'s kernel with its arguments built once, for
+    launches that differ only in some tensors' addresses (a step's run, launched once
+    per layer: benchmarks/NOTES.md §52). ``slots`` pairs each argument position that
+    changes with an index into the tensors given to each launch. The caller launches
+    it only with tensors of the layouts it was bound with (``layout``; else it binds
+    again), so the arguments and the specialization are the ones the full path would
+    build: the kept compiled kernel is launched as ``Launcher.__call__`` launches it,
+    without the arguments or the key built again. Without a kept kernel (Triton's own
+    path: the interpreter, a CPU tensor, a launch hook, another device) the launch
+    goes through the launcher, with the same arguments."""
+
+    __slots__ = ("launcher", "grid", "args", "options", "slots", "compiled", "device",
+                 "_grid3")  # fmt: skip
+
+    def __init__(self, launcher, grid, args, options, slots):
+        self.launcher, self.grid, self.options = launcher, grid, options
+        self.slots = slots
+        # the template: the changing positions emptied (no layer's tensor kept alive)
+        self.args = list(args)
+        for pos, _ in slots:
+            self.args[pos] = None
+        self.compiled = None  # the launcher's compiled kernel, once it returned one
+        self.device = None  # the device it was compiled for
+        self._grid3 = tuple(grid) + (1,) * (3 - len(grid))
+
+    def arguments(self, tensors) -> list:
+        """The full argument list with ``tensors`` in their slots."""
+        args = self.args.copy()
+        for pos, i in self.slots:
+            args[pos] = tensors[i]
+        return args
+
+    def __call__(self, tensors) -> None:
+        args = self.arguments(tensors)
+        compiled = self.compiled
+        if compiled is not None and Launcher.direct is True and not _hooks_set():
+            driver = triton.runtime.driver.active
+            device = driver.get_current_device()
+            if device == self.device:
+                g = self._grid3
+                compiled.run(
+                    g[0],
+                    g[1],
+                    g[2],
+                    driver.get_current_stream(device),
+                    compiled.function,
+                    compiled.packed_metadata,
+                    None,
+                    None,
+                    None,
+                    *args,
+                )
+                return
+        compiled = self.launcher(self.grid, *args, **self.options)
+        if compiled is not None and isinstance(self.launcher, Launcher):
+            self.compiled = compiled
+            self.device = triton.runtime.driver.active.get_current_device()

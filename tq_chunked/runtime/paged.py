@@ -45,7 +45,9 @@ never read; its positions' scores are NaN, so its request's rows are NaN.
 Host side, pure functions of host ints: ``plan_paged`` (the splits, the work list, the
 scratch's bytes), ``PagedPlan.carve`` (the scratch's views of a workspace buffer) and
 ``PagedPlan.upload`` (the work arrays on the device); ``paged_attention`` runs the
-three launches from those; ``paged_continuation_prefill_varlen`` is the allocating
+three launches from those (``paged_launches`` builds them; ``BoundRun`` keeps them
+for a step's layers, which differ only in their tensors' addresses);
+``paged_continuation_prefill_varlen`` is the allocating
 convenience form with ``continuation_prefill_varlen``'s arguments, for tests and
 benchmarks.
 """
@@ -62,10 +64,12 @@ import triton
 import triton.language as tl
 
 from ._utils import (
+    BoundLaunch,
     Launcher,
     cdiv,
     interpreter_rounds_bf16,
     interpreting,
+    layout,
     next_power_of_2,
     round_bf16,
 )
@@ -1663,6 +1667,25 @@ def paged_attention(
     tokens: torch.Tensor,
     scratch: PagedScratch,
     out: torch.Tensor,
+    **kwargs,
+) -> None:
+    """The memory-bound path for ``plan``'s tokens: ``paged_launches``' kernels,
+    launched (the arguments as it says)."""
+    for launch, grid, args, options in paged_launches(
+        query, kv_cache, block_table, plan, work, tokens, scratch, out, **kwargs
+    ):
+        launch(grid, *args, **options)
+
+
+def paged_launches(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    plan: PagedPlan,
+    work: torch.Tensor,
+    tokens: torch.Tensor,
+    scratch: PagedScratch,
+    out: torch.Tensor,
     *,
     cfg: TQConfig,
     centroids: torch.Tensor | None,
@@ -1678,8 +1701,10 @@ def paged_attention(
     q_split: bool = True,
     lookup: bool = True,
     fence: bool = True,
-) -> None:
-    """The memory-bound path for ``plan``'s tokens: ``out`` rows (and ``lse``) of each
+) -> list[tuple[Launcher, tuple, tuple, dict]]:
+    """The launches of the memory-bound path for ``plan``'s tokens, as (launcher,
+    grid, arguments, options), in order; none where it serves no token. They write
+    ``out`` rows (and ``lse``) of each
     served token, over its request's cached positions and its chunk's own keys: with
     ``plan.own_keys`` from ``key`` and ``value`` (required), else, given ``new`` and
     ``new_lse``, merged with that partial (the chunk's own causal attention, as
@@ -1737,12 +1762,12 @@ def paged_attention(
     block_d = next_power_of_2(d)
     tokens_n, programs = plan.num_tokens, plan.programs  # len() of tensors: read once
     if tokens_n == 0:
-        return
+        return []
+    launches = []
     if plan.rotated and programs:
         assert centroids is not None and rotation is not None  # checked above
         block_r = 16
-        launch_rotate(
-            (cdiv(tokens_n * hq, block_r),),
+        rotate_args = (
             query,
             rotation,
             centroids,
@@ -1763,16 +1788,16 @@ def paged_attention(
             block_r,
             min(block_d, 32),
             TOKEN_FIELDS,
-            num_warps=4,
         )
+        grid = (cdiv(tokens_n * hq, block_r),)
+        launches.append((launch_rotate, grid, rotate_args, {"num_warps": 4}))
         q = scratch.query
         s_q = (q.stride(0), q.stride(1), 1)
     else:
         q = query
         s_q = query.stride()
     if programs:
-        launch_paged(
-            (programs,),
+        paged_args = (
             q,
             kv_cache,
             block_table,
@@ -1813,10 +1838,13 @@ def paged_attention(
             plan.prefetch,
             plan.transposed,
             err is not None,
-            num_warps=plan.num_warps,
-            num_stages=1,
-            maxnreg=plan.max_registers or None,
         )
+        options = {
+            "num_warps": plan.num_warps,
+            "num_stages": 1,
+            "maxnreg": plan.max_registers or None,
+        }
+        launches.append((launch_paged, (programs,), paged_args, options))
     block_t = 16 if block_d <= 128 else 8
     own = plan.own_keys
     has_new = new is not None and not own
@@ -1827,8 +1855,7 @@ def paged_attention(
     if own:
         assert key is not None and value is not None  # checked above
         k, v = key, value
-    launch_combine(
-        (cdiv(tokens_n, block_t), hq),
+    combine_args = (
         scratch.part_out,
         scratch.part_lse,
         tokens,
@@ -1861,8 +1888,75 @@ def paged_attention(
         lse is not None,
         interpreter_rounds_bf16(out.dtype),
         TOKEN_FIELDS,
-        num_warps=4,
     )
+    grid = (cdiv(tokens_n, block_t), hq)
+    launches.append((launch_combine, grid, combine_args, {"num_warps": 4}))
+    return launches
+
+
+# ---------------------------------------------------------------------------
+# A run's launches, built once per step
+# ---------------------------------------------------------------------------
+
+# The tensors a layer passes to a paged run, in the order of ``BoundRun``'s ``layer``.
+LAYER_TENSORS = ("query", "kv_cache", "centroids", "rotation", "key", "value", "out",
+                 "lse", "new", "new_lse", "err")  # fmt: skip
+
+
+def layer_key(layer: tuple, scale: float) -> tuple:
+    """What ``paged_launches`` reads of a layer's tensors (``LAYER_TENSORS``, each or
+    None) and its scale, but for their addresses: each tensor's ``layout`` (dtype,
+    shape, strides, 16-byte alignment class), which of them are one tensor, the scale.
+    Two layers of one key, their tensors on the same device, get the same launches
+    but for the addresses."""
+    ids = [id(t) for t in layer]
+    shapes = tuple(None if t is None else layout(t) for t in layer)
+    return shapes, tuple(map(ids.index, ids)), scale
+
+
+class BoundRun:
+    """A paged run's launches (``paged_launches``' list, made with one layer's
+    tensors ``layer``) kept for the step's other layers of the same ``layer_key``:
+    each launch's arguments built once, with each layer's tensors put where
+    ``paged_launches`` put the first's; the kept compiled kernels then launch as
+    ``Launcher`` launches them, without the arguments or the launcher's key built
+    again (benchmarks/NOTES.md §52). ``owned``: the step's tensors the launches take
+    (block table, work list, scratch), the same for every layer."""
+
+    __slots__ = ("launches",)
+
+    def __init__(self, launches: list, layer: tuple, owned: tuple):
+        self.launches = tuple(
+            BoundLaunch(launcher, grid, args, options, _slots(args, layer, owned))
+            for launcher, grid, args, options in launches
+        )
+
+    def __call__(self, layer: tuple) -> None:
+        """Launch with ``layer``'s tensors, of the key it was bound for."""
+        for launch in self.launches:
+            launch(layer)
+
+
+def _slots(args: tuple, layer: tuple, owned: tuple) -> tuple[tuple[int, int], ...]:
+    """(argument position, index in ``layer``) of each argument that is one of the
+    layer's tensors. Every other tensor argument must be one of ``owned``: an argument
+    made from a layer's tensor (a view) would be launched stale."""
+    slots = []
+    for pos, a in enumerate(args):
+        if not isinstance(a, torch.Tensor):
+            continue
+        i = next((i for i, t in enumerate(layer) if t is a), None)
+        if i is not None:
+            slots.append((pos, i))
+        elif not any(a is t for t in owned):
+            raise AssertionError(
+                f"argument {pos} is neither a layer's tensor nor the step's"
+            )
+    return tuple(slots)
+
+
+def scratch_tensors(scratch: PagedScratch) -> tuple[torch.Tensor, ...]:
+    return tuple(getattr(scratch, f.name) for f in dataclasses.fields(scratch))
 
 
 def paged_continuation_prefill_varlen(

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import paged
 from ._utils import (
     as_int,
     check_overlaps,
@@ -50,7 +51,7 @@ from .attention import resolve_backend, varlen_attention
 from .dequant import fill_window, split_rotation
 from .format import TQConfig, resolve_config
 from .merge import merge_attn_states
-from .paged import DEFAULT_SMS, PagedPlan, paged_attention
+from .paged import DEFAULT_SMS, PagedPlan, paged_launches
 from .plan import PATHS, LongRequest, PagedRun, Plan, default_window, make_plan
 from .workspace import ALIGN, DEFAULT_WORKSPACE_BYTES, carve, rotation_bytes
 
@@ -553,6 +554,9 @@ class Step:
         self.workspace: torch.Tensor | None = None
         self.buffers: tuple = ()
         self._place: tuple | None = None
+        # (paged run's id, paged.layer_key) -> paged.BoundRun: a paged run's launches
+        # as the step's first layer of that key built them (the plan holds its runs)
+        self._bound: dict = {}
         if workspace is not None:
             self._take(workspace)
 
@@ -565,6 +569,7 @@ class Step:
             views = {key: _carve(workspace, key) for key in set(self.plan.unit_layouts)}
             self.buffers = tuple(views[key] for key in self.plan.unit_layouts)
             self._place = place
+            self._bound.clear()  # their launches take the old views
         self.workspace = workspace
 
     @property
@@ -861,27 +866,42 @@ class _Layer:
             new_lse = varlen_attention(
                 run.chunk, q, k, v, self.scale, new[rows], self.step.backend
             )
-        paged_attention(
-            self.query,
-            self.kv_cache,
-            self.step.block_table,
-            run.paged,
-            run.work,
-            run.tokens,
-            scratch,
-            self.out,
-            cfg=self.cfg,
-            centroids=self.centroids,
-            rotation=self.rotation,
-            scale=self.scale,
-            lse=self.lse,
-            new=new,
-            new_lse=new_lse,
-            new_lse_row0=run.q0,
-            key=self.key,
-            value=self.value,
-            err=self.err,
-        )
+        # every layer of a step launches the same kernels with the same arguments
+        # but for its tensors' addresses: built at the first layer of each layout,
+        # then launched bound (NOTES.md §52)
+        layer = (self.query, self.kv_cache, self.centroids, self.rotation, self.key,
+                 self.value, self.out, self.lse, new, new_lse, self.err)  # fmt: skip
+        key = (id(run), paged.layer_key(layer, self.scale))
+        bound = self.step._bound.get(key)
+        if bound is None:
+            launches = paged_launches(
+                self.query,
+                self.kv_cache,
+                self.step.block_table,
+                run.paged,
+                run.work,
+                run.tokens,
+                scratch,
+                self.out,
+                cfg=self.cfg,
+                centroids=self.centroids,
+                rotation=self.rotation,
+                scale=self.scale,
+                lse=self.lse,
+                new=new,
+                new_lse=new_lse,
+                new_lse_row0=run.q0,
+                key=self.key,
+                value=self.value,
+                err=self.err,
+            )
+            owned = (self.step.block_table, run.work, run.tokens,
+                     *paged.scratch_tensors(scratch))  # fmt: skip
+            bound = paged.BoundRun(launches, layer, owned)
+            if len(self.step._bound) >= 64:
+                self.step._bound.clear()
+            self.step._bound[key] = bound
+        bound(layer)
 
     def long_request(self, req, bufs):
         """A request longer than a window, req.kv_heads kv heads at a time: part
