@@ -34,8 +34,6 @@ BACKEND = "triton" if DEVICE == "cuda" else "torch"
 REQUESTS = [(90, 3), (0, 5), (33, 0), (130, 17), (45, 16), (200, 1), (70, 20)]
 UNITS = ["paged 0", "window 1 3", "paged 4 5", "window 6"]
 PAGED_UNITS = ["paged 0", "window 1", "paged 3 4 5 6"]  # path="paged"
-# at most paged.OWN_KEYS_MAX query tokens each: one paged run with own keys
-OWN_KEYS = [(90, 3), (33, 0), (200, 1), (45, 16)]
 
 
 @pytest.fixture(autouse=True)
@@ -225,10 +223,10 @@ def test_the_head_major_cache_and_one_layer_after_another(preset):
 
 
 def _layers(batch):
-    """(name, query, key, value, kv_cache) of one step's layers, in order: the
-    batch's; new tensors of the same layouts; value the key itself; apart again; a
-    query of other strides; the cache at another alignment class."""
-    new = lambda t: t.clone()  # same layout, another address
+    """(name, arguments of Step.run) of one step's layers, in order: the batch's; new
+    tensors of the same layouts (the tables too); value the key itself; apart again;
+    another scale; a query of other strides; the cache at another alignment class."""
+    new = lambda t: None if t is None else t.clone()  # same layout, other address
     wide = torch.empty_like(batch.query.repeat(1, 1, 2))
     wide[..., ::2] = batch.query  # the same values, strides (., ., 2)
     moved = torch.empty(
@@ -237,46 +235,56 @@ def _layers(batch):
     shifted = moved[2:].view(batch.kv_cache.shape)
     shifted.copy_(batch.kv_cache)
     q, k, v, c = batch.query, batch.key, batch.value, batch.kv_cache
-    return [
-        ("the batch's", q, k, v, c),
-        ("new tensors", new(q) * 0.5, new(k), new(v), new(c)),
-        ("value is key", q, k, k, c),
-        ("apart again", new(q), new(v), new(k), c),
-        ("strided query", wide[..., ::2], k, v, c),
-        ("shifted cache", q, k, v, shifted),
+    kw = batch.kwargs
+    tables = {"centroids": kw["centroids"], "rotation": kw["rotation"]}
+    others = {name: new(t) for name, t in tables.items()}
+    scale = kw["scale"]
+    layers = [
+        ("the batch's", (q, k, v, c), tables, scale),
+        ("new tensors", (new(q) * 0.5, new(k), new(v), new(c)), others, scale),
+        ("value is key", (q, k, k, c), tables, scale),
+        ("apart again", (new(q), new(v), new(k), c), others, scale),
+        ("another scale", (q, k, v, c), tables, scale * 0.5),
+        ("strided query", (wide[..., ::2], k, v, c), tables, scale),
+        ("shifted cache", (q, k, v, shifted), tables, scale),
     ]
+    return [(name, args, dict(t, scale=s)) for name, args, t, s in layers]
 
 
 @pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
 def test_a_steps_layers_launch_bound_as_each_alone(preset):
     """Every layer of a step after the first of its layouts launches its paged runs
     from the arguments the first built (paged.BoundRun), its own tensors put in:
-    each layer's answer is the one call's bit for bit, through layers of the same
-    layouts, a value that is the key, other strides and another alignment class."""
+    each layer's answer and lse are the one call's bit for bit, through layers of the
+    same layouts, a value that is the key, another scale, other strides and another
+    alignment class."""
     batch = make_batch(REQUESTS, preset, seed=6, device=DEVICE)
     step = _plan(batch, path="paged")
     assert _units(step) == PAGED_UNITS  # one run with own keys, one with the call
-    kw = {k: batch.kwargs[k] for k in ("centroids", "rotation", "scale")}
     bound = []
-    for name, query, key, value, cache in _layers(batch):
-        out = step.run(query, key, value, cache, **kw)
-        one = continuation_prefill_varlen(
-            query, key, value, cache, *batch.args[4:5], None, None, **batch.kwargs,
-            query_start_loc_cpu=batch.query_start_loc,
-            seq_lens_cpu=batch.seq_lens, backend=BACKEND, path="paged",
+    for name, args, kw in _layers(batch):
+        out, lse = step.run(*args, **kw, return_lse=True)
+        one, one_lse = continuation_prefill_varlen(
+            *args, batch.block_table, None, None, **{**batch.kwargs, **kw},
+            query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens,
+            backend=BACKEND, path="paged", return_lse=True,
         )  # fmt: skip
         assert torch.equal(out, one), (name, batch.seed)
+        assert torch.equal(lse, one_lse), (name, batch.seed)
         bound.append(len(step._bound))
-    # two runs: bound at the first layer, again where the layouts or the aliasing
-    # changed, and not where only the addresses did
-    assert bound == [2, 2, 4, 4, 6, 8]
+    # two runs: bound at the first layer, again where the layouts, the aliasing or
+    # the scale changed, and not where only the addresses did
+    assert bound == [2, 2, 4, 4, 6, 8, 10]
 
 
-def test_a_bound_run_launches_what_paged_launches_builds(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_bound_run_launches_what_paged_launches_builds(dtype, monkeypatch):
     """The arguments a bound run gives each launcher are those ``paged_launches``
-    builds for that layer's tensors: the same objects where they are tensors, equal
-    values elsewhere."""
-    from tq_chunked.runtime import paged
+    builds for that layer's tensors: the same bytes in the same layout where they
+    are tensors (the same objects, or views such as bf16's out as fp16), equal values
+    elsewhere; a run with own keys and one after a causal call."""
+    from tq_chunked.runtime import paged, prefill
+    from tq_chunked.runtime._utils import layout
 
     seen = []
 
@@ -290,37 +298,45 @@ def test_a_bound_run_launches_what_paged_launches_builds(monkeypatch):
     for name in ("launch_rotate", "launch_paged", "launch_combine"):
         monkeypatch.setattr(paged, name, Recorder(name))
     built = []
-    real = paged.paged_launches
+    real_launches, real_call = paged.paged_launches, prefill.varlen_attention
 
-    def recording(*args, **kwargs):
-        launches = real(*args, **kwargs)
-        built.append(launches)
-        return launches
+    def launches(*args, **kwargs):
+        built.append(1)
+        return real_launches(*args, **kwargs)
 
-    monkeypatch.setattr("tq_chunked.runtime.prefill.paged_launches", recording)
-    # every request up to OWN_KEYS_MAX tokens: each tensor argument is the layer's
-    # or the step's (no FlashAttention partial, made anew by each call)
-    batch = make_batch(OWN_KEYS, "turboquant_3bit_nc", seed=7, device=DEVICE)
+    partials = {}  # the causal call's lse, one tensor per layer for both runs
+
+    def call(*args):
+        lse = real_call(*args)
+        return partials.setdefault((layer, lse.shape), lse.clone()).copy_(lse)
+
+    monkeypatch.setattr(prefill, "paged_launches", launches)
+    monkeypatch.setattr(prefill, "varlen_attention", call)
+    batch = make_batch(REQUESTS, "turboquant_3bit_nc", dtype, seed=7, device=DEVICE)
     step = _plan(batch, path="paged")
-    kw = {k: batch.kwargs[k] for k in ("centroids", "rotation", "scale")}
     binds = []
-    for name, query, key, value, cache in _layers(batch):
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    for layer, args, kw in _layers(batch):
+        out = torch.empty_like(args[0], memory_format=torch.contiguous_format)
+        lse = torch.empty(batch.query.shape[1], len(out), device=out.device)
         seen.clear()
         before = len(built)
-        step.run(query, key, value, cache, **kw, out=out)
+        step.run(*args, **kw, out=out, lse=lse)
         binds.append(len(built) - before)
-        # what paged_launches builds for this layer's tensors
-        with monkeypatch.context() as m:
+        with monkeypatch.context() as m:  # what paged_launches builds for them
             m.setattr(step, "_bound", {})
-            step.run(query, key, value, cache, **kw, out=out)
+            step.run(*args, **kw, out=out, lse=lse)
         launches, fresh = seen[: len(seen) // 2], seen[len(seen) // 2 :]
-        assert len(launches) == len(fresh) == 3  # rotate, paged, combine
+        assert len(launches) == len(fresh) == 6  # rotate, paged, combine; twice
         for a, b in zip(launches, fresh):
             assert a[:2] == b[:2] and a[3] == b[3] and len(a[2]) == len(b[2])
             for x, y in zip(a[2], b[2]):
-                assert x is y if isinstance(y, torch.Tensor) else x == y, name
-    assert binds == [1, 0, 1, 0, 1, 1]  # built where the layouts or aliasing changed
+                if isinstance(y, torch.Tensor):
+                    same = x.data_ptr() == y.data_ptr() and layout(x) == layout(y)
+                    assert x is y or same, (layer, a[0])
+                else:
+                    assert x == y, (layer, a[0])
+    # built where the layouts, the aliasing or the scale changed
+    assert binds == [2, 0, 2, 0, 2, 2, 2]
 
 
 @settings(
