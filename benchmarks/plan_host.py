@@ -6,17 +6,19 @@ CPU, this tree against another (benchmarks/NOTES.md §51, §52).
 For the decodes of ``testing.memory_bound_workloads`` that ``host_profile.py --paged``
 profiles on a GPU, plus 256 x 2K-12K: ``ContinuationPrefill.plan`` (medians of 100
 calls); ``Step.run`` per layer with its three kernel launches replaced by no-ops (the
-run's Python); and ``Step.run`` per layer down to each launch's compiled kernel (the
-run to the launches: the launchers' own Python too, Triton's compilation replaced by a
-compiled kernel that does nothing, a driver stand-in and CPU tensors that say they are
-on CUDA, so that the launchers take the path they take on a GPU; what is left out is
-that kernel's ``run``, the same in every tree). The runs: medians of 400 calls over
-LAYERS layers of distinct tensors of one layout, in turn, their cached lengths cut to 64
-tokens (which the host does not depend on). Each tree in its own processes, the trees in
-turn for ``--rounds`` rounds; each figure is the median of its rounds. ``--against``:
-the root of another checkout (a ``git worktree`` of an earlier commit). The plan and the
-run's Python run under ``TRITON_INTERPRET=1``, so that the CPU plans the memory-bound
-path as a GPU does. Writes plan-host.json and plan-host.md to OUT_DIR.
+run's Python); and ``Step.run`` per layer down to each launch's compiled kernel, for
+those decodes and for WINDOW_CASES on the window path, whose FlashAttention call is
+left out (the run to the launches: the launchers' own Python too, Triton's compilation
+replaced by a compiled kernel that does nothing, a driver stand-in and CPU tensors that
+say they are on CUDA, so that the launchers take the path they take on a GPU; what is
+left out is that kernel's ``run``, the same in every tree). The runs: medians of 400
+calls over LAYERS layers of distinct tensors of one layout, in turn, the decodes'
+cached lengths cut to 64 tokens (which the host does not depend on). Each tree in its
+own processes, the trees in turn for ``--rounds`` rounds; each figure is the median of
+its rounds. ``--against``: the root of another checkout (a ``git worktree`` of an
+earlier commit). The plan and the run's Python run under ``TRITON_INTERPRET=1``, so
+that the CPU plans the memory-bound path as a GPU does. Writes plan-host.json and
+plan-host.md to OUT_DIR.
 """
 
 import argparse
@@ -37,6 +39,14 @@ WORKLOADS = (
     "decode 128 x 4K-8K d64 k3v4",
 )
 LAYERS = 8  # the run's layers: distinct tensors of one layout, in turn
+# The window path's runs (§45's batch): name -> (requests (cached, q), shape, preset,
+# dtype, window)
+WINDOW_CASES = {
+    "16 x q64 over 448, 1 window": (((448, 64),) * 16, "llama3-8b",
+                                     "turboquant_3bit_nc", "float16", None),
+    "16 x q64 over 448, 16 windows": (((448, 64),) * 16, "llama3-8b",
+                                      "turboquant_3bit_nc", "float16", 1024),
+}  # fmt: skip
 
 
 def median_us(fn, calls):
@@ -139,7 +149,8 @@ def measure_launches() -> dict:
     from host_profile import PAGED_CASES
 
     from tq_chunked import ContinuationPrefill
-    from tq_chunked.runtime import _utils, paged
+    from tq_chunked.runtime import _utils, dequant, merge, paged
+    from tq_chunked.runtime import prefill as prefill_module
     from tq_chunked.tools.testing import SHAPES, build_batch, memory_bound_workloads
 
     class Cuda(torch.Tensor):
@@ -176,23 +187,34 @@ def measure_launches() -> dict:
     triton.runtime.driver.set_active(Driver())
     _utils.Launcher.direct = True
     _utils._hooks_set = lambda: False
-    for name in ("launch_rotate", "launch_paged", "launch_combine"):
-        launcher = getattr(paged, name)
+    launchers = [(paged, "launch_rotate"), (paged, "launch_paged"),
+                 (paged, "launch_combine"), (dequant, "launch_fill"),
+                 (dequant, "launch_split"), (merge, "launch_merge")]  # fmt: skip
+    for module, name in launchers:
+        launcher = getattr(module, name)
         launcher.kernel = Kernel(launcher.kernel)
         launcher.compiled.clear()
+    # FlashAttention's call, which a window's run makes, left out (the same in both)
+    prefill_module.varlen_attention = lambda w, q, *args: torch.empty(
+        q.shape[1], q.shape[0]
+    )
     cuda = lambda t: None if t is None else t.as_subclass(Cuda)
     grid = {w.name: w for w in memory_bound_workloads()}
+    cases = [
+        (name, "paged", [(64, q) for _, q in w.requests], w.shape, w.preset, w.dtype,
+         None)
+        for name, w in ((name, grid[name]) for name in PAGED_CASES)
+    ]  # fmt: skip
+    cases += [(name, "window", *params) for name, params in WINDOW_CASES.items()]
     result = {"run_us": {}}
-    for name in PAGED_CASES:
-        w = grid[name]
-        hq, hk, d = SHAPES[w.shape]
-        dtype = getattr(torch, w.dtype)
-        b = build_batch(w.preset, [(64, q) for _, q in w.requests], hq, hk, d, 16,
-                        dtype, "cpu")  # fmt: skip
+    for name, path, requests, shape, preset, dtype, window in cases:
+        hq, hk, d = SHAPES[shape]
+        dtype = getattr(torch, dtype)
+        b = build_batch(preset, requests, hq, hk, d, 16, dtype, "cpu")
         kw = b["kwargs"]
         prefill = ContinuationPrefill(
-            hq, hk, d, preset=w.preset, dtype=dtype, block_size=16,
-            check_block_table=False, path="paged",
+            hq, hk, d, preset=preset, dtype=dtype, block_size=16,
+            check_block_table=False, path=path, window=window,
         )  # fmt: skip
         n = b["query"].shape[0]
         ws = torch.empty(prefill.workspace_bytes(n), dtype=torch.uint8)
@@ -204,12 +226,13 @@ def measure_launches() -> dict:
             workspace=ws,
         )
         del os.environ["TRITON_INTERPRET"]
-        step.buffers = tuple(  # the scratch's views "on CUDA" too
-            dataclasses.replace(
-                s, **{f.name: cuda(getattr(s, f.name)) for f in dataclasses.fields(s)}
-            )
-            for s in step.buffers
-        )
+        if path == "paged":  # the scratch's views "on CUDA" too (a fill's first
+            # argument is the layer's cache)
+            step.buffers = tuple(
+                dataclasses.replace(s, **{f.name: cuda(getattr(s, f.name))
+                                          for f in dataclasses.fields(s)})
+                for s in step.buffers
+            )  # fmt: skip
         names = ("query", "key", "value", "kv_cache")
         layers = [
             tuple(cuda(b[k].clone()) for k in names) for _ in range(LAYERS)
@@ -304,8 +327,13 @@ def main():
         + " | " + " | ".join(f"run to the launches, {t}" for t in labels) + " |",
         "|---" * (1 + 3 * len(labels)) + "|",
     ]  # fmt: skip
-    for w in WORKLOADS:
-        plan = [f"{summary[t]['plan_us'][w] / 1e3:.3f} ms" for t in labels]
+    for w in (*WORKLOADS, *WINDOW_CASES):
+        plan = [
+            f"{summary[t]['plan_us'][w] / 1e3:.3f} ms"
+            if w in summary[t]["plan_us"]
+            else "-"
+            for t in labels
+        ]
         run = [
             f"{summary[t][kind][w]:.1f} us" if w in summary[t][kind] else "-"
             for kind in ("run_python_us", "run_us")

@@ -252,38 +252,49 @@ def _layers(batch):
 
 
 @pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
-def test_a_steps_layers_launch_bound_as_each_alone(preset):
+@pytest.mark.parametrize("path", ["paged", "window"])
+def test_a_steps_layers_launch_bound_as_each_alone(preset, path):
     """Every layer of a step after the first of its layouts launches its paged runs
-    from the arguments the first built (paged.BoundRun), its own tensors put in:
-    each layer's answer and lse are the one call's bit for bit, through layers of the
-    same layouts, a value that is the key, another scale, other strides and another
-    alignment class."""
+    and its fills from the arguments the first built (_utils.BoundLaunches), its own
+    tensors put in: each layer's answer and lse are the one call's bit for bit,
+    through layers of the same layouts, a value that is the key, another scale, other
+    strides and another alignment class."""
     batch = make_batch(REQUESTS, preset, seed=6, device=DEVICE)
-    step = _plan(batch, path="paged")
-    assert _units(step) == PAGED_UNITS  # one run with own keys, one with the call
+    step = _plan(batch, path=path)
+    if path == "paged":  # one run with own keys, one with the call, one window
+        assert _units(step) == PAGED_UNITS
     bound = []
     for name, args, kw in _layers(batch):
         out, lse = step.run(*args, **kw, return_lse=True)
         one, one_lse = continuation_prefill_varlen(
             *args, batch.block_table, None, None, **{**batch.kwargs, **kw},
             query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens,
-            backend=BACKEND, path="paged", return_lse=True,
+            backend=BACKEND, path=path, return_lse=True,
         )  # fmt: skip
         assert torch.equal(out, one), (name, batch.seed)
         assert torch.equal(lse, one_lse), (name, batch.seed)
-        bound.append(len(step._bound))
-    # two runs: bound at the first layer, again where the layouts, the aliasing or
-    # the scale changed, and not where only the addresses did
-    assert bound == [2, 2, 4, 4, 6, 8, 10]
+        # the units' bound launches (not the rotation's split, one per layout)
+        bound.append(sum(k != "split" for v in step._bound.values() for k in v))
+    # bound at the first layer, again where the layouts, the aliasing or (paged
+    # runs) the scale changed, and not where only the addresses did; a fill reads
+    # neither the query nor the scale
+    if path == "paged":
+        assert bound == [3, 3, 6, 6, 8, 10, 13]  # two runs and a window's fill
+    else:
+        n = bound[0]
+        assert n and bound == [n, n, 2 * n, 2 * n, 2 * n, 2 * n, 3 * n]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_a_bound_run_launches_what_paged_launches_builds(dtype, monkeypatch):
-    """The arguments a bound run gives each launcher are those ``paged_launches``
-    builds for that layer's tensors: the same bytes in the same layout where they
-    are tensors (the same objects, or views such as bf16's out as fp16), equal values
-    elsewhere; a run with own keys and one after a causal call."""
-    from tq_chunked.runtime import paged, prefill
+def test_bound_launches_are_what_paged_launches_and_fill_launch_build(
+    dtype, monkeypatch
+):
+    """The arguments bound launches give each launcher are those ``paged_launches``
+    and ``fill_launch`` build for that layer's tensors: the same bytes in the same
+    layout where they are tensors (the same objects, or views such as bf16's out as
+    fp16), equal values elsewhere; a run with own keys, one after a causal call, and
+    a window's fill."""
+    from tq_chunked.runtime import dequant, paged, prefill
     from tq_chunked.runtime._utils import layout
 
     seen = []
@@ -297,6 +308,8 @@ def test_a_bound_run_launches_what_paged_launches_builds(dtype, monkeypatch):
 
     for name in ("launch_rotate", "launch_paged", "launch_combine"):
         monkeypatch.setattr(paged, name, Recorder(name))
+    for name in ("launch_fill", "launch_split"):
+        monkeypatch.setattr(dequant, name, Recorder(name))
     built = []
     real_launches, real_call = paged.paged_launches, prefill.varlen_attention
 
@@ -326,7 +339,8 @@ def test_a_bound_run_launches_what_paged_launches_builds(dtype, monkeypatch):
             m.setattr(step, "_bound", {})
             step.run(*args, **kw, out=out, lse=lse)
         launches, fresh = seen[: len(seen) // 2], seen[len(seen) // 2 :]
-        assert len(launches) == len(fresh) == 6  # rotate, paged, combine; twice
+        # rotate, paged, combine twice; the window's split and fill
+        assert len(launches) == len(fresh) == 8
         for a, b in zip(launches, fresh):
             assert a[:2] == b[:2] and a[3] == b[3] and len(a[2]) == len(b[2])
             for x, y in zip(a[2], b[2]):

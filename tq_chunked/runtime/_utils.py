@@ -424,3 +424,54 @@ class BoundLaunch:
         if compiled is not None and isinstance(self.launcher, Launcher):
             self.compiled = compiled
             self.device = triton.runtime.driver.active.get_current_device()
+
+
+def layer_key(layer: tuple, *values) -> tuple:
+    """What a launch's arguments read of a layer's tensors (each or None) and values,
+    but for the tensors' addresses: each tensor's ``layout``, which of them are one
+    tensor, the values. Two layers of one key, their tensors on the same device, get
+    the same launches but for the addresses."""
+    ids = [id(t) for t in layer]
+    shapes = tuple(None if t is None else layout(t) for t in layer)
+    return shapes, tuple(map(ids.index, ids)), values
+
+
+class BoundLaunches:
+    """Launches (a list of (launcher, grid, arguments, options)) made with one layer's
+    tensors ``layer``, kept for a step's other layers of the same ``layer_key``: each
+    launch's arguments built once, each layer's tensors put where the first's were;
+    the kept compiled kernels then launch as ``Launcher`` launches them, without the
+    arguments or the launcher's key built again (benchmarks/NOTES.md §52). ``owned``:
+    the step's tensors the launches take (block table, plan integers, workspace
+    views), the same for every layer."""
+
+    __slots__ = ("launches",)
+
+    def __init__(self, launches, layer: tuple, owned: tuple):
+        self.launches = tuple(
+            BoundLaunch(launcher, grid, args, options, _slots(args, layer, owned))
+            for launcher, grid, args, options in launches
+        )
+
+    def __call__(self, layer: tuple) -> None:
+        """Launch with ``layer``'s tensors, of the key they were bound for."""
+        for launch in self.launches:
+            launch(layer)
+
+
+def _slots(args, layer: tuple, owned: tuple) -> tuple[tuple[int, int], ...]:
+    """(argument position, index in ``layer``) of each argument that is one of the
+    layer's tensors. Every other tensor argument must be one of ``owned``: an argument
+    made from a layer's tensor (a view) would be launched stale."""
+    slots = []
+    for pos, a in enumerate(args):
+        if not isinstance(a, torch.Tensor):
+            continue
+        i = next((i for i, t in enumerate(layer) if t is a), None)
+        if i is not None:
+            slots.append((pos, i))
+        elif not any(a is t for t in owned):
+            raise AssertionError(
+                f"argument {pos} is neither a layer's tensor nor the step's"
+            )
+    return tuple(slots)

@@ -785,8 +785,16 @@ def split_rotation(
         flags[:nflags] = blocks(same) + 2 * blocks(sylvester)
         flags[nflags] = mag.view(torch.int32)
         return parts, flags
-    launch_split(
-        (nflags,),
+    launcher, grid, args, options = split_launch(rotation, parts, flags)
+    launcher(grid, *args, **options)
+    return parts, flags
+
+
+def split_launch(rotation: torch.Tensor, parts: torch.Tensor, flags: torch.Tensor):
+    """``split_rotation``'s Triton launch into ``parts`` and ``flags``, as (launcher,
+    grid, arguments, options)."""
+    d = rotation.shape[0]
+    args = (
         rotation,
         parts,
         flags,
@@ -795,7 +803,7 @@ def split_rotation(
         d,
         SPLIT_BLOCK,
     )
-    return parts, flags
+    return launch_split, (split_flags(d),), args, {}
 
 
 @dataclass(frozen=True)
@@ -870,11 +878,8 @@ def fill_window(
     """
     if window.rows <= 0:
         return
-    rotate = unrotate and not cfg.key_fp8
-    block_d = next_power_of_2(cfg.head_dim)
-    launch = config if config is not None else FILL[(block_d, rotate)]
-    fp8_e4b15 = cfg.key_fp8 and fp8_e4b15_for(kv_cache.device)
     if not use_triton(kv_cache):
+        rotate = unrotate and not cfg.key_fp8
         _fill_torch(
             kv_cache,
             block_table,
@@ -887,9 +892,43 @@ def fill_window(
             head0,
             k_out,
             v_out,
-            fp8_e4b15,
+            cfg.key_fp8 and fp8_e4b15_for(kv_cache.device),
         )
         return
+    launch = fill_launch(
+        kv_cache, block_table, cfg, centroids, rotation, key, value, window, head0,
+        k_out, v_out, err, unrotate, config, parts,
+    )  # fmt: skip
+    if launch is not None:
+        launcher, grid, args, options = launch
+        launcher(grid, *args, **options)
+
+
+def fill_launch(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cfg: TQConfig,
+    centroids: torch.Tensor | None,
+    rotation: torch.Tensor | None,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    window,
+    head0: int,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    err: torch.Tensor | None = None,
+    unrotate: bool = True,
+    config: FillLaunch | None = None,
+    parts: tuple | None = None,
+) -> tuple | None:
+    """``fill_window``'s Triton launch, as (launcher, grid, arguments, options), with
+    its arguments; None for a window without rows."""
+    if window.rows <= 0:
+        return None
+    rotate = unrotate and not cfg.key_fp8
+    block_d = next_power_of_2(cfg.head_dim)
+    launch = config if config is not None else FILL[(block_d, rotate)]
+    fp8_e4b15 = cfg.key_fp8 and fp8_e4b15_for(kv_cache.device)
     assert k_out.dtype == v_out.dtype, "k_out and v_out: one window dtype"
     if not rotate:
         rot_parts, flags = kv_cache, kv_cache  # not read unrotated
@@ -904,8 +943,8 @@ def fill_window(
     # interpreter: small tiles of 32 slots.
     block_t = max(1, (32 if interpreting() else launch.slots) // heads)
     centroids = centroids if centroids is not None else kv_cache  # fp8 keys: not read
-    launch_fill(
-        (cdiv(window.rows, block_t), 2 if launch.split else 1),
+    grid = (cdiv(window.rows, block_t), 2 if launch.split else 1)
+    args = (
         kv_cache,
         block_table,
         centroids,
@@ -964,9 +1003,9 @@ def fill_window(
         block_t,
         min(launch.block_n, block_d),
         next_power_of_2(nflags),
-        num_warps=launch.warps,
-        enable_fp_fusion=False,
     )
+    options = {"num_warps": launch.warps, "enable_fp_fusion": False}
+    return launch_fill, grid, args, options
 
 
 def _fill_torch(

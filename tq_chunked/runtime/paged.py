@@ -45,8 +45,8 @@ never read; its positions' scores are NaN, so its request's rows are NaN.
 Host side, pure functions of host ints: ``plan_paged`` (the splits, the work list, the
 scratch's bytes), ``PagedPlan.carve`` (the scratch's views of a workspace buffer) and
 ``PagedPlan.upload`` (the work arrays on the device); ``paged_attention`` runs the
-three launches from those (``paged_launches`` builds them; ``BoundRun`` keeps them
-for a step's layers, which differ only in their tensors' addresses);
+three launches from those (``paged_launches`` builds them, which a step binds once
+for its layers: ``_utils.BoundLaunches``);
 ``paged_continuation_prefill_varlen`` is the allocating
 convenience form with ``continuation_prefill_varlen``'s arguments, for tests and
 benchmarks.
@@ -64,12 +64,10 @@ import triton
 import triton.language as tl
 
 from ._utils import (
-    BoundLaunch,
     Launcher,
     cdiv,
     interpreter_rounds_bf16,
     interpreting,
-    layout,
     next_power_of_2,
     round_bf16,
 )
@@ -1894,68 +1892,9 @@ def paged_launches(
     return launches
 
 
-# ---------------------------------------------------------------------------
-# A run's launches, built once per step
-# ---------------------------------------------------------------------------
-
-# The tensors a layer passes to a paged run, in the order of ``BoundRun``'s ``layer``.
-LAYER_TENSORS = ("query", "kv_cache", "centroids", "rotation", "key", "value", "out",
-                 "lse", "new", "new_lse", "err")  # fmt: skip
-
-
-def layer_key(layer: tuple, scale: float) -> tuple:
-    """What ``paged_launches`` reads of a layer's tensors (``LAYER_TENSORS``, each or
-    None) and its scale, but for their addresses: each tensor's ``layout`` (dtype,
-    shape, strides, 16-byte alignment class), which of them are one tensor, the scale.
-    Two layers of one key, their tensors on the same device, get the same launches
-    but for the addresses."""
-    ids = [id(t) for t in layer]
-    shapes = tuple(None if t is None else layout(t) for t in layer)
-    return shapes, tuple(map(ids.index, ids)), scale
-
-
-class BoundRun:
-    """A paged run's launches (``paged_launches``' list, made with one layer's
-    tensors ``layer``) kept for the step's other layers of the same ``layer_key``:
-    each launch's arguments built once, with each layer's tensors put where
-    ``paged_launches`` put the first's; the kept compiled kernels then launch as
-    ``Launcher`` launches them, without the arguments or the launcher's key built
-    again (benchmarks/NOTES.md §52). ``owned``: the step's tensors the launches take
-    (block table, work list, scratch), the same for every layer."""
-
-    __slots__ = ("launches",)
-
-    def __init__(self, launches: list, layer: tuple, owned: tuple):
-        self.launches = tuple(
-            BoundLaunch(launcher, grid, args, options, _slots(args, layer, owned))
-            for launcher, grid, args, options in launches
-        )
-
-    def __call__(self, layer: tuple) -> None:
-        """Launch with ``layer``'s tensors, of the key it was bound for."""
-        for launch in self.launches:
-            launch(layer)
-
-
-def _slots(args: tuple, layer: tuple, owned: tuple) -> tuple[tuple[int, int], ...]:
-    """(argument position, index in ``layer``) of each argument that is one of the
-    layer's tensors. Every other tensor argument must be one of ``owned``: an argument
-    made from a layer's tensor (a view) would be launched stale."""
-    slots = []
-    for pos, a in enumerate(args):
-        if not isinstance(a, torch.Tensor):
-            continue
-        i = next((i for i, t in enumerate(layer) if t is a), None)
-        if i is not None:
-            slots.append((pos, i))
-        elif not any(a is t for t in owned):
-            raise AssertionError(
-                f"argument {pos} is neither a layer's tensor nor the step's"
-            )
-    return tuple(slots)
-
-
 def scratch_tensors(scratch: PagedScratch) -> tuple[torch.Tensor, ...]:
+    """The scratch's views (what a step's bound launches may take besides a layer's
+    tensors)."""
     return tuple(getattr(scratch, f.name) for f in dataclasses.fields(scratch))
 
 

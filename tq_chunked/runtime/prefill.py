@@ -40,15 +40,17 @@ import torch
 
 from . import paged
 from ._utils import (
+    BoundLaunches,
     as_int,
     check_overlaps,
     check_tensor,
     interpreting,
+    layer_key,
     self_overlapping,
     use_triton,
 )
 from .attention import resolve_backend, varlen_attention
-from .dequant import fill_window, split_rotation
+from .dequant import fill_launch, fill_window, split_launch
 from .format import TQConfig, resolve_config
 from .merge import merge_attn_states
 from .paged import DEFAULT_SMS, PagedPlan, paged_launches
@@ -554,8 +556,9 @@ class Step:
         self.workspace: torch.Tensor | None = None
         self.buffers: tuple = ()
         self._place: tuple | None = None
-        # (paged run's id, paged.layer_key) -> paged.BoundRun: a paged run's launches
-        # as the step's first layer of that key built them (the plan holds its runs)
+        # _utils.layer_key -> {(a paged run's id or a window's and its first kv
+        # head): BoundLaunches}: the launches as the step's first layer of that key
+        # built them (the plan holds its units and windows)
         self._bound: dict = {}
         if workspace is not None:
             self._take(workspace)
@@ -571,6 +574,17 @@ class Step:
             self._place = place
             self._bound.clear()  # their launches take the old views
         self.workspace = workspace
+
+    def bound(self, key: tuple) -> dict:
+        """The units' launches bound for a layer of ``key`` (a ``layer_key``): a dict
+        the layer fills at the first layer of that key. Up to 32 keys are kept (a
+        model whose layers alternate layouts binds each once)."""
+        bound = self._bound.get(key)
+        if bound is None:
+            if len(self._bound) >= 32:
+                self._bound.clear()
+            bound = self._bound[key] = {}
+        return bound
 
     @property
     def num_tokens(self) -> int:
@@ -773,6 +787,7 @@ class _Layer:
         self.rotation = None if p.cfg.key_fp8 else rotation
         self.scale, self.out, self.lse = scale, out, lse
         self.split = False  # the rotation's parts written into the workspace
+        self.fills = None  # the step's bound fills for this layer's layouts
 
     def run(self):
         step = self.step
@@ -811,25 +826,37 @@ class _Layer:
             err[2].record(torch.cuda.current_stream(device))
 
     def _fill(self, window, head0, bufs):
-        if self.rotation is not None and not self.split and use_triton(self.kv_cache):
+        args = (self.kv_cache, self.step.block_table, self.cfg, self.centroids,
+                self.rotation, self.key, self.value, window, head0, bufs.k_buf,
+                bufs.v_buf, self.err)  # fmt: skip
+        if not use_triton(self.kv_cache):
+            fill_window(*args)
+            return
+        # as a paged run's launches (paged_run): the rotation's split and each
+        # window's fill built at the step's first layer of the layer's layouts, then
+        # launched bound (NOTES §52)
+        if self.fills is None:  # the layer's first fill
+            self.fill_layer = (self.kv_cache, self.centroids, self.rotation,
+                               self.key, self.value, self.err)  # fmt: skip
+            self.fills = self.step.bound(("fill", layer_key(self.fill_layer)))
+        if self.rotation is not None and not self.split:
             # once per layer: every layout holds the parts at the same place
-            split_rotation(self.rotation, bufs.rot_parts, bufs.rot_flags)
+            bound = self.fills.get("split")
+            if bound is None:
+                parts = (bufs.rot_parts, bufs.rot_flags)
+                launch = split_launch(self.rotation, *parts)
+                bound = BoundLaunches([launch], self.fill_layer, parts)
+                self.fills["split"] = bound
+            bound(self.fill_layer)
             self.split = True
-        fill_window(
-            self.kv_cache,
-            self.step.block_table,
-            self.cfg,
-            self.centroids,
-            self.rotation,
-            self.key,
-            self.value,
-            window,
-            head0,
-            bufs.k_buf,
-            bufs.v_buf,
-            self.err,
-            parts=(bufs.rot_parts, bufs.rot_flags),
-        )
+        bound = self.fills.get((id(window), head0))
+        if bound is None:
+            launch = fill_launch(*args, parts=(bufs.rot_parts, bufs.rot_flags))
+            owned = (self.step.block_table, window.segs, bufs.k_buf, bufs.v_buf,
+                     bufs.rot_parts, bufs.rot_flags)  # fmt: skip
+            bound = BoundLaunches([launch] if launch else [], self.fill_layer, owned)
+            self.fills[(id(window), head0)] = bound
+        bound(self.fill_layer)
 
     def batch_window(self, w, bufs):
         """Requests that fit one window: one causal call, the answer written to out."""
@@ -871,8 +898,8 @@ class _Layer:
         # then launched bound (NOTES.md §52)
         layer = (self.query, self.kv_cache, self.centroids, self.rotation, self.key,
                  self.value, self.out, self.lse, new, new_lse, self.err)  # fmt: skip
-        key = (id(run), paged.layer_key(layer, self.scale))
-        bound = self.step._bound.get(key)
+        runs = self.step.bound(("paged", layer_key(layer, self.scale)))
+        bound = runs.get(id(run))
         if bound is None:
             launches = paged_launches(
                 self.query,
@@ -897,10 +924,7 @@ class _Layer:
             )
             owned = (self.step.block_table, run.work, run.tokens,
                      *paged.scratch_tensors(scratch))  # fmt: skip
-            bound = paged.BoundRun(launches, layer, owned)
-            if len(self.step._bound) >= 64:
-                self.step._bound.clear()
-            self.step._bound[key] = bound
+            bound = runs[id(run)] = BoundLaunches(launches, layer, owned)
         bound(layer)
 
     def long_request(self, req, bufs):
