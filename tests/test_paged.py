@@ -645,6 +645,12 @@ def test_splits_grow_until_the_scratch_fits_or_the_plan_is_refused():
         (dict(num_q_heads=6), "num_q_heads"),
         (dict(lens=[2]), "seq_lens"),
         (dict(qsl=[0, paged.OWN_KEYS_MAX + 1], own_keys=True), "own_keys"),
+        # host ints only: a device tensor ("meta" here) would need a read back
+        (dict(qsl=torch.tensor([0, 4], device="meta")), "query_start_loc must be host"),
+        (dict(lens=torch.tensor([40], device="meta")), "seq_lens must be host"),
+        (dict(lens=[40.5]), "seq_lens must be a 1-D sequence of ints"),
+        (dict(qsl=[[0, 4]]), "query_start_loc must be a 1-D"),
+        (dict(qsl=[0]), "B \\+ 1 = 2"),
     ],
 )
 def test_bad_plan_arguments_are_value_errors_naming_them(kw, match):

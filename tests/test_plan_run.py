@@ -14,6 +14,7 @@ from conftest import TRITON_OK
 from tq_chunked import ContinuationPrefill, continuation_prefill_varlen
 from tq_chunked.runtime import vllm_backend
 from tq_chunked.runtime._utils import cdiv, next_power_of_2
+from tq_chunked.runtime.plan import LongRequest
 from tq_chunked.tools.reference import oracle_continuation_prefill
 from tq_chunked.tools.testing import make_batch, rel_err
 
@@ -75,6 +76,41 @@ def test_one_plan_runs_every_layer_as_the_one_call_does(preset, dtype):
             backend=BACKEND,
         )
         assert torch.equal(out, one), (preset, dtype, i, first.seed)
+
+
+def test_long_requests_layers_launch_bound_as_each_alone():
+    """Long requests (several windows a kv-head group, two groups) through one plan:
+    layers of distinct tensors and values (the keys and values scaled, the rotation
+    negated), the step's fills and split launched bound, and a new workspace
+    halfway (its views carved again, the launches bound again): each answer and lse
+    the one call's bit for bit."""
+    b = make_batch([(150, 6), (20, 3), (25, 4)], head_dim=32, num_q_heads=8,
+                   num_kv_heads=4, seed=3)  # fmt: skip
+    kw = dict(window=48, path="window", max_workspace_bytes=14000)
+    prefill = _prefill(b, **kw)
+    step = prefill.plan(
+        b.block_table, query_start_loc_cpu=b.query_start_loc, seq_lens_cpu=b.seq_lens
+    )
+    long = [u for u in step.plan.units if isinstance(u, LongRequest)]
+    assert long and all(u.kv_heads < 4 and len(u.windows) > 1 for u in long)
+    layers = [
+        (b.query * (1 + i), b.key * (1 - 0.3 * i), b.value * (1 + 0.5 * i),
+         b.kv_cache.clone(), b.kwargs["rotation"] * (-1) ** i)
+        for i in range(3)
+    ]  # fmt: skip
+    other = torch.empty(step.plan.workspace_bytes + 512, dtype=torch.uint8,
+                        device=b.query.device)  # fmt: skip
+    for i, (q, k, v, cache, rotation) in enumerate(layers + layers[::-1]):
+        tables = dict(centroids=b.kwargs["centroids"], rotation=rotation)
+        workspace = other if i >= 3 else None
+        out, lse = step.run(q, k, v, cache, **tables, scale=b.kwargs["scale"],
+                            return_lse=True, workspace=workspace)  # fmt: skip
+        one, one_lse = continuation_prefill_varlen(
+            q, k, v, cache, b.block_table, None, None, **{**b.kwargs, **tables},
+            query_start_loc_cpu=b.query_start_loc, seq_lens_cpu=b.seq_lens,
+            return_lse=True, backend=BACKEND, **kw,
+        )  # fmt: skip
+        assert torch.equal(out, one) and torch.equal(lse, one_lse), (i, b.seed)
 
 
 def _tensors(b):

@@ -333,6 +333,22 @@ def register_cap(
     return caps.get(head_dim, 0)
 
 
+def _host_array(name: str, ints) -> np.ndarray:
+    """``ints`` (a sequence of ints or a CPU integer tensor) as an int64 array, or a
+    ValueError naming the argument (a device tensor would need a synchronization)."""
+    if isinstance(ints, torch.Tensor) and ints.device.type != "cpu":
+        raise ValueError(
+            f"{name} must be host ints (a list, tuple or CPU tensor), got a tensor on "
+            f"{ints.device}: reading it back would synchronize"
+        )
+    a = np.asarray(ints)
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise ValueError(
+            f"{name} must be a 1-D sequence of ints, got {a.dtype} of shape {a.shape}"
+        )
+    return a.astype(np.int64, copy=False)
+
+
 def plan_paged(
     query_start_loc,
     seq_lens,
@@ -384,11 +400,12 @@ def plan_paged(
             f"num_q_heads ({hq}) must be a multiple of num_kv_heads ({hk})"
         )
     group = hq // hk
-    b = len(seq_lens)
-    if len(query_start_loc) != b + 1:
+    starts = _host_array("query_start_loc", query_start_loc)
+    lens = _host_array("seq_lens", seq_lens)
+    b = len(lens)
+    if len(starts) != b + 1:
         raise ValueError(
-            f"query_start_loc must hold B + 1 = {b + 1} ints, got "
-            f"{len(query_start_loc)}"
+            f"query_start_loc must hold B + 1 = {b + 1} ints, got {len(starts)}"
         )
     # the served requests' ints as int64 arrays, one entry a request (numpy: its ops
     # on arrays this small cost a fraction of torch's, NOTES.md §51)
@@ -397,10 +414,9 @@ def plan_paged(
         if requests is None
         else np.fromiter(requests, np.int64)
     )
-    starts = np.asarray(query_start_loc, np.int64)
     q0 = starts[served]
     q_len = starts[served + 1] - q0
-    cached = np.asarray(seq_lens, np.int64)[served] - q_len
+    cached = lens[served] - q_len
     if (q_len < 0).any() or (cached < 0).any():
         raise ValueError("seq_lens[r] must be at least request r's query tokens")
     rows = q_len * group

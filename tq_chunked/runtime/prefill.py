@@ -577,12 +577,13 @@ class Step:
 
     def bound(self, key: tuple) -> dict:
         """The units' launches bound for a layer of ``key`` (a ``layer_key``): a dict
-        the layer fills at the first layer of that key. Up to 32 keys are kept (a
-        model whose layers alternate layouts binds each once)."""
+        the layer fills at the first layer of that key. Up to 32 keys are kept, the
+        oldest dropped first (a model whose layers alternate layouts binds each
+        once)."""
         bound = self._bound.get(key)
         if bound is None:
             if len(self._bound) >= 32:
-                self._bound.clear()
+                del self._bound[next(iter(self._bound))]
             bound = self._bound[key] = {}
         return bound
 
