@@ -1777,7 +1777,7 @@ def paged_launches(
     tokens_n, programs = plan.num_tokens, plan.programs  # len() of tensors: read once
     if tokens_n == 0:
         return []
-    launches = []
+    launches: list[tuple[Launcher, tuple, tuple, dict]] = []
     if plan.rotated and programs:
         assert centroids is not None and rotation is not None  # checked above
         block_r = 16
@@ -1803,8 +1803,8 @@ def paged_launches(
             min(block_d, 32),
             TOKEN_FIELDS,
         )
-        grid = (cdiv(tokens_n * hq, block_r),)
-        launches.append((launch_rotate, grid, rotate_args, {"num_warps": 4}))
+        rotate_grid = (cdiv(tokens_n * hq, block_r),)
+        launches.append((launch_rotate, rotate_grid, rotate_args, {"num_warps": 4}))
         q = scratch.query
         s_q = (q.stride(0), q.stride(1), 1)
     else:
@@ -1903,8 +1903,8 @@ def paged_launches(
         interpreter_rounds_bf16(out.dtype),
         TOKEN_FIELDS,
     )
-    grid = (cdiv(tokens_n, block_t), hq)
-    launches.append((launch_combine, grid, combine_args, {"num_warps": 4}))
+    combine_grid = (cdiv(tokens_n, block_t), hq)
+    launches.append((launch_combine, combine_grid, combine_args, {"num_warps": 4}))
     return launches
 
 
