@@ -343,20 +343,24 @@ class Launcher:
             return compiled
         if not Launcher.direct:
             args = tuple(a for i, a in enumerate(args) if i not in self._constexpr)
-        g = tuple(grid) + (1,) * (3 - len(grid))
-        compiled.run(
-            g[0],
-            g[1],
-            g[2],
-            driver.get_current_stream(device),
-            compiled.function,
-            compiled.packed_metadata,
-            None,
-            None,
-            None,
-            *args,
-        )
+        _run(compiled, tuple(grid) + (1,) * (3 - len(grid)), driver, device, args)
         return compiled
+
+
+def _run(compiled, grid3, driver, device, args) -> None:
+    """Launch a kept compiled kernel directly, on the device's current stream, as
+    Triton's own launch path does once it has one (no launch hooks: the callers
+    checked)."""
+    compiled.run(
+        *grid3,
+        driver.get_current_stream(device),
+        compiled.function,
+        compiled.packed_metadata,
+        None,
+        None,
+        None,
+        *args,
+    )
 
 
 def layout(t: torch.Tensor) -> tuple:
@@ -406,19 +410,7 @@ class BoundLaunch:
             driver = triton.runtime.driver.active
             device = driver.get_current_device()
             if device == self.device:
-                g = self._grid3
-                compiled.run(
-                    g[0],
-                    g[1],
-                    g[2],
-                    driver.get_current_stream(device),
-                    compiled.function,
-                    compiled.packed_metadata,
-                    None,
-                    None,
-                    None,
-                    *args,
-                )
+                _run(compiled, self._grid3, driver, device, args)
                 return
         compiled = self.launcher(self.grid, *args, **self.options)
         if compiled is not None and isinstance(self.launcher, Launcher):

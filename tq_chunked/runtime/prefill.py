@@ -826,12 +826,15 @@ class _Layer:
                 err[2] = torch.cuda.Event()
             err[2].record(torch.cuda.current_stream(device))
 
-    def _fill(self, window, head0, bufs):
-        args = (self.kv_cache, self.step.block_table, self.cfg, self.centroids,
+    def _fill_args(self, window, head0, bufs) -> tuple:
+        """fill_window's and fill_launch's arguments for a window of this layer."""
+        return (self.kv_cache, self.step.block_table, self.cfg, self.centroids,
                 self.rotation, self.key, self.value, window, head0, bufs.k_buf,
                 bufs.v_buf, self.err)  # fmt: skip
+
+    def _fill(self, window, head0, bufs):
         if not use_triton(self.kv_cache):
-            fill_window(*args)
+            fill_window(*self._fill_args(window, head0, bufs))
             return
         # as a paged run's launches (paged_run): the rotation's split and each
         # window's fill built at the step's first layer of the layer's layouts, then
@@ -852,7 +855,10 @@ class _Layer:
             self.split = True
         bound = self.fills.get((id(window), head0))
         if bound is None:
-            launch = fill_launch(*args, parts=(bufs.rot_parts, bufs.rot_flags))
+            launch = fill_launch(
+                *self._fill_args(window, head0, bufs),
+                parts=(bufs.rot_parts, bufs.rot_flags),
+            )
             owned = (self.step.block_table, window.segs, bufs.k_buf, bufs.v_buf,
                      bufs.rot_parts, bufs.rot_flags)  # fmt: skip
             bound = BoundLaunches([launch] if launch else [], self.fill_layer, owned)
