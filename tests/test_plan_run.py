@@ -137,6 +137,63 @@ def test_run_refuses_tensors_the_plan_was_not_made_for():
         step.run(b.query, b.key, b.value, wrong_blocks, **layer)
 
 
+def test_a_layer_is_checked_again_wherever_a_place_or_the_step_differs(monkeypatch):
+    """Step.run checks a layer once per place (NOTES.md §53): the same tensors again
+    are not checked, and whatever differs in a tensor's place (address, shape,
+    strides, dtype) or in the step (another token count, another workspace) is: a
+    written tensor over a read one, or a query of the last step's size, is refused
+    again as on a first run."""
+    from tq_chunked.runtime.prefill import Step
+
+    checks = []
+    check = Step._check
+    monkeypatch.setattr(
+        Step, "_check", lambda self, *a: (checks.append(a), check(self, *a))[1]
+    )
+    b = make_batch(REQUESTS, seed=6)
+    prefill, layer = _prefill(b, window=128), dict(_tensors(b))
+    step = prefill.plan(
+        b.block_table,
+        query_start_loc_cpu=b.query_start_loc,
+        seq_lens_cpu=b.seq_lens,
+        workspace=(ws0 := torch.empty(prefill.workspace_bytes(len(b.query)),
+                                      dtype=torch.uint8)),
+    )  # fmt: skip
+    out = torch.full_like(b.query, float("nan"))
+    first = step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=out).clone()
+    assert not first.isnan().any() and len(checks) == 1, b.seed
+    out.fill_(float("nan"))
+    step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=out)
+    assert torch.equal(out, first) and len(checks) == 1, b.seed  # the same places
+    with pytest.raises(ValueError, match="out must not share memory with query"):
+        step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=b.query)
+    rows = torch.stack([b.query, b.query], dim=1).flatten(0, 1)  # each row twice
+    with pytest.raises(ValueError, match="out must not share memory with query"):
+        step.run(rows[::2], b.key, b.value, b.kv_cache, **layer, out=rows[1::2])
+    with pytest.raises(ValueError, match="out must have dtype"):
+        step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=out.float())
+    assert len(checks) == 4
+    # another step of the same object in the same workspace: fewer tokens, the first
+    # step's query refused
+    fewer = prefill.plan(
+        b.block_table[:3],
+        query_start_loc_cpu=b.query_start_loc[:4],
+        seq_lens_cpu=b.seq_lens[:3],
+        workspace=ws0,
+    )
+    with pytest.raises(ValueError, match="query must have shape"):
+        fewer.run(b.query, b.key, b.value, b.kv_cache, **layer, out=out)
+    # another workspace, and the runs after it without one: checked against it
+    big = torch.empty(ws0.numel() + out.numel() * out.element_size(), dtype=torch.uint8)
+    inside = big[ws0.numel() :].view(out.dtype).view(out.shape)
+    step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=inside)  # apart
+    step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=out, workspace=big)
+    with pytest.raises(ValueError, match="out must not share memory with workspace"):
+        step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=inside)
+    step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=out)
+    assert len(checks) == 9 and torch.equal(out, first), b.seed
+
+
 def test_a_query_of_another_head_size_is_blamed_on_the_key_not_the_cache():
     """Issue 35's case: query at D 32, key and value at D 64, the cache at 64."""
     b = make_batch(REQUESTS, seed=5)

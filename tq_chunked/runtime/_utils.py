@@ -143,19 +143,9 @@ def self_overlapping(t: torch.Tensor) -> bool:
     return False
 
 
-def check_overlaps(written, read, checked: dict | None = None):
+def check_overlaps(written, read):
     """A ValueError naming both tensors if a written one shares bytes with another one.
-    ``written`` and ``read`` are lists of (name, tensor or None). ``checked``: the
-    caller's record of the places already found apart (address, shape, strides and
-    element size fix the byte ranges; every layer of every step passes the same
-    places), kept to 256 entries (the checks' host time per call: benchmarks/NOTES.md
-    §14)."""
-    key = tuple(
-        None if t is None else (t.data_ptr(), t.shape, t.stride(), t.element_size())
-        for _, t in written + read
-    )
-    if checked is not None and key in checked:
-        return
+    ``written`` and ``read`` are lists of (name, tensor or None)."""
     spans = [(name, byte_span(t)) for name, t in written + read if t is not None]
     for i, (name, span) in enumerate(spans[: sum(t is not None for _, t in written)]):
         if span is None:
@@ -166,10 +156,15 @@ def check_overlaps(written, read, checked: dict | None = None):
                     f"{name} must not share memory with {other}: the call writes "
                     f"{name} while it reads {other}"
                 )
-    if checked is not None:
-        if len(checked) >= 256:
-            checked.clear()
-        checked[key] = True
+
+
+def place(t: torch.Tensor | None) -> tuple | None:
+    """All that a tensor argument's checks read of it (None for None): address,
+    dtype, shape, strides, device. The same place passes the same checks, its byte
+    range included. AttributeError for what is not a tensor."""
+    if t is None:
+        return None
+    return (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
 
 
 # ---------------------------------------------------------------------------

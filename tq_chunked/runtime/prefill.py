@@ -46,6 +46,7 @@ from ._utils import (
     check_tensor,
     interpreting,
     layer_key,
+    place,
     self_overlapping,
     use_triton,
 )
@@ -381,9 +382,9 @@ class ContinuationPrefill:
                 f"check_block_table must be a bool, got {check_block_table!r}"
             )
         self.check_block_table = check_block_table
-        # the tensor places found apart by the overlap check (every layer of every
-        # step passes the same ones): _utils.check_overlaps
-        self._apart: dict = {}
+        # the places (Step.run's key: the layer's tensors', the step's) whose checks
+        # passed: every layer of every step passes the same ones (NOTES.md §53)
+        self._checked: dict = {}
 
     def plan(
         self,
@@ -550,6 +551,11 @@ class Step:
         self.backend = backend
         self.device = block_table.device
         self._lengths = lengths  # the device length tensors: checked apart from outputs
+        # what a layer's checks read of the step but its workspace's place
+        self._own = (
+            place(block_table), *(place(t) for _, t in lengths),
+            plan.num_tokens, plan.workspace_bytes, self.device,
+        )  # fmt: skip
         # The buffer the layers run in and each unit's views of it (every layer of
         # the step uses the same regions for the same units): the plan's, or the
         # last one run was given (a micro-batch's own, in vLLM), carved once.
@@ -640,6 +646,48 @@ class Step:
             (N, Hq, D) in the query's dtype; with return_lse, (out, lse).
 
         """
+        p, n = self.prefill, self.plan.num_tokens
+        layer = (query, key, value, kv_cache, centroids, rotation, out, lse, workspace)
+        # The checks read only the tensors' places and the step's: a layer passing
+        # places this object checked before is not checked again (NOTES.md §53)
+        try:
+            seen = (tuple(map(place, layer)), self._own, self._place)
+        except AttributeError:  # not a tensor: the checks say which
+            seen = None
+        if seen is None or seen not in p._checked:
+            self._check(*layer, _names)
+            if seen is not None:
+                if len(p._checked) >= 256:
+                    p._checked.clear()
+                p._checked[seen] = True
+        scale = _as_scale(scale)
+        if out is None:
+            out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        if lse is None and return_lse:
+            lse = torch.empty(p.num_q_heads, n, dtype=torch.float32, device=self.device)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                "a continuation prefill cannot run inside CUDA graph capture: its "
+                "windows are drawn on the host from the lengths of each step"
+            )
+        need = self.plan.workspace_bytes
+        if workspace is None and self.workspace is None and need:
+            workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
+        if workspace is not None:
+            self._take(workspace)
+        if n:
+            _Layer(
+                self, query, key, value, kv_cache, centroids, rotation, scale, out, lse
+            ).run()
+        return (out, lse) if return_lse else out
+
+    def _check(
+        self, query, key, value, kv_cache, centroids, rotation, out, lse, workspace,
+        names,
+    ):  # fmt: skip
+        """A ValueError naming the first of a layer's tensors (``run``'s arguments;
+        out, lse and workspace None where not passed) that does not fit the step, or
+        a written one that shares memory with another."""
         p = self.prefill
         cfg, n = p.cfg, self.plan.num_tokens
         shape = (n, p.num_q_heads, p.head_dim)
@@ -651,7 +699,7 @@ class Step:
                 f"{query.dtype}"
             )
         kv_shape = (n, p.num_kv_heads, p.head_dim)
-        for name, t in zip(_names, (key, value)):
+        for name, t in zip(names, (key, value)):
             check_tensor(name, t, 3, (p.dtype,), self.device)
             if tuple(t.shape) != kv_shape:
                 raise ValueError(
@@ -670,10 +718,7 @@ class Step:
             )
         if not cfg.key_fp8:
             self._check_tables(centroids, rotation)
-        scale = _as_scale(scale)
-        if out is None:
-            out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        else:
+        if out is not None:
             check_tensor("out", out, 3, (p.dtype,), self.device, unit_last=True)
             if tuple(out.shape) != shape:
                 raise ValueError(
@@ -688,14 +733,6 @@ class Step:
                     f"{tuple(lse.shape)}"
                 )
             _check_written("lse", lse)
-        elif return_lse:
-            lse = torch.empty(p.num_q_heads, n, dtype=torch.float32, device=self.device)
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise ValueError(
-                "a continuation prefill cannot run inside CUDA graph capture: its "
-                "windows are drawn on the host from the lengths of each step"
-            )
-        need = self.plan.workspace_bytes
         if workspace is not None:
             check_tensor(
                 "workspace", workspace, 1, (torch.uint8,), self.device,
@@ -703,9 +740,7 @@ class Step:
             )  # fmt: skip
             if not workspace.is_contiguous():
                 raise ValueError("workspace must be contiguous")
-            _check_workspace_size(workspace, need)
-        elif self.workspace is None and need:
-            workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
+            _check_workspace_size(workspace, self.plan.workspace_bytes)
         check_overlaps(
             [
                 ("out", out),
@@ -714,23 +749,15 @@ class Step:
             ],
             [
                 ("query", query),
-                (_names[0], key),
-                (_names[1], value),
+                (names[0], key),
+                (names[1], value),
                 ("kv_cache", kv_cache),
                 ("block_table", self.block_table),
                 ("rotation", rotation),
                 ("centroids", centroids),
                 *self._lengths,
             ],
-            p._apart,
         )
-        if workspace is not None:
-            self._take(workspace)
-        if n:
-            _Layer(
-                self, query, key, value, kv_cache, centroids, rotation, scale, out, lse
-            ).run()
-        return (out, lse) if return_lse else out
 
     def _check_tables(self, centroids, rotation):
         """The centroid table and the rotation an MSE preset's keys need."""
