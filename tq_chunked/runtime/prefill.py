@@ -650,6 +650,7 @@ class Step:
         layer = (query, key, value, kv_cache, centroids, rotation, out, lse, workspace)
         # The checks read only the tensors' places and the step's: a layer passing
         # places this object checked before is not checked again (NOTES.md §53)
+        seen: tuple | None
         try:
             seen = (tuple(map(place, layer)), self._own, self._place)
         except AttributeError:  # not a tensor: the checks say which
