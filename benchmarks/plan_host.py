@@ -1,5 +1,5 @@
 """Host time of the memory-bound path's plan per step and of its run per layer, on the
-CPU, this tree against another (benchmarks/NOTES.md §51, §52).
+CPU, this tree against another (benchmarks/NOTES.md §51, §52, §53).
 
     python benchmarks/plan_host.py OUT_DIR [--against DIR] [--rounds 3]
 
@@ -11,7 +11,9 @@ those decodes and for WINDOW_CASES on the window path, whose FlashAttention call
 left out (the run to the launches: the launchers' own Python too, Triton's compilation
 replaced by a compiled kernel that does nothing, a driver stand-in and CPU tensors that
 say they are on CUDA, so that the launchers take the path they take on a GPU; what is
-left out is that kernel's ``run``, the same in every tree). The runs: medians of 400
+left out is that kernel's ``run``, the same in every tree), and the same with the
+checks' record emptied before each layer (places new: a step whose shape does not
+repeat an earlier one's, NOTES.md §53). The runs: medians of 400
 calls over LAYERS layers of distinct tensors of one layout, in turn, the decodes'
 cached lengths cut to 64 tokens (which the host does not depend on). Each tree in its
 own processes, the trees in turn for ``--rounds`` rounds; each figure is the median of
@@ -206,7 +208,7 @@ def measure_launches() -> dict:
         for name, w in ((name, grid[name]) for name in PAGED_CASES)
     ]  # fmt: skip
     cases += [(name, "window", *params) for name, params in WINDOW_CASES.items()]
-    result = {"run_us": {}}
+    result: dict[str, dict] = {"run_us": {}, "run_new_us": {}}
     for name, path, requests, shape, preset, dtype, window in cases:
         hq, hk, d = SHAPES[shape]
         dtype = getattr(torch, dtype)
@@ -246,6 +248,15 @@ def measure_launches() -> dict:
                      out=out)  # fmt: skip
 
         result["run_us"][name] = median_us(layer, 400)
+
+        def new_places(layer=layer, prefill=prefill):
+            # the checks' record emptied (0.6.10's; 0.6.9's overlap record): every
+            # layer's places are new to it, as where the step's shape does not repeat
+            for record in ("_checked", "_apart"):
+                getattr(prefill, record, {}).clear()
+            layer()
+
+        result["run_new_us"][name] = median_us(new_places, 400)
     return result
 
 
@@ -311,7 +322,7 @@ def main():
     summary = {
         label: {
             kind: {w: statistics.median(r[kind][w] for r in rs) for w in rs[0][kind]}
-            for kind in ("plan_us", "run_python_us", "run_us")
+            for kind in ("plan_us", "run_python_us", "run_us", "run_new_us")
         }
         for label, rs in rounds.items()
     }
@@ -324,8 +335,9 @@ def main():
     lines = [
         "| workload | " + " | ".join(f"plan, {t}" for t in labels)
         + " | " + " | ".join(f"run's Python, {t}" for t in labels)
-        + " | " + " | ".join(f"run to the launches, {t}" for t in labels) + " |",
-        "|---" * (1 + 3 * len(labels)) + "|",
+        + " | " + " | ".join(f"run to the launches, {t}" for t in labels)
+        + " | " + " | ".join(f"the same, places new, {t}" for t in labels) + " |",
+        "|---" * (1 + 4 * len(labels)) + "|",
     ]  # fmt: skip
     for w in (*WORKLOADS, *WINDOW_CASES):
         plan = [
@@ -336,7 +348,7 @@ def main():
         ]
         run = [
             f"{summary[t][kind][w]:.1f} us" if w in summary[t][kind] else "-"
-            for kind in ("run_python_us", "run_us")
+            for kind in ("run_python_us", "run_us", "run_new_us")
             for t in labels
         ]
         lines.append(f"| {w} | " + " | ".join(plan + run) + " |")

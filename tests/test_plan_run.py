@@ -139,10 +139,10 @@ def test_run_refuses_tensors_the_plan_was_not_made_for():
 
 def test_a_layer_is_checked_again_wherever_a_place_or_the_step_differs(monkeypatch):
     """Step.run checks a layer once per place (NOTES.md §53): the same tensors again
-    are not checked, and whatever differs in a tensor's place (address, shape,
-    strides, dtype) or in the step (another token count, another workspace) is: a
-    written tensor over a read one, or a query of the last step's size, is refused
-    again as on a first run."""
+    are not checked, and a tensor whose address, dtype, shape or strides differ, or
+    a step of another token count (in a workspace of the same size), of another
+    block table or in another workspace, is: each refused as on a first run. (The
+    device is in the key too; one device here.)"""
     from tq_chunked.runtime.prefill import Step
 
     checks = []
@@ -151,7 +151,9 @@ def test_a_layer_is_checked_again_wherever_a_place_or_the_step_differs(monkeypat
         Step, "_check", lambda self, *a: (checks.append(a), check(self, *a))[1]
     )
     b = make_batch(REQUESTS, seed=6)
-    prefill, layer = _prefill(b, window=128), dict(_tensors(b))
+    # a budget at which one token fewer needs the same workspace (91904 bytes)
+    prefill = _prefill(b, window=128, max_workspace_bytes=100_000)
+    layer = dict(_tensors(b))
     step = prefill.plan(
         b.block_table,
         query_start_loc_cpu=b.query_start_loc,
@@ -172,17 +174,40 @@ def test_a_layer_is_checked_again_wherever_a_place_or_the_step_differs(monkeypat
         step.run(rows[::2], b.key, b.value, b.kv_cache, **layer, out=rows[1::2])
     with pytest.raises(ValueError, match="out must have dtype"):
         step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=out.float())
-    assert len(checks) == 4
-    # another step of the same object in the same workspace: fewer tokens, the first
-    # step's query refused
+    # out's address, each with another dtype, shape, strides
+    with pytest.raises(ValueError, match="out must have dtype"):
+        step.run(b.query, b.key, b.value, b.kv_cache, **layer,
+                 out=out.view(torch.int16))  # fmt: skip
+    with pytest.raises(ValueError, match="out must have the query's shape"):
+        step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=out[:-1])
+    with pytest.raises(ValueError, match="out must not have elements that share"):
+        step.run(b.query, b.key, b.value, b.kv_cache, **layer,
+                 out=out.as_strided(out.shape, (0, *out.stride()[1:])))  # fmt: skip
+    assert len(checks) == 7
+    # another step of the same object over the same block table, in the same
+    # workspace: one token fewer, the first step's query refused
     fewer = prefill.plan(
-        b.block_table[:3],
-        query_start_loc_cpu=b.query_start_loc[:4],
-        seq_lens_cpu=b.seq_lens[:3],
+        b.block_table,
+        query_start_loc_cpu=[0] + [q - 1 for q in b.query_start_loc[1:]],
+        seq_lens_cpu=[b.seq_lens[0] - 1, *b.seq_lens[1:]],
         workspace=ws0,
     )
+    assert fewer.plan.workspace_bytes == step.plan.workspace_bytes
     with pytest.raises(ValueError, match="query must have shape"):
         fewer.run(b.query, b.key, b.value, b.kv_cache, **layer, out=out)
+    # a step of the same lengths whose block table lies in an out checked apart
+    spare = torch.empty_like(out)
+    step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=spare)
+    table = spare.view(torch.int32).flatten()[: b.block_table.numel()]
+    table = table.view(b.block_table.shape).copy_(b.block_table)
+    again = prefill.plan(
+        table,
+        query_start_loc_cpu=b.query_start_loc,
+        seq_lens_cpu=b.seq_lens,
+        workspace=ws0,
+    )
+    with pytest.raises(ValueError, match="out must not share memory with block_table"):
+        again.run(b.query, b.key, b.value, b.kv_cache, **layer, out=spare)
     # another workspace, and the runs after it without one: checked against it
     big = torch.empty(ws0.numel() + out.numel() * out.element_size(), dtype=torch.uint8)
     inside = big[ws0.numel() :].view(out.dtype).view(out.shape)
@@ -191,7 +216,7 @@ def test_a_layer_is_checked_again_wherever_a_place_or_the_step_differs(monkeypat
     with pytest.raises(ValueError, match="out must not share memory with workspace"):
         step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=inside)
     step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=out)
-    assert len(checks) == 9 and torch.equal(out, first), b.seed
+    assert len(checks) == 14 and torch.equal(out, first), b.seed
 
 
 def test_a_query_of_another_head_size_is_blamed_on_the_key_not_the_cache():

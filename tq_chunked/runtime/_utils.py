@@ -159,12 +159,13 @@ def check_overlaps(written, read):
 
 
 def place(t: torch.Tensor | None) -> tuple | None:
-    """All that a tensor argument's checks read of it (None for None): address,
+    """All that a tensor argument's checks read of it (None for None): type, address,
     dtype, shape, strides, device. The same place passes the same checks, its byte
-    range included. AttributeError for what is not a tensor."""
+    range included. Raises (AttributeError, RuntimeError: a sparse tensor's address)
+    where there is none."""
     if t is None:
         return None
-    return (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
+    return (type(t), t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
 
 
 # ---------------------------------------------------------------------------

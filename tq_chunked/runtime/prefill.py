@@ -59,6 +59,9 @@ from .plan import PATHS, LongRequest, PagedRun, Plan, default_window, make_plan
 from .workspace import ALIGN, DEFAULT_WORKSPACE_BYTES, carve, rotation_bytes
 
 QUERY_DTYPES = (torch.float16, torch.bfloat16)
+# Step.run's checked keys a ContinuationPrefill keeps: one a layer for each repeating
+# step shape (and micro-batch workspace), a few hundred bytes each
+CHECKED_PLACES = 1024
 INT32_MAX = 2**31 - 1
 
 
@@ -382,8 +385,10 @@ class ContinuationPrefill:
                 f"check_block_table must be a bool, got {check_block_table!r}"
             )
         self.check_block_table = check_block_table
-        # the places (Step.run's key: the layer's tensors', the step's) whose checks
-        # passed: every layer of every step passes the same ones (NOTES.md §53)
+        # Step.run's keys (the places of a layer's tensors, of its step's and of its
+        # workspace) whose checks passed, the last CHECKED_PLACES of them: a step
+        # whose batch, buffers and workspace repeat an earlier one's passes the same
+        # ones again, layer by layer (NOTES.md §53)
         self._checked: dict = {}
 
     def plan(
@@ -551,7 +556,7 @@ class Step:
         self.backend = backend
         self.device = block_table.device
         self._lengths = lengths  # the device length tensors: checked apart from outputs
-        # what a layer's checks read of the step but its workspace's place
+        # what a layer's checks read of the step, except its workspace (_place)
         self._own = (
             place(block_table), *(place(t) for _, t in lengths),
             plan.num_tokens, plan.workspace_bytes, self.device,
@@ -561,7 +566,7 @@ class Step:
         # last one run was given (a micro-batch's own, in vLLM), carved once.
         self.workspace: torch.Tensor | None = None
         self.buffers: tuple = ()
-        self._place: tuple | None = None
+        self._place: tuple | None = None  # the workspace's (address, bytes)
         # _utils.layer_key -> {(a paged run's id or a window's and its first kv
         # head): BoundLaunches}: the launches as the step's first layer of that key
         # built them (the plan holds its units and windows)
@@ -573,11 +578,11 @@ class Step:
         """Run in ``workspace`` from now on (checked by the caller); its views are
         carved only where it is another buffer (an engine hands each layer a new view
         of the same bytes)."""
-        place = (workspace.data_ptr(), workspace.numel())
-        if place != self._place:
+        at = (workspace.data_ptr(), workspace.numel())
+        if at != self._place:
             views = {key: _carve(workspace, key) for key in set(self.plan.unit_layouts)}
             self.buffers = tuple(views[key] for key in self.plan.unit_layouts)
-            self._place = place
+            self._place = at
             self._bound.clear()  # their launches take the old views
         self.workspace = workspace
 
@@ -647,30 +652,30 @@ class Step:
 
         """
         p, n = self.prefill, self.plan.num_tokens
+        scale = _as_scale(scale)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                "a continuation prefill cannot run inside CUDA graph capture: its "
+                "windows are drawn on the host from the lengths of each step"
+            )
         layer = (query, key, value, kv_cache, centroids, rotation, out, lse, workspace)
         # The checks read only the tensors' places and the step's: a layer passing
         # places this object checked before is not checked again (NOTES.md §53)
         seen: tuple | None
         try:
             seen = (tuple(map(place, layer)), self._own, self._place)
-        except AttributeError:  # not a tensor: the checks say which
-            seen = None
+        except (AttributeError, RuntimeError, TypeError):  # no place: the checks say
+            seen = None  # why (not a tensor, a sparse one)
         if seen is None or seen not in p._checked:
             self._check(*layer, _names)
             if seen is not None:
-                if len(p._checked) >= 256:
-                    p._checked.clear()
+                if len(p._checked) >= CHECKED_PLACES:
+                    del p._checked[next(iter(p._checked))]  # the oldest
                 p._checked[seen] = True
-        scale = _as_scale(scale)
         if out is None:
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
         if lse is None and return_lse:
             lse = torch.empty(p.num_q_heads, n, dtype=torch.float32, device=self.device)
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise ValueError(
-                "a continuation prefill cannot run inside CUDA graph capture: its "
-                "windows are drawn on the host from the lengths of each step"
-            )
         need = self.plan.workspace_bytes
         if workspace is None and self.workspace is None and need:
             workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
@@ -854,15 +859,15 @@ class _Layer:
                 err[2] = torch.cuda.Event()
             err[2].record(torch.cuda.current_stream(device))
 
-    def _fill_args(self, window, head0, bufs) -> tuple:
-        """fill_window's and fill_launch's arguments for a window of this layer."""
-        return (self.kv_cache, self.step.block_table, self.cfg, self.centroids,
-                self.rotation, self.key, self.value, window, head0, bufs.k_buf,
-                bufs.v_buf, self.err)  # fmt: skip
+    def _fill_call(self, fill, window, head0, bufs, **options):
+        """``fill`` (fill_window or fill_launch) for a window of this layer."""
+        return fill(self.kv_cache, self.step.block_table, self.cfg, self.centroids,
+                    self.rotation, self.key, self.value, window, head0, bufs.k_buf,
+                    bufs.v_buf, self.err, **options)  # fmt: skip
 
     def _fill(self, window, head0, bufs):
         if not use_triton(self.kv_cache):
-            fill_window(*self._fill_args(window, head0, bufs))
+            self._fill_call(fill_window, window, head0, bufs)
             return
         # as a paged run's launches (paged_run): the rotation's split and each
         # window's fill built at the step's first layer of the layer's layouts, then
@@ -883,9 +888,8 @@ class _Layer:
             self.split = True
         bound = self.fills.get((id(window), head0))
         if bound is None:
-            launch = fill_launch(
-                *self._fill_args(window, head0, bufs),
-                parts=(bufs.rot_parts, bufs.rot_flags),
+            launch = self._fill_call(
+                fill_launch, window, head0, bufs, parts=(bufs.rot_parts, bufs.rot_flags)
             )
             owned = (self.step.block_table, window.segs, bufs.k_buf, bufs.v_buf,
                      bufs.rot_parts, bufs.rot_flags)  # fmt: skip
