@@ -32,7 +32,7 @@ import torch
 
 from tq_chunked import ContinuationPrefill, continuation_prefill_varlen, workspace_bytes
 from tq_chunked.runtime import dequant, paged
-from tq_chunked.runtime._utils import check_overlaps
+from tq_chunked.runtime._utils import byte_span, check_overlaps
 from tq_chunked.runtime.attention import varlen_attention
 from tq_chunked.runtime.dequant import fill_window, split_rotation
 from tq_chunked.runtime.format import TQConfig
@@ -272,16 +272,16 @@ def profile_case(name, requests):
             budget=128 << 20,
             device=torch.device("cuda"),
         ),
-        "overlap checks": lambda: check_overlaps(
-            [("out", out), ("lse", None), ("workspace", ws)],
+        "overlap checks (byte ranges and pairs)": lambda: check_overlaps(
+            [("out", byte_span(out)), ("lse", None), ("workspace", byte_span(ws))],
             [
-                ("query", b["query"]),
-                ("key", b["key"]),
-                ("value", b["value"]),
-                ("kv_cache", b["kv_cache"]),
-                ("block_table", b["block_table"]),
-                ("rotation", b["kwargs"]["rotation"]),
-                ("centroids", b["kwargs"]["centroids"]),
+                ("query", byte_span(b["query"])),
+                ("key", byte_span(b["key"])),
+                ("value", byte_span(b["value"])),
+                ("kv_cache", byte_span(b["kv_cache"])),
+                ("block_table", byte_span(b["block_table"])),
+                ("rotation", byte_span(b["kwargs"]["rotation"])),
+                ("centroids", byte_span(b["kwargs"]["centroids"])),
             ],
         ),
         "carve (once per step)": lambda: carve(

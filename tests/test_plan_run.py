@@ -137,18 +137,20 @@ def test_run_refuses_tensors_the_plan_was_not_made_for():
         step.run(b.query, b.key, b.value, wrong_blocks, **layer)
 
 
-def test_a_layer_is_checked_again_wherever_a_place_or_the_step_differs(monkeypatch):
-    """Step.run checks a layer once per place (NOTES.md §53): the same tensors again
-    are not checked, and a tensor whose address, dtype, shape or strides differ, or
-    a step of another token count (in a workspace of the same size), of another
-    block table or in another workspace, is: each refused as on a first run. (The
-    device is in the key too; one device here.)"""
+def test_layouts_are_checked_once_per_layout_and_overlaps_at_every_layer(monkeypatch):
+    """Step.run checks a layer's layouts once per layout (NOTES.md §53) and its
+    overlaps at every layer: a layer of a layout checked before is not checked again,
+    yet a written tensor over a read one (the query, the step's block table, its
+    workspace) is refused; a tensor at the same address with another dtype, shape or
+    strides, or a step of another token count (in a workspace of the same size), is
+    checked again and refused as on a first run. (The device is in the key too; one
+    device here.)"""
     from tq_chunked.runtime.prefill import Step
 
     checks = []
-    check = Step._check
+    check = Step._check_layouts
     monkeypatch.setattr(
-        Step, "_check", lambda self, *a: (checks.append(a), check(self, *a))[1]
+        Step, "_check_layouts", lambda self, *a: (checks.append(a), check(self, *a))[1]
     )
     b = make_batch(REQUESTS, seed=6)
     # a budget at which one token fewer needs the same workspace (91904 bytes)
@@ -166,9 +168,10 @@ def test_a_layer_is_checked_again_wherever_a_place_or_the_step_differs(monkeypat
     assert not first.isnan().any() and len(checks) == 1, b.seed
     out.fill_(float("nan"))
     step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=out)
-    assert torch.equal(out, first) and len(checks) == 1, b.seed  # the same places
+    assert torch.equal(out, first) and len(checks) == 1, b.seed  # the same layouts
     with pytest.raises(ValueError, match="out must not share memory with query"):
         step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=b.query)
+    assert len(checks) == 1  # out's layout: the overlap checked all the same
     rows = torch.stack([b.query, b.query], dim=1).flatten(0, 1)  # each row twice
     with pytest.raises(ValueError, match="out must not share memory with query"):
         step.run(rows[::2], b.key, b.value, b.kv_cache, **layer, out=rows[1::2])
@@ -183,7 +186,7 @@ def test_a_layer_is_checked_again_wherever_a_place_or_the_step_differs(monkeypat
     with pytest.raises(ValueError, match="out must not have elements that share"):
         step.run(b.query, b.key, b.value, b.kv_cache, **layer,
                  out=out.as_strided(out.shape, (0, *out.stride()[1:])))  # fmt: skip
-    assert len(checks) == 7
+    assert len(checks) == 6
     # another step of the same object over the same block table, in the same
     # workspace: one token fewer, the first step's query refused
     fewer = prefill.plan(
@@ -195,7 +198,8 @@ def test_a_layer_is_checked_again_wherever_a_place_or_the_step_differs(monkeypat
     assert fewer.plan.workspace_bytes == step.plan.workspace_bytes
     with pytest.raises(ValueError, match="query must have shape"):
         fewer.run(b.query, b.key, b.value, b.kv_cache, **layer, out=out)
-    # a step of the same lengths whose block table lies in an out checked apart
+    # a step of the same lengths (layouts checked) whose block table lies in an out
+    # found apart before
     spare = torch.empty_like(out)
     step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=spare)
     table = spare.view(torch.int32).flatten()[: b.block_table.numel()]
@@ -216,7 +220,7 @@ def test_a_layer_is_checked_again_wherever_a_place_or_the_step_differs(monkeypat
     with pytest.raises(ValueError, match="out must not share memory with workspace"):
         step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=inside)
     step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=out)
-    assert len(checks) == 14 and torch.equal(out, first), b.seed
+    assert len(checks) == 8 and torch.equal(out, first), b.seed
 
 
 def test_a_query_of_another_head_size_is_blamed_on_the_key_not_the_cache():

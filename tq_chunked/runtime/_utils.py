@@ -117,19 +117,6 @@ def check_tensor(
         )
 
 
-def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
-    """[first, last + 1) bytes a tensor's elements occupy, or None when it has none."""
-    if t.numel() == 0:
-        return None
-    start = end = t.data_ptr()
-    for n, s in zip(t.shape, t.stride()):
-        if s >= 0:
-            end += (n - 1) * s * t.element_size()
-        else:
-            start += (n - 1) * s * t.element_size()
-    return start, end + t.element_size()
-
-
 def self_overlapping(t: torch.Tensor) -> bool:
     """Whether two elements of ``t`` share memory (a stride-0 or interleaved layout):
     true unless, dimension by dimension in order of stride, each stride clears the span
@@ -143,29 +130,43 @@ def self_overlapping(t: torch.Tensor) -> bool:
     return False
 
 
-def check_overlaps(written, read):
+def place(t: torch.Tensor | None) -> tuple | None:
+    """All that a tensor argument's checks read of it (None for None): type, address,
+    dtype, shape, strides, device. Raises (AttributeError, RuntimeError: a sparse
+    tensor's address) where there is none."""
+    if t is None:
+        return None
+    return (type(t), t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
+
+
+def span(at: tuple | None) -> tuple[int, int] | None:
+    """[first, last + 1) bytes the elements of a tensor occupy, from its ``place``
+    ``at``; None when it has none (torch strides are never negative)."""
+    if at is None or 0 in at[3]:
+        return None
+    _, start, dtype, shape, strides, _ = at
+    last = sum((n - 1) * s for n, s in zip(shape, strides))
+    return start, start + (last + 1) * dtype.itemsize
+
+
+def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """``span`` of a tensor."""
+    return span(place(t))
+
+
+def check_overlaps(written, read) -> None:
     """A ValueError naming both tensors if a written one shares bytes with another one.
-    ``written`` and ``read`` are lists of (name, tensor or None)."""
-    spans = [(name, byte_span(t)) for name, t in written + read if t is not None]
-    for i, (name, span) in enumerate(spans[: sum(t is not None for _, t in written)]):
-        if span is None:
+    ``written`` and ``read`` are lists of (name, ``span`` or None)."""
+    spans = written + read
+    for i, (name, w) in enumerate(written):
+        if w is None:
             continue
         for other, o in spans[i + 1 :]:
-            if o is not None and span[0] < o[1] and o[0] < span[1]:
+            if o is not None and w[0] < o[1] and o[0] < w[1]:
                 raise ValueError(
                     f"{name} must not share memory with {other}: the call writes "
                     f"{name} while it reads {other}"
                 )
-
-
-def place(t: torch.Tensor | None) -> tuple | None:
-    """All that a tensor argument's checks read of it (None for None): type, address,
-    dtype, shape, strides, device. The same place passes the same checks, its byte
-    range included. Raises (AttributeError, RuntimeError: a sparse tensor's address)
-    where there is none."""
-    if t is None:
-        return None
-    return (type(t), t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
 
 
 # ---------------------------------------------------------------------------

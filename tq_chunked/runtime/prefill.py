@@ -42,12 +42,14 @@ from . import paged
 from ._utils import (
     BoundLaunches,
     as_int,
+    byte_span,
     check_overlaps,
     check_tensor,
     interpreting,
     layer_key,
     place,
     self_overlapping,
+    span,
     use_triton,
 )
 from .attention import resolve_backend, varlen_attention
@@ -59,9 +61,9 @@ from .plan import PATHS, LongRequest, PagedRun, Plan, default_window, make_plan
 from .workspace import ALIGN, DEFAULT_WORKSPACE_BYTES, carve, rotation_bytes
 
 QUERY_DTYPES = (torch.float16, torch.bfloat16)
-# Step.run's checked keys a ContinuationPrefill keeps: one a layer for each repeating
-# step shape (and micro-batch workspace), a few hundred bytes each
-CHECKED_PLACES = 1024
+# Step.run's checked layout keys a ContinuationPrefill keeps (one for each step shape
+# and layer layout, a few hundred bytes each)
+CHECKED_LAYOUTS = 256
 INT32_MAX = 2**31 - 1
 
 
@@ -385,11 +387,10 @@ class ContinuationPrefill:
                 f"check_block_table must be a bool, got {check_block_table!r}"
             )
         self.check_block_table = check_block_table
-        # Step.run's keys (the places of a layer's tensors, of its step's and of its
-        # workspace) whose checks passed, the last CHECKED_PLACES of them: a step
-        # whose batch, buffers and workspace repeat an earlier one's passes the same
-        # ones again, layer by layer (NOTES.md §53)
-        self._checked: dict = {}
+        # Step.run's layout keys (a layer's tensors' places but their addresses, its
+        # step's token count, workspace size and device) whose checks passed, the
+        # last CHECKED_LAYOUTS of them (NOTES.md §53)
+        self._fits: dict = {}
 
     def plan(
         self,
@@ -556,17 +557,20 @@ class Step:
         self.backend = backend
         self.device = block_table.device
         self._lengths = lengths  # the device length tensors: checked apart from outputs
-        # what a layer's checks read of the step, except its workspace (_place)
-        self._own = (
-            place(block_table), *(place(t) for _, t in lengths),
-            plan.num_tokens, plan.workspace_bytes, self.device,
-        )  # fmt: skip
+        # what a layer's layout checks read of the step; the byte ranges of its own
+        # tensors, which the layers' outputs may not overlap
+        self._fit = (plan.num_tokens, plan.workspace_bytes, self.device)
+        self._own_spans = [
+            (name, byte_span(t) if t is not None else None)
+            for name, t in (("block_table", block_table), *lengths)
+        ]
         # The buffer the layers run in and each unit's views of it (every layer of
         # the step uses the same regions for the same units): the plan's, or the
         # last one run was given (a micro-batch's own, in vLLM), carved once.
         self.workspace: torch.Tensor | None = None
         self.buffers: tuple = ()
         self._place: tuple | None = None  # the workspace's (address, bytes)
+        self._workspace_span: tuple[int, int] | None = None  # its byte range
         # _utils.layer_key -> {(a paged run's id or a window's and its first kv
         # head): BoundLaunches}: the launches as the step's first layer of that key
         # built them (the plan holds its units and windows)
@@ -583,6 +587,7 @@ class Step:
             views = {key: _carve(workspace, key) for key in set(self.plan.unit_layouts)}
             self.buffers = tuple(views[key] for key in self.plan.unit_layouts)
             self._place = at
+            self._workspace_span = (at[0], at[0] + at[1]) if at[1] else None
             self._bound.clear()  # their launches take the old views
         self.workspace = workspace
 
@@ -659,19 +664,28 @@ class Step:
                 "windows are drawn on the host from the lengths of each step"
             )
         layer = (query, key, value, kv_cache, centroids, rotation, out, lse, workspace)
-        # The checks read only the tensors' places and the step's: a layer passing
-        # places this object checked before is not checked again (NOTES.md §53)
-        seen: tuple | None
         try:
-            seen = (tuple(map(place, layer)), self._own, self._place)
-        except (AttributeError, RuntimeError, TypeError):  # no place: the checks say
-            seen = None  # why (not a tensor, a sparse one)
-        if seen is None or seen not in p._checked:
-            self._check(*layer, _names)
-            if seen is not None:
-                if len(p._checked) >= CHECKED_PLACES:
-                    del p._checked[next(iter(p._checked))]  # the oldest
-                p._checked[seen] = True
+            places = tuple(map(place, layer))
+        except (AttributeError, RuntimeError, TypeError):  # no place: not a tensor,
+            places = None  # or a sparse one (the checks say which)
+        # The layouts (the places but their addresses) are checked once per layout:
+        # every layer of a step after its first passes its first's (NOTES.md §53)
+        fit = places and (tuple(at and at[:1] + at[2:] for at in places), self._fit)
+        if fit is None or fit not in p._fits:
+            self._check_layouts(*layer, _names)
+            if fit is not None:
+                if len(p._fits) >= CHECKED_LAYOUTS:
+                    del p._fits[next(iter(p._fits))]  # the oldest
+                p._fits[fit] = True
+        # the overlaps at every layer, from the places' byte ranges
+        spans = [span(at) for at in (places or map(place, layer))]
+        written = spans[8] if workspace is not None else self._workspace_span
+        check_overlaps(
+            [("out", spans[6]), ("lse", spans[7]), ("workspace", written)],
+            [("query", spans[0]), (_names[0], spans[1]), (_names[1], spans[2]),
+             ("kv_cache", spans[3]), self._own_spans[0], ("rotation", spans[5]),
+             ("centroids", spans[4]), *self._own_spans[1:]],
+        )  # fmt: skip
         if out is None:
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
         if lse is None and return_lse:
@@ -687,13 +701,13 @@ class Step:
             ).run()
         return (out, lse) if return_lse else out
 
-    def _check(
+    def _check_layouts(
         self, query, key, value, kv_cache, centroids, rotation, out, lse, workspace,
         names,
     ):  # fmt: skip
         """A ValueError naming the first of a layer's tensors (``run``'s arguments;
-        out, lse and workspace None where not passed) that does not fit the step, or
-        a written one that shares memory with another."""
+        out, lse and workspace None where not passed) whose type, dtype, shape,
+        strides or device do not fit the step."""
         p = self.prefill
         cfg, n = p.cfg, self.plan.num_tokens
         shape = (n, p.num_q_heads, p.head_dim)
@@ -747,23 +761,6 @@ class Step:
             if not workspace.is_contiguous():
                 raise ValueError("workspace must be contiguous")
             _check_workspace_size(workspace, self.plan.workspace_bytes)
-        check_overlaps(
-            [
-                ("out", out),
-                ("lse", lse),
-                ("workspace", workspace if workspace is not None else self.workspace),
-            ],
-            [
-                ("query", query),
-                (names[0], key),
-                (names[1], value),
-                ("kv_cache", kv_cache),
-                ("block_table", self.block_table),
-                ("rotation", rotation),
-                ("centroids", centroids),
-                *self._lengths,
-            ],
-        )
 
     def _check_tables(self, centroids, rotation):
         """The centroid table and the rotation an MSE preset's keys need."""
