@@ -3,6 +3,7 @@ form bit for bit over several layers, what ``Step.run`` refuses, and vLLM's path
 (``ChunkedPrefill``): the step planned in the builder's build, found again by the
 metadata vLLM's forward makes for the prefill part of a mixed batch."""
 
+import itertools
 import types
 
 import numpy as np
@@ -10,6 +11,8 @@ import pytest
 import torch
 import triton
 from conftest import TRITON_OK
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tq_chunked import ContinuationPrefill, continuation_prefill_varlen
 from tq_chunked.runtime import vllm_backend
@@ -221,6 +224,33 @@ def test_layouts_are_checked_once_per_layout_and_overlaps_at_every_layer(monkeyp
         step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=inside)
     step.run(b.query, b.key, b.value, b.kv_cache, **layer, out=out)
     assert len(checks) == 8 and torch.equal(out, first), b.seed
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_span_is_the_bytes_the_elements_lie_in(data):
+    """_utils.span, which the overlap check compares: [first, last + 1) bytes of the
+    elements, against every element's offset; None for no elements."""
+    from tq_chunked.runtime._utils import place, span
+
+    rank = data.draw(st.integers(0, 4))
+    shape = data.draw(st.lists(st.integers(0, 4), min_size=rank, max_size=rank))
+    strides = data.draw(st.lists(st.integers(0, 7), min_size=rank, max_size=rank))
+    dtype = data.draw(st.sampled_from([torch.uint8, torch.float16, torch.int64]))
+    t = torch.empty(128, dtype=dtype).as_strided(
+        shape, strides, data.draw(st.integers(0, 3))
+    )
+    offsets = [
+        sum(i * s for i, s in zip(index, strides))
+        for index in itertools.product(*map(range, shape))
+    ]
+    size = t.element_size()
+    want = (
+        (t.data_ptr() + min(offsets) * size, t.data_ptr() + (max(offsets) + 1) * size)
+        if offsets
+        else None
+    )
+    assert span(place(t)) == want, (shape, strides, dtype)
 
 
 def test_a_query_of_another_head_size_is_blamed_on_the_key_not_the_cache():

@@ -142,10 +142,14 @@ def place(t: torch.Tensor | None) -> tuple | None:
 def span(at: tuple | None) -> tuple[int, int] | None:
     """[first, last + 1) bytes the elements of a tensor occupy, from its ``place``
     ``at``; None when it has none (torch strides are never negative)."""
-    if at is None or 0 in at[3]:
+    if at is None:
         return None
     _, start, dtype, shape, strides, _ = at
-    last = sum((n - 1) * s for n, s in zip(shape, strides))
+    last = 0  # the last element's offset
+    for n, s in zip(shape, strides):
+        if n == 0:
+            return None
+        last += (n - 1) * s
     return start, start + (last + 1) * dtype.itemsize
 
 
