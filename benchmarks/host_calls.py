@@ -100,7 +100,10 @@ def rounds(fs, cycles, collector, label, out, profile=False):
         )
         if profile and host[0] > SLOW_MS:
             text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(5)
+            # the path down (cumulative), then where the time is spent (own time)
+            stats = pstats.Stats(prof, stream=text)
+            stats.sort_stats("cumulative").print_stats(12)
+            stats.sort_stats("tottime").print_stats(12)
             print(text.getvalue().strip(), flush=True)
         out.append(dict(label=label, head_ms=head, host_ms=host,
                         gc=list(collector.pauses), allocators=asked))  # fmt: skip
