@@ -12,13 +12,14 @@ layers' median and largest, the mean, the garbage collector's passes that fell i
 the round (``gc.callbacks``: generation and ms), and what the round's calls asked of
 the allocators (``ALLOCATOR_COUNTS``: new device segments, retries, pinned host
 allocations and their us). Then four more rounds with layer 0's call under cProfile
-(its time then holds the profiler's): where it takes over 10 ms its five slowest
-functions by cumulative time are printed, so that a slow plan names its cause. Then
+(its time then holds the profiler's): where it takes over 10 ms its twelve slowest
+functions by cumulative time and by own time are printed, so that a slow plan names
+its cause. Then
 the CUDA runtime calls of layers 0 and 1 (profiler) and any synchronization torch's
 sync debug mode warns of. With --freeze, the rounds run again after ``gc.collect();
 gc.freeze()`` (what vLLM's engine does once it has started), to tell the collector's
-share (benchmarks/NOTES.md §50). JSON: host-calls.json in OUT_DIR (each round's
-per-layer ms and allocator counts).
+share (benchmarks/NOTES.md §50). JSON: host-calls.json in OUT_DIR ("rounds": each
+round's per-layer ms and allocator counts).
 """
 
 import argparse
@@ -166,7 +167,7 @@ def main():
         del layers
         torch.cuda.empty_cache()
     with open(f"{a.out}/host-calls.json", "w") as f:
-        json.dump(results, f)
+        json.dump({"rounds": results}, f)
 
 
 if __name__ == "__main__":

@@ -528,8 +528,8 @@ def _bench_result_files():
     has rows and a device too, but no date)."""
     ours, others = [], []
     for path in sorted(RESULTS.glob("*.json")):
-        keys = json.loads(path.read_text()).keys()
-        mine = {"rows", "device", "date"} <= keys
+        data = json.loads(path.read_text())
+        mine = isinstance(data, dict) and {"rows", "device", "date"} <= data.keys()
         (ours if mine else others).append(path.name)
     return ours, others
 
