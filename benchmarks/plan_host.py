@@ -11,9 +11,9 @@ those decodes and for WINDOW_CASES on the window path, whose FlashAttention call
 left out (the run to the launches: the launchers' own Python too, Triton's compilation
 replaced by a compiled kernel that does nothing, a driver stand-in and CPU tensors that
 say they are on CUDA, so that the launchers take the path they take on a GPU; what is
-left out is that kernel's ``run``, the same in every tree), and the same with the
-checks' record emptied before each layer (places new: a step whose shape does not
-repeat an earlier one's, NOTES.md §53). The runs: medians of 400
+left out is that kernel's ``run``, the same in every tree), and the same with 0.6.9's
+record of places found apart emptied before each layer (places new: a step whose shape
+does not repeat an earlier one's, NOTES.md §53). The runs: medians of 400
 calls over LAYERS layers of distinct tensors of one layout, in turn, the decodes'
 cached lengths cut to 64 tokens (which the host does not depend on). Each tree in its
 own processes, the trees in turn for ``--rounds`` rounds; each figure is the median of
@@ -250,10 +250,10 @@ def measure_launches() -> dict:
         result["run_us"][name] = median_us(layer, 400)
 
         def new_places(layer=layer, prefill=prefill):
-            # the checks' record emptied (0.6.10's; 0.6.9's overlap record): every
-            # layer's places are new to it, as where the step's shape does not repeat
-            for record in ("_checked", "_apart"):
-                getattr(prefill, record, {}).clear()
+            # 0.6.9's record of the places its overlap check found apart, emptied:
+            # every layer's places are new to it, as where a step's shape does not
+            # repeat (0.6.10 keeps no record of places: the same run)
+            getattr(prefill, "_apart", {}).clear()
             layer()
 
         result["run_new_us"][name] = median_us(new_places, 400)

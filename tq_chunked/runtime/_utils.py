@@ -153,8 +153,8 @@ def span(at: tuple | None) -> tuple[int, int] | None:
     return start, start + (last + 1) * dtype.itemsize
 
 
-def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
-    """``span`` of a tensor."""
+def byte_span(t: torch.Tensor | None) -> tuple[int, int] | None:
+    """``span`` of a tensor (None for None)."""
     return span(place(t))
 
 

@@ -561,8 +561,7 @@ class Step:
         # tensors, which the layers' outputs may not overlap
         self._fit = (plan.num_tokens, plan.workspace_bytes, self.device)
         self._own_spans = [
-            (name, byte_span(t) if t is not None else None)
-            for name, t in (("block_table", block_table), *lengths)
+            (name, byte_span(t)) for name, t in (("block_table", block_table), *lengths)
         ]
         # The buffer the layers run in and each unit's views of it (every layer of
         # the step uses the same regions for the same units): the plan's, or the
