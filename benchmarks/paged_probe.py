@@ -350,7 +350,10 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
         # (paged.DECODE_LAUNCH) against 0.6.3's (16, 64, 4) first (NOTES.md §44)
         one_warp = paged.plan.num_warps == 1
         alts = [(64, 4, 4), (16, 16, 1), (32, 8, 1), (32, 16, 1)] if one_warp else []
-        alts += [(32, 4, 4), (64, 2, 4), (64, 8, 4), (128, 4, 4)]
+        # (64, 4 and 8 per SM, 4): D 256's launch at 0.6.10's split and 0.6.11's
+        # (paged.WIDE_HEAD_PROGRAMS_PER_SM, NOTES.md §55)
+        alts += [(32, 4, 4), (64, 2, 4), (64, 4, 4), (64, 8, 4), (64, 16, 4)]
+        alts += [(128, 4, 4)]
         if paged.plan.block_m == 32:
             # 32-row tiles of 2 warps, each its own 16 rows: 63.0 warp instructions
             # per slot-row against 76.2 at 4 warps, 28 barriers an iteration against

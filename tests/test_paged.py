@@ -608,17 +608,38 @@ def test_an_explicit_prefetch_is_the_plans(given, want):
 
 
 @pytest.mark.parametrize(
-    "launch, per_sm",
-    [({}, paged.ONE_WARP_PROGRAMS_PER_SM), ({"num_warps": 4}, paged.PROGRAMS_PER_SM),
-     ({"num_warps": 2}, 2 * paged.PROGRAMS_PER_SM),
-     ({"programs_per_sm": 8}, 8)],  # asked for, at one warp
+    "q_len, head_dim",
+    [(1, 64), (1, 128), (8, 128)],  # the three PREFETCH_LAUNCHES
+)
+def test_fp8_keys_are_never_prefetched_by_default(q_len, head_dim):
+    """NOTES.md §55: at fp8 keys the L2 prefetch took 1.09-1.10x the time without it,
+    at every launch that takes it for the other presets."""
+    for preset, want in [("turboquant_k8v4", 0), ("turboquant_4bit_nc", 1)]:
+        plan = plan_paged([0, q_len], [4096 + q_len], 16, 4, head_dim, preset,
+                          interpret=False)  # fmt: skip
+        assert (plan.block_m, plan.block_n, plan.num_warps) in paged.PREFETCH_LAUNCHES
+        assert plan.prefetch == want, preset
+    asked = plan_paged([0, q_len], [4096 + q_len], 16, 4, head_dim, "turboquant_k8v4",
+                       interpret=False, prefetch=1)  # fmt: skip
+    assert asked.prefetch == 1
+
+
+@pytest.mark.parametrize(
+    "head_dim, launch, per_sm",
+    [(128, {}, paged.ONE_WARP_PROGRAMS_PER_SM),
+     (128, {"num_warps": 4}, paged.PROGRAMS_PER_SM),
+     (128, {"num_warps": 2}, 2 * paged.PROGRAMS_PER_SM),
+     (128, {"programs_per_sm": 8}, 8),  # asked for, at one warp
+     (256, {}, paged.WIDE_HEAD_PROGRAMS_PER_SM),  # (16, 64, 4): 2 programs fill an SM
+     (256, {"num_warps": 2}, 2 * paged.PROGRAMS_PER_SM),
+     (256, {"programs_per_sm": 4}, 4)],
 )  # fmt: skip
-def test_the_split_aims_at_the_launchs_programs_per_sm(launch, per_sm):
+def test_the_split_aims_at_the_launchs_programs_per_sm(head_dim, launch, per_sm):
     """64 decode requests of 64K positions over 132 SMs: the split is the work over
     132 x per_sm programs, rounded up to block_n."""
     b, hk, cached = 64, 8, 65536
     qsl, lens = list(range(b + 1)), [cached + 1] * b
-    plan = plan_paged(qsl, lens, 32, hk, 128, "turboquant_3bit_nc", sms=132,
+    plan = plan_paged(qsl, lens, 32, hk, head_dim, "turboquant_3bit_nc", sms=132,
                       interpret=False, **launch)  # fmt: skip
     want = -(-b * hk * cached // (132 * per_sm))
     assert plan.split_len == -(-want // plan.block_n) * plan.block_n
