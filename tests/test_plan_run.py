@@ -116,6 +116,33 @@ def test_long_requests_layers_launch_bound_as_each_alone():
         assert torch.equal(out, one) and torch.equal(lse, one_lse), (i, b.seed)
 
 
+@pytest.mark.parametrize("path", ["window", "paged"])
+def test_the_plan_joins_its_ints_without_torchs_thread_pool(path, monkeypatch):
+    """NOTES.md §56: torch's copies of a work list's size spread over its thread pool
+    (milliseconds on a busy host); the plan joins and copies its ints with numpy. The
+    plan made with torch.cat and pin_memory refused holds the same ints as one made
+    with them allowed."""
+    batch = make_batch(REQUESTS, "turboquant_3bit_nc", torch.float16, seed=3)
+    prefill = _prefill(batch, path=path)
+
+    def plan():
+        return prefill.plan(
+            batch.block_table,
+            query_start_loc_cpu=batch.query_start_loc,
+            seq_lens_cpu=batch.seq_lens,
+        )
+
+    allowed = plan().plan.ints.clone()
+
+    def refused(*args, **kw):
+        raise AssertionError("the plan used torch's threads")
+
+    monkeypatch.setattr(torch, "cat", refused)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", refused)
+    ints = plan().plan.ints
+    assert ints.dtype == torch.int32 and torch.equal(ints, allowed)
+
+
 def _tensors(b):
     kw = dict(b.kwargs)
     kw.pop("preset")

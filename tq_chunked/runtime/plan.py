@@ -62,6 +62,7 @@ import itertools
 import operator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ._utils import as_int, interpreting
@@ -652,25 +653,31 @@ def _units(
         packed.extend(fields)
         packed.extend(cu_q)
     # the paged runs' ints after the windows' (their work lists run to thousands of
-    # programs: joined as tensors, not as Python ints)
+    # programs: joined as arrays, not as Python ints)
     paged_spans: list[tuple[int, int, int, int, tuple[int, ...]]] = []
-    pieces = [torch.tensor(packed, dtype=torch.int32)]
+    pieces = [np.asarray(packed, dtype=np.int32)]
     end = len(packed)
     for run, plan in runs:
         run_cu = [0, *itertools.accumulate(qsl[r + 1] - qsl[r] for r in run)]
         if run_cu[-1] != qsl[run[-1] + 1] - qsl[run[0]]:
             # the loop above passed over the run's span: nothing else may have tokens
             raise AssertionError("a paged run's span holds another request's tokens")
-        pieces += [torch.tensor(run_cu, dtype=torch.int32), plan.work, plan.tokens]
+        pieces += [np.asarray(run_cu, np.int32), plan.work.numpy(), plan.tokens.numpy()]
         nw, nt = len(plan.work), len(plan.tokens)
         paged_spans.append((end, len(run_cu), nw, nt, tuple(run_cu)))
         end += len(run_cu) + nw + nt
 
-    host = torch.cat(pieces)
+    # joined and copied by numpy, on this thread: torch's copies of a work list's size
+    # (above its grain of 32768 elements) wake its thread pool, milliseconds on a busy
+    # host (NOTES.md §56)
+    host = torch.from_numpy(np.concatenate(pieces))
     if device.type == "cuda":
-        # pinned, so the copy is asynchronous: no host-device sync
+        # pinned (the caching host allocator's block, reused once its copy is done), so
+        # the copy is asynchronous: no host-device sync
+        pinned = torch.empty(host.shape, dtype=torch.int32, pin_memory=True)
+        np.copyto(pinned.numpy(), host.numpy())
         with torch.cuda.stream(stream or torch.cuda.current_stream(device)):
-            dev = host.pin_memory().to(device, non_blocking=True)
+            dev = pinned.to(device, non_blocking=True)
     else:
         dev = host.to(device)
 
