@@ -45,6 +45,9 @@
 #                                              #   an earlier version
 #   bash benchmarks/run_on_device.sh launcher  # carry .gpu-carry, .bench-old: this launcher against
 #                                              #   an earlier one, alternating in one process
+#   bash benchmarks/run_on_device.sh run-ab    # carry .gpu-carry, .bench-old: the plan's and the
+#                                              #   run's host time against an earlier version's,
+#                                              #   alternating in one process (run_ab.py)
 #   bash benchmarks/run_on_device.sh checks    # carry .gpu-carry: soak, sanitizers
 #   bash benchmarks/run_on_device.sh serving   # carry .gpu-carry: serving grid with the floor
 #   bash benchmarks/run_on_device.sh serving-before # carry .gpu-carry, .bench-old: the serving
@@ -83,7 +86,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|ncu-paged|dispatch|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|host-calls|before|host-before|launcher|checks|serving|serving-before|stack|stack-before|memory-bound|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|ncu-paged|dispatch|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|host-calls|before|host-before|launcher|run-ab|checks|serving|serving-before|stack|stack-before|memory-bound|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -234,6 +237,10 @@ for mode in "$@"; do
     launcher)
       carry .gpu-carry timeout 200 python3 benchmarks/launcher_ab.py "$OUT" \
         ".bench-old/$BEFORE/tq_chunked/runtime/_utils.py" 2>&1 | tee "$OUT/launcher-ab.txt" ;;
+    run-ab)
+      # RUN_AB_ARGS: e.g. --rounds 3 --calls 60 (NOTES.md §56)
+      carry .gpu-carry timeout "${RUN_AB_TIMEOUT:-300}" python3 benchmarks/run_ab.py "$OUT" \
+        ".bench-old/$BEFORE" ${RUN_AB_ARGS:-} 2>&1 | tee "$OUT/run-ab.txt" | tail -8 ;;
     checks)
       carry .gpu-carry timeout 300 python3 benchmarks/soak.py 300 2>&1 | tee "$OUT/soak.log" | tail -3
       carry .gpu-carry timeout 60 compute-sanitizer --tool memcheck python3 benchmarks/sanitize.py 2>&1 \

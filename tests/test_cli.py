@@ -910,3 +910,34 @@ def test_bench_oracle_errors_hold_each_method_but_the_floor_to_float64():
     assert len(errors["tq_chunked"]) == 2  # the 2-token request is left out
     assert max(errors["tq_chunked"]) < 2e-3
     assert errors["wrong"][0] == errors["tq_chunked"][0] and errors["wrong"][1] == 1.0
+
+
+# --- benchmarks/run_ab.py: two trees' runtimes in one process ------------------------
+
+
+def test_run_ab_loads_another_runtime_beside_this_one_and_both_answer_alike(
+    monkeypatch,
+):
+    """run_ab.py (the GPU's host A/B, NOTES.md §56) loads an earlier checkout's
+    tq_chunked/runtime as another package: here this tree's, whose classes are then
+    distinct from this process's and whose step answers with the same bits; a root
+    without a runtime is one line naming what is missing."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    run_ab = __import__("run_ab")
+    import tq_chunked.runtime as this_runtime
+
+    other = run_ab.load_runtime(ROOT, name="run_ab_test_runtime")
+    assert other.ContinuationPrefill is not this_runtime.ContinuationPrefill
+    assert other.prefill.__name__ == "run_ab_test_runtime.prefill"
+    heads, preset, dtype = (8, 2, 64), "turboquant_3bit_nc", torch.float16
+    requests = [(40, 4), (0, 3), (70, 2)]
+    b = testing.build_batch(preset, requests, *heads, 16, dtype, "cpu")
+    outs = []
+    for runtime in (other, this_runtime):
+        plan, layer, out = run_ab.calls_of(runtime, b, heads, preset, dtype, 32, "cpu")
+        layer()
+        assert not out.isnan().any()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(SystemExit, match="tq_chunked/runtime/, not found"):
+        run_ab.load_runtime(ROOT / "tests")
