@@ -362,7 +362,7 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
         alts = [
             (f"block_n {block_n}, {per_sm} per SM, {warps} warps",
              dict(block_n=block_n, programs_per_sm=per_sm, num_warps=warps))
-            for block_n, per_sm, warps in alts
+            for block_n, per_sm, warps in dict.fromkeys(alts)  # each launch once
         ]  # fmt: skip
         if paged.plan.transposed:
             # the default's transposed 8-row tile against the 16-row tile of one warp
@@ -372,8 +372,9 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
             # the transposed 8-row tile (paged.TRANSPOSED_LAUNCH, not the default
             # here) at its register cap (D 128: Triton's 255, 8 warps an SM), at 216
             # (9 warps, 29 spill instructions an iteration), and without the L2
-            # prefetch (fp8 keys: the transposed tile tied the 16-row one without it;
-            # the "prefetch 0" row below is the 16-row tile's) (NOTES.md §47, §49)
+            # prefetch (its default at every preset: fp8 keys' DECODE_LAUNCH alone
+            # goes without it; the "prefetch" rows below are the default tile's)
+            # (NOTES.md §47, §49, §55)
             alts += [
                 ("transposed 8-row", dict(block_m=8)),
                 ("transposed 8-row, 216 registers", dict(block_m=8, max_registers=216)),
@@ -387,8 +388,8 @@ def measure(name, shape, reqs, preset, dtype_name, configs):
             except Exception as e:  # noqa: BLE001 - a launch may not compile
                 tried[name] = f"failed: {e}"
     # the slots into L2 ahead of their loads (PagedPlan.prefetch: 1 tile at
-    # paged.PREFETCH_LAUNCHES, else none) against the other two of none, 1 and 2 tiles
-    # (NOTES.md §44, §46)
+    # paged.PREFETCH_LAUNCHES but fp8 keys' DECODE_LAUNCH, else none) against the
+    # other two of none, 1 and 2 tiles (NOTES.md §44, §46, §55)
     for ahead in sorted({0, 1, 2} - {paged.plan.prefetch}):
         alt = Paged(b, hq, hk, d, dtype, prefetch=ahead)
         tried[f"prefetch {ahead}"] = kernel_ms(alt.cached)

@@ -48,7 +48,12 @@ def load_runtime(root: Path, name: str = "earlier_runtime"):
     )
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # the package's submodules import it by name
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[loaded]  # no half-loaded package left behind
+        raise
     return module
 
 
@@ -113,7 +118,11 @@ def measure(versions, rounds, calls, device="cuda"):
         for _, layer, out in made.values():
             layer()
             outs.append(out)
-        same = all(torch.equal(o.nan_to_num(), outs[0].nan_to_num()) for o in outs)
+        same = all(  # the same bits, NaN where NaN
+            torch.equal(o.nan_to_num(), outs[0].nan_to_num())
+            and torch.equal(o.isnan(), outs[0].isnan())
+            for o in outs
+        )
         row = {"same_answer": same}
         for kind, at in (("plan_us", 0), ("run_us", 1)):
             per_round = {v: [] for v in versions}

@@ -116,31 +116,49 @@ def test_long_requests_layers_launch_bound_as_each_alone():
         assert torch.equal(out, one) and torch.equal(lse, one_lse), (i, b.seed)
 
 
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])]
+)
 @pytest.mark.parametrize("path", ["window", "paged"])
-def test_the_plan_joins_its_ints_without_torchs_thread_pool(path, monkeypatch):
+def test_the_plan_joins_its_ints_without_torchs_thread_pool(path, device, monkeypatch):
     """NOTES.md §56: torch's copies of a work list's size spread over its thread pool
-    (milliseconds on a busy host); the plan joins and copies its ints with numpy. The
-    plan made with torch.cat and pin_memory refused holds the same ints as one made
-    with them allowed."""
-    batch = make_batch(REQUESTS, "turboquant_3bit_nc", torch.float16, seed=3)
-    prefill = _prefill(batch, path=path)
-
-    def plan():
-        return prefill.plan(
-            batch.block_table,
-            query_start_loc_cpu=batch.query_start_loc,
-            seq_lens_cpu=batch.seq_lens,
-        )
-
-    allowed = plan().plan.ints.clone()
+    (milliseconds on a busy host); the plan joins its ints with numpy (into pinned
+    memory on a GPU) with torch.cat and Tensor.pin_memory refused, and every unit's
+    device ints are its host ones: a window's segments and starts, a paged run's work
+    list and tokens."""
+    batch = make_batch(REQUESTS, "turboquant_3bit_nc", torch.float16, seed=3,
+                       device=device)  # fmt: skip
 
     def refused(*args, **kw):
         raise AssertionError("the plan used torch's threads")
 
     monkeypatch.setattr(torch, "cat", refused)
     monkeypatch.setattr(torch.Tensor, "pin_memory", refused)
-    ints = plan().plan.ints
-    assert ints.dtype == torch.int32 and torch.equal(ints, allowed)
+    step = _prefill(batch, path=path).plan(
+        batch.block_table,
+        query_start_loc_cpu=batch.query_start_loc,
+        seq_lens_cpu=batch.seq_lens,
+    )
+    monkeypatch.undo()
+    ints = step.plan.ints
+    assert ints.dtype == torch.int32 and ints.device == batch.block_table.device
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    units = [u for unit in step.plan.units for u in getattr(unit, "windows", (unit,))]
+    for u in units:
+        if hasattr(u, "segs_host"):  # a window
+            assert torch.equal(u.segs.cpu(), i32(u.segs_host))
+            assert torch.equal(u.cu_q.cpu(), i32(u.cu_q_host))
+            assert torch.equal(u.cu_k.cpu(), i32(u.cu_k_host))
+        else:
+            assert torch.equal(u.work.cpu().view(-1), u.paged.work)
+            assert torch.equal(u.tokens.cpu().view(-1), u.paged.tokens)
+    assert {type(u).__name__ for u in units} >= {
+        "window": {"Window"},
+        "paged": {"PagedRun"},
+    }[path]
 
 
 def _tensors(b):

@@ -94,9 +94,10 @@ OWN_KEYS_MAX = 16
 MIN_SPLIT = 256
 # Programs of 4 warps the planner aims at per SM: enough for two resident programs and
 # the last wave's imbalance; programs of 2 warps, twice as many. One-warp programs: 32,
-# twice the warps (0.88-0.89x the time of 16, NOTES.md §46). Head sizes above 128 at
-# 4 warps: 8, since two programs fill an SM's shared memory there and 4 leave two
-# waves (0.91x the time of 4 at D 256, NOTES.md §49, §55).
+# twice the warps (0.88-0.89x the time of 16, NOTES.md §46). 16-row tiles of 4 warps
+# above head size 128: 8, since at D 256 two of them fill an SM's shared memory (86
+# KB each) and 4 left two waves (0.90-0.91x the time of 4 there, NOTES.md §49, §55;
+# other head sizes above 128 not timed).
 PROGRAMS_PER_SM = 4
 ONE_WARP_PROGRAMS_PER_SM = 32
 WIDE_HEAD_PROGRAMS_PER_SM = 8
@@ -144,7 +145,7 @@ class PagedPlan:
     max_registers: int = 0
     # the slots this many tiles ahead asked of L2 while a tile is read and decoded
     # (_split_attention's PREFETCH; loads thrown away under the interpreter); 0: none
-    # (plan_paged's default: PREFETCH_LAUNCHES)
+    # (plan_paged's default: 1 at PREFETCH_LAUNCHES but fp8 keys' DECODE_LAUNCH)
     prefetch: int = 0
 
     @property
@@ -258,8 +259,9 @@ TRANSPOSED_LAUNCH = (8, 32, 1)
 # The launches that ask L2 for the next tile's slots by default (PagedPlan.prefetch):
 # DECODE_LAUNCH and TILE32_LAUNCH, where it was timed (1.02-1.04x the time without it
 # at D 128, even at D 64), and TRANSPOSED_LAUNCH, one warp as DECODE_LAUNCH (not
-# timed); at (32, 64, 4) it cost 4-7 % (NOTES.md §46). Never for fp8 keys: there it
-# took 1.09-1.10x the time without it (NOTES.md §49, §55).
+# timed); at (32, 64, 4) it cost 4-7 % (NOTES.md §46). Not for fp8 keys at
+# DECODE_LAUNCH: there it took 1.09-1.10x the time without it (NOTES.md §49, §55; fp8
+# keys at the other two not timed).
 PREFETCH_LAUNCHES = (DECODE_LAUNCH, TILE32_LAUNCH, TRANSPOSED_LAUNCH)
 
 
@@ -379,25 +381,24 @@ def plan_paged(
     of a batch, from host ints alone.
 
     query_start_loc: B + 1 host ints; seq_lens: B host ints (cached + new tokens).
-    Request r's cached positions ``[0, seq_lens[r] - q_len_r)`` are split into ranges
-    of ``split_len`` positions (default: the batch's work over ``sms x
-    programs_per_sm`` programs, at least MIN_SPLIT, a multiple of block_n; default
-    programs_per_sm: ONE_WARP_PROGRAMS_PER_SM at one warp, WIDE_HEAD_PROGRAMS_PER_SM at
-    4 warps and head sizes above 128, else PROGRAMS_PER_SM x 4 / num_warps), each a
-    program per kv head and tile of ``block_m`` query rows (default: 8 on a GPU where
+    Request r's cached positions ``[0, seq_lens[r] - q_len_r)`` are split into ranges of
+    ``split_len`` positions (default: the batch's work over ``sms x programs_per_sm``
+    programs, at least MIN_SPLIT, a multiple of block_n; default programs_per_sm:
+    ONE_WARP_PROGRAMS_PER_SM at one warp, WIDE_HEAD_PROGRAMS_PER_SM for 16-row tiles of
+    4 warps above head size 128, else PROGRAMS_PER_SM x 4 / num_warps), each a program
+    per kv head and tile of ``block_m`` query rows (default: 8 on a GPU where
     ``transposed_by_default``, else ``default_launch``'s, which a launch given in part
-    always takes; 8: a transposed tile, ``PagedPlan.transposed``). Splits double
-    until the scratch fits ``max_scratch_bytes`` (a ValueError if one split per
-    request does not). A
-    request with nothing cached has tokens (the combine writes them) and no work; one
-    without query tokens has neither. own_keys: the combine attends to the chunk's
-    own keys (PagedPlan.own_keys; default: where every served request has at most
-    OWN_KEYS_MAX query tokens). half_chunk: the scratch holds fp16 copies of the
+    always takes; 8: a transposed tile, ``PagedPlan.transposed``). Splits double until
+    the scratch fits ``max_scratch_bytes`` (a ValueError if one split per request does
+    not). A request with nothing cached has tokens (the combine writes them) and no
+    work; one without query tokens has neither. own_keys: the combine attends to the
+    chunk's own keys (PagedPlan.own_keys; default: where every served request has at
+    most OWN_KEYS_MAX query tokens). half_chunk: the scratch holds fp16 copies of the
     served tokens' query, key and value for the chunk's own call (bf16 queries:
     PagedPlan.half_chunk; not with own_keys). max_registers: the attention kernel's
     registers per thread, 0 for Triton's own count (default ``register_cap``).
-    prefetch: PagedPlan.prefetch (default 1 at the PREFETCH_LAUNCHES but for fp8
-    keys, else 0).
+    prefetch: PagedPlan.prefetch (default 1 at the PREFETCH_LAUNCHES but fp8 keys'
+    DECODE_LAUNCH, else 0).
     """
     cfg = resolve_config(preset, head_dim)
     hq, hk = num_q_heads, num_kv_heads
@@ -465,13 +466,14 @@ def plan_paged(
     if programs_per_sm is None:
         if num_warps == 1:
             programs_per_sm = ONE_WARP_PROGRAMS_PER_SM
-        elif num_warps == 4 and head_dim > 128:
+        elif (block_m, num_warps) == (16, 4) and head_dim > 128:
             programs_per_sm = WIDE_HEAD_PROGRAMS_PER_SM
         else:
             programs_per_sm = PROGRAMS_PER_SM * max(4 // num_warps, 1)
     if prefetch is None:
         launch = (block_m, block_n, num_warps)
-        prefetch = int(launch in PREFETCH_LAUNCHES and not cfg.key_fp8)
+        fp8_decode = cfg.key_fp8 and launch == DECODE_LAUNCH
+        prefetch = int(launch in PREFETCH_LAUNCHES and not fp8_decode)
     if split_len is None:
         work = int((tiles * cached).sum()) * hk
         split_len = max(MIN_SPLIT, cdiv(work, max(sms * programs_per_sm, 1)))

@@ -667,19 +667,18 @@ def _units(
         paged_spans.append((end, len(run_cu), nw, nt, tuple(run_cu)))
         end += len(run_cu) + nw + nt
 
-    # joined and copied by numpy, on this thread: torch's copies of a work list's size
-    # (above its grain of 32768 elements) wake its thread pool, milliseconds on a busy
-    # host (NOTES.md §56)
-    host = torch.from_numpy(np.concatenate(pieces))
+    # joined by numpy, on this thread: torch's copies of a work list's size (above its
+    # grain of 32768 elements) wake its thread pool, milliseconds on a busy host
+    # (NOTES.md §56)
     if device.type == "cuda":
-        # pinned (the caching host allocator's block, reused once its copy is done), so
-        # the copy is asynchronous: no host-device sync
-        pinned = torch.empty(host.shape, dtype=torch.int32, pin_memory=True)
-        np.copyto(pinned.numpy(), host.numpy())
+        # into pinned memory (the caching host allocator's block, reused once its copy
+        # is done), so the copy is asynchronous: no host-device sync
+        pinned = torch.empty(end, dtype=torch.int32, pin_memory=True)
+        np.concatenate(pieces, out=pinned.numpy())
         with torch.cuda.stream(stream or torch.cuda.current_stream(device)):
             dev = pinned.to(device, non_blocking=True)
     else:
-        dev = host.to(device)
+        dev = torch.from_numpy(np.concatenate(pieces)).to(device)
 
     made = []
     for (kind, segs, causal), (s0, ns, c0, nc) in zip(specs, spans):

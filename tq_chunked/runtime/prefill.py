@@ -657,8 +657,8 @@ class Step:
         """
         p, n = self.prefill, self.plan.num_tokens
         scale = _as_scale(scale)
-        # the step's device, not torch.cuda.is_available(): that reads the
-        # environment at every call (about 6 us a layer on the H100 machine's host)
+        # the step's own device type (torch.cuda.is_available() reads the environment
+        # at each call, NOTES.md §56)
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise ValueError(
                 "a continuation prefill cannot run inside CUDA graph capture: its "
