@@ -22,6 +22,7 @@ causal call for them, alternating in one process (NOTES.md §50).
 """
 
 import cProfile
+import functools
 import inspect
 import pstats
 import statistics
@@ -105,13 +106,22 @@ def main():
         profile_case(name, requests)
 
 
+def layer_call(step, b, out):
+    """One layer's run of ``step`` over batch ``b`` (build_batch's), into ``out``: a
+    call of no arguments."""
+    kw = b["kwargs"]
+    return functools.partial(
+        step.run, b["query"], b["key"], b["value"], b["kv_cache"],
+        centroids=kw["centroids"], rotation=kw["rotation"], scale=kw["scale"], out=out,
+    )  # fmt: skip
+
+
 def profile_run(name, requests, window, preset="turboquant_3bit_nc",
                 heads=(32, 8, 128), dtype="float16"):  # fmt: skip
     """Print the host-time profile of Step.run per layer (see the module's doc); and
     the plan's host time, where the step runs on the memory-bound path."""
     hq, hk, d = heads
     b = build_batch(preset, requests, hq, hk, d, 16, getattr(torch, dtype), "cuda")
-    kw = b["kwargs"]
     prefill = ContinuationPrefill(
         hq, hk, d, preset=preset, dtype=getattr(torch, dtype), block_size=16,
         window=window, check_block_table=False,
@@ -127,14 +137,7 @@ def profile_run(name, requests, window, preset="turboquant_3bit_nc",
         us = host_us(lambda: prefill.plan(b["block_table"], **lengths, workspace=ws))
         print(f"== {name}: plan() {us:.0f} us")
     out = torch.empty_like(b["query"])
-
-    def layer():
-        step.run(
-            b["query"], b["key"], b["value"], b["kv_cache"],
-            centroids=kw["centroids"], rotation=kw["rotation"], scale=kw["scale"],
-            out=out,
-        )  # fmt: skip
-
+    layer = layer_call(step, b, out)
     print(f"== {name}: {len(step.plan.units)} units, run() {host_us(layer):.0f} us")
     own = [u.paged.own_keys for u in step.plan.units if isinstance(u, PagedRun)]
     if any(own):
@@ -146,14 +149,7 @@ def profile_run(name, requests, window, preset="turboquant_3bit_nc",
             before = prefill.plan(b["block_table"], **lengths, workspace=ws)
         finally:
             paged.OWN_KEYS_MAX = with_limit
-
-        def layer_before():
-            before.run(
-                b["query"], b["key"], b["value"], b["kv_cache"],
-                centroids=kw["centroids"], rotation=kw["rotation"],
-                scale=kw["scale"], out=out,
-            )  # fmt: skip
-
+        layer_before = layer_call(before, b, out)
         ab = {"own keys": [], "chunk call": []}
         for _ in range(5):
             ab["own keys"].append(host_us(layer, n=60))

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 import torch
-from host_profile import PAGED_CASES  # benchmarks/, this script's folder
+from host_profile import PAGED_CASES, layer_call  # benchmarks/, this script's folder
 from launcher_ab import alternate
 
 import tq_chunked.runtime as this_runtime
@@ -76,7 +76,6 @@ def calls_of(runtime, b, heads, preset, dtype, window, device):
     """(plan, layer) of one version over batch ``b``: a step's plan, and one layer's
     run of a step planned once; the layer writes its own output (returned too)."""
     hq, hk, d = heads
-    kw = b["kwargs"]
     prefill = runtime.ContinuationPrefill(
         hq, hk, d, preset=preset, dtype=dtype, block_size=16, window=window,
         check_block_table=False,
@@ -91,17 +90,8 @@ def calls_of(runtime, b, heads, preset, dtype, window, device):
     def plan():
         return prefill.plan(b["block_table"], **lengths, workspace=ws)
 
-    step = plan()
     out = torch.full_like(b["query"], float("nan"))
-
-    def layer():
-        step.run(
-            b["query"], b["key"], b["value"], b["kv_cache"],
-            centroids=kw["centroids"], rotation=kw["rotation"], scale=kw["scale"],
-            out=out,
-        )  # fmt: skip
-
-    return plan, layer, out
+    return plan, layer_call(plan(), b, out), out
 
 
 def measure(versions, rounds, calls, device="cuda"):
