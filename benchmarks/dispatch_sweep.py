@@ -12,7 +12,8 @@ Batches of B requests of q_len query tokens over ``cached`` tokens each (Hq/Hk/D
 and dtypes at head size 128: 32-64 rows over 8K-64K, NOTES.md §41; with --short-runs,
 the rule's run minimum, plan.PAGED_MIN_CACHED: 4-32 rows over 1K-8K at head size 128,
 the four presets; with --short-band, the second band below its 16K prefixes: 48-64 rows
-over 1K-8K, 64 requests a batch, as the serving grid's "64 hits q16 1K-8K"), each path
+over 1K-8K, 64 requests a batch, as the serving grid's "64 hits q16 1K-8K", at Hq / Hk
+28 / 4, 32 / 8 and 64 / 8), each path
 through ``continuation_prefill_varlen`` with a workspace of workspace_bytes(N) as the
 plugin calls it. Writes dispatch-sweep.json (after each point) and prints a table of
 paged / windows per point, last.
@@ -63,15 +64,18 @@ SHORT_RUNS = (
 
 # --short-band: plan.PAGED_MAX_ROWS_LONG's prefix minimum (16K) with 0.6.4's 32-row
 # tiles of 128 positions (0.70-0.76x 0.6.3's time, NOTES.md §46), in batches of 64
-# requests (64K-512K cached tokens: both sides of the run minimum)
+# requests (64K-512K cached tokens: both sides of the run minimum); first Hq / Hk 28 /
+# 4 (G 7: 49, 56 and 63 rows), whose "32 x q8 1K-16K" took the windows at 1.55x the
+# memory-bound path's time on the H100 (NOTES.md §56)
 SHORT_BAND = (
     [
+        ("qwen2-7b 4bit fp16", 28, 4, 128, "turboquant_4bit_nc", torch.float16, 64),
         ("llama3-8b 3bit fp16", 32, 8, 128, "turboquant_3bit_nc", torch.float16, 64),
         ("llama3-8b 4bit fp16", 32, 8, 128, "turboquant_4bit_nc", torch.float16, 64),
         ("llama3-8b k3v4 bf16", 32, 8, 128, "turboquant_k3v4_nc", torch.bfloat16, 64),
         ("70b-tp1 3bit bf16", 64, 8, 128, "turboquant_3bit_nc", torch.bfloat16, 64),
     ],
-    [48, 64],
+    [48, 56, 64],
     [1 * K, 2 * K, 4 * K, 8 * K],
 )
 
@@ -110,8 +114,9 @@ def point(shape, rows, cached):
         qsl.cuda(), lens.cuda(), **b["kwargs"], query_start_loc_cpu=qsl,
         seq_lens_cpu=lens, window=w, workspace=ws, check_block_table=False,
     )  # fmt: skip
-    row = dict(shape=name, rows=q_len * hq // hk, q_len=q_len, cached=cached,
-               requests=b_n)  # fmt: skip
+    # rows: the batch's own (q_len x Hq / Hk: 42 where 48 are asked at G 7)
+    row = dict(shape=name, rows_asked=rows, rows=q_len * hq // hk, q_len=q_len,
+               cached=cached, requests=b_n)  # fmt: skip
     row["floor_ms"] = kernel_ms(floor_of(b, hk, d, dtype))
     for path in ("window", "paged"):
         c = functools.partial(call, path=path)
@@ -149,12 +154,10 @@ def main():
         print("| rows/kv head | " + " | ".join(f"{c // K}K" for c in cached) + " |")
         print("|---" * (len(cached) + 1) + "|")
         for r in rows_per_kvh:
-            cells = [
-                f"{x['paged_over_window']:.2f}"
-                for x in rows
-                if x["shape"] == shape[0] and x["rows"] == r
-            ]
-            print(f"| {r} | " + " | ".join(cells) + " |")
+            mine = [x for x in rows if x["shape"] == shape[0] and x["rows_asked"] == r]
+            cells = [f"{x['paged_over_window']:.2f}" for x in mine]
+            if mine:
+                print(f"| {mine[0]['rows']} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
