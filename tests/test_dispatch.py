@@ -150,9 +150,9 @@ LONG = plan.PAGED_LONG_CACHED
 def test_more_rows_take_the_memory_bound_path_only_over_a_long_prefix(
     rows, cached, preset, head_dim, takes
 ):
-    """The rule's second band (NOTES.md §41): 33-64 rows a kv head where the request
-    holds 16K cached tokens or more, at head size 128 (the one measured) over MSE
-    keys."""
+    """The rule's second band (NOTES.md §41, §57): 33-64 rows a kv head where the
+    request holds 1K cached tokens or more, at head size 128 (the one measured) over
+    MSE keys."""
     cfg = plan.TQConfig.from_preset(preset, head_dim)
     assert plan.paged_eligible(rows, cached, cfg) is takes
 
