@@ -212,14 +212,19 @@ def test_groups_head_sizes_block_sizes_and_splits(
     check_within_full_paths_error(batch, out)
 
 
-GPU_LAUNCHES = [paged.DECODE_LAUNCH, paged.TILE32_LAUNCH, paged.TRANSPOSED_LAUNCH]
+GPU_LAUNCHES = [
+    paged.DECODE_LAUNCH,
+    paged.TILE32_LAUNCH,
+    paged.TILE32_D64_LAUNCH,
+    paged.TRANSPOSED_LAUNCH,
+]
 
 
 @pytest.mark.parametrize("launch", GPU_LAUNCHES)
-def test_the_gpu_launches_at_head_size_128(launch):
-    """The GPU's tuned launches (on a GPU; under the interpreter their tiles and
-    positions an iteration, warps having no meaning there), with the prefetch they
-    default to, splits that end inside an iteration and blocks of 16."""
+def test_the_gpu_launches(launch):
+    """The GPU's tuned launches at head size 64 (on a GPU; under the interpreter
+    their tiles and positions an iteration, warps having no meaning there), with the
+    prefetch, splits that end inside an iteration and blocks of 16."""
     block_m, block_n, num_warps = launch
     seed = 330 + block_m
     batch = make_batch(
@@ -509,7 +514,7 @@ def test_the_plans_split_aims_at_the_sms_and_its_scratch_is_its_regions():
         (1, 128, {"block_n": 64, "num_warps": 4}, 168),  # 0.6.3's: 3 programs an SM
         (1, 64, {"block_n": 64, "num_warps": 4}, 128),  # 4 programs an SM
         (1, 128, {"block_m": 32}, 0),  # a 32-row tile: TILE32_LAUNCH, 4 warps
-        (8, 64, {}, 0),  # a 32-row tile at D 64: block_n 64
+        (8, 64, {}, 0),  # a 32-row tile at D 64: TILE32_D64_LAUNCH, 2 warps
         (1, 256, {}, 0),  # Triton's count (4 warps: one spills at D 256)
         (8, 128, {}, 0),  # 32-row tiles
         (1, 128, {"block_n": 128}, 0),  # another launch
@@ -523,13 +528,18 @@ def test_the_register_cap_is_the_default_launchs_alone(q_len, head_dim, launch, 
     plan = plan_paged(qsl, lens, 16, 4, head_dim, "turboquant_3bit_nc",
                       interpret=False, **launch)  # fmt: skip
     assert plan.max_registers == cap
-    if not launch:  # one warp at D 64 and 128 (DECODE_ or TRANSPOSED_LAUNCH), else 4
-        assert plan.num_warps == (1 if q_len == 1 and head_dim in (64, 128) else 4)
-    if plan.block_m == 32:
-        assert (plan.block_n, plan.num_warps) == (128 if head_dim == 128 else 64, 4)
-    # the L2 prefetch at the one-warp and 32-row launches alone (NOTES.md §46)
     launched = (plan.block_m, plan.block_n, plan.num_warps)
-    assert plan.prefetch == (launched in GPU_LAUNCHES)
+    if not launch:  # one warp at D 64 and 128 (DECODE_ or TRANSPOSED_LAUNCH), else
+        # the 32-row tiles' own launches at D 128 and 64, else 4 warps
+        tile32 = {128: paged.TILE32_LAUNCH, 64: paged.TILE32_D64_LAUNCH}
+        if q_len == 1 and head_dim in (64, 128):
+            assert plan.num_warps == 1
+        elif plan.block_m == 32 and head_dim in tile32:
+            assert launched == tile32[head_dim]
+        else:
+            assert plan.num_warps == 4
+    # the L2 prefetch at the one-warp launches and TILE32_LAUNCH alone (NOTES.md §46)
+    assert plan.prefetch == (launched in paged.PREFETCH_LAUNCHES)
     interp = plan_paged(qsl, lens, 16, 4, head_dim, "turboquant_3bit_nc",
                         interpret=True)  # fmt: skip
     assert interp.max_registers == 0
@@ -546,7 +556,8 @@ def test_the_register_cap_is_the_default_launchs_alone(q_len, head_dim, launch, 
         (1, 32, {}, (16, 64, 4)),  # measured at D 64 and 128 alone
         (1, 256, {}, (16, 64, 4)),
         (8, 128, {}, paged.TILE32_LAUNCH),
-        (8, 64, {}, (32, 64, 4)),
+        (8, 64, {}, paged.TILE32_D64_LAUNCH),
+        (8, 256, {}, (32, 64, 4)),
         (1, 128, {"block_m": 32}, paged.TILE32_LAUNCH),  # the tile's own launch
         (1, 128, {"block_m": 64}, (64, 64, 4)),
         (1, 128, {"block_m": 8}, paged.TRANSPOSED_LAUNCH),
@@ -645,6 +656,26 @@ def test_the_split_aims_at_the_launchs_programs_per_sm(head_dim, launch, per_sm)
     qsl, lens = list(range(b + 1)), [cached + 1] * b
     plan = plan_paged(qsl, lens, 32, hk, head_dim, "turboquant_3bit_nc", sms=132,
                       interpret=False, **launch)  # fmt: skip
+    want = -(-b * hk * cached // (132 * per_sm))
+    assert plan.split_len == -(-want // plan.block_n) * plan.block_n
+
+
+@pytest.mark.parametrize(
+    "head_dim, launch, per_sm",
+    [(128, {}, 8),  # TILE32_LAUNCH
+     (64, {}, 32),  # TILE32_D64_LAUNCH
+     (256, {}, paged.PROGRAMS_PER_SM),  # (32, 64, 4): not measured otherwise
+     (128, {"num_warps": 2}, 2 * paged.PROGRAMS_PER_SM),  # (32, 64, 2), not at D 64
+     (64, {"num_warps": 4}, paged.PROGRAMS_PER_SM)],  # (32, 64, 4)
+)  # fmt: skip
+def test_the_32_row_tiles_aim_at_their_own_programs_per_sm(head_dim, launch, per_sm):
+    """NOTES.md §57: TILE32_PROGRAMS_PER_SM at those launches and head sizes alone; 16
+    requests of 8 query tokens (32 rows a kv head) over 64K positions, 132 SMs."""
+    b, hk, cached = 16, 8, 65536
+    qsl, lens = list(range(0, 8 * b + 1, 8)), [cached + 8] * b
+    plan = plan_paged(qsl, lens, 32, hk, head_dim, "turboquant_3bit_nc", sms=132,
+                      interpret=False, **launch)  # fmt: skip
+    assert plan.block_m == 32
     want = -(-b * hk * cached // (132 * per_sm))
     assert plan.split_len == -(-want // plan.block_n) * plan.block_n
 

@@ -97,7 +97,7 @@ MIN_SPLIT = 256
 # twice the warps (0.88-0.89x the time of 16, NOTES.md §46). 16-row tiles of 4 warps
 # above head size 128: 8, since at D 256 two of them fill an SM's shared memory (86
 # KB each) and 4 left two waves (0.90-0.91x the time of 4 there, NOTES.md §49, §55;
-# other head sizes above 128 not timed).
+# other head sizes above 128 not timed). The 32-row tiles: TILE32_PROGRAMS_PER_SM.
 PROGRAMS_PER_SM = 4
 ONE_WARP_PROGRAMS_PER_SM = 32
 WIDE_HEAD_PROGRAMS_PER_SM = 8
@@ -244,12 +244,22 @@ MAX_GPU_TILE = 32
 # decoded tiles' round trips), and 64.6 -> 50.8 warp instructions per slot-row at
 # 3bit_nc D 128 (NOTES.md §44): 0.63-0.84x the time of (16, 64, 4) on the H200 at
 # head sizes 64 and 128, where it was measured and is the default (NOTES.md §46). The
-# 32-row tile keeps 4 warps: at 2 it spills (NOTES.md §44); so would D 256's 16-row
-# tile at one warp (182 spill instructions an iteration).
+# 32-row tile keeps 4 warps at head size 128: at 2 it spills (NOTES.md §44) and took
+# 1.01-1.45x the time (§57); so would D 256's 16-row tile at one warp (182 spill
+# instructions an iteration).
 DECODE_LAUNCH = (16, 32, 1)
 # The 32-row tile's launch at head size 128: 128 positions an iteration, 0.70-0.76x
-# the time of block_n 64 (NOTES.md §46; other head sizes keep 64, not measured).
+# the time of block_n 64 (NOTES.md §46).
 TILE32_LAUNCH = (32, 128, 4)
+# At head size 64: 2 warps, each its own 16 rows, 64 positions an iteration: with 32
+# programs an SM, 0.57-0.64x the time of (32, 64, 4) at 4 over the MSE presets, 0.82x
+# over fp8 keys (NOTES.md §57). Head size 256 keeps (32, 64, 4): every other launch
+# tried took 1.05-1.71x its time.
+TILE32_D64_LAUNCH = (32, 64, 2)
+# The programs an SM the split aims at for these launches at these head sizes, where
+# timed against other counts (NOTES.md §57): TILE32_LAUNCH 8 (0.90-0.97x the time of
+# 4), TILE32_D64_LAUNCH 32 (0.92-0.95x the time of 16, 0.78-0.99x that of 8).
+TILE32_PROGRAMS_PER_SM = {(TILE32_LAUNCH, 128): 8, (TILE32_D64_LAUNCH, 64): 32}
 # The 8-row tile's launch: a transposed tile (``_per_row``: the positions on the
 # tensor cores' 16-row side, the rows on the 8-row side), one warp, 32 positions an
 # iteration. Half the MMAs and half the accumulator of the 16-row tile: 46.1 against
@@ -286,7 +296,8 @@ def default_launch(
     decoded once per request and kv head), 16 at least (the tensor cores' smallest
     tile), or the tile ``block_m`` where given; on a GPU, 16-row tiles at
     DECODE_LAUNCH at head sizes 64 and 128, 32-row tiles at TILE32_LAUNCH at head
-    size 128, other tiles 64 positions an iteration on 4 warps; 8-row tiles
+    size 128 and TILE32_D64_LAUNCH at 64, other tiles 64 positions an iteration on 4
+    warps; 8-row tiles
     (``plan_paged``'s choice by ``transposed_by_default``, or asked for) at
     TRANSPOSED_LAUNCH up to head size 128, on 2 warps above (one spills 247
     instructions an iteration at D 256, two 50). Under the interpreter 16 positions
@@ -304,6 +315,8 @@ def default_launch(
         return DECODE_LAUNCH
     if block_m == 32 and head_dim == 128:
         return TILE32_LAUNCH
+    if block_m == 32 and head_dim == 64:
+        return TILE32_D64_LAUNCH
     return block_m, 64, 4
 
 
@@ -384,8 +397,9 @@ def plan_paged(
     Request r's cached positions ``[0, seq_lens[r] - q_len_r)`` are split into ranges of
     ``split_len`` positions (default: the batch's work over ``sms x programs_per_sm``
     programs, at least MIN_SPLIT, a multiple of block_n; default programs_per_sm:
-    ONE_WARP_PROGRAMS_PER_SM at one warp, WIDE_HEAD_PROGRAMS_PER_SM for 16-row tiles of
-    4 warps above head size 128, else PROGRAMS_PER_SM x 4 / num_warps), each a program
+    TILE32_PROGRAMS_PER_SM's at its launches and head sizes, ONE_WARP_PROGRAMS_PER_SM at
+    one warp, WIDE_HEAD_PROGRAMS_PER_SM for 16-row tiles of 4 warps above head size
+    128, else PROGRAMS_PER_SM x 4 / num_warps), each a program
     per kv head and tile of ``block_m`` query rows (default: 8 on a GPU where
     ``transposed_by_default``, else ``default_launch``'s, which a launch given in part
     always takes; 8: a transposed tile, ``PagedPlan.transposed``). Splits double until
@@ -464,7 +478,10 @@ def plan_paged(
     tiles = np.where(busy, -(-rows // block_m), 0)
     longest = int(cached[busy].max(initial=0))
     if programs_per_sm is None:
-        if num_warps == 1:
+        tile32 = TILE32_PROGRAMS_PER_SM.get(((block_m, block_n, num_warps), head_dim))
+        if tile32:
+            programs_per_sm = tile32
+        elif num_warps == 1:
             programs_per_sm = ONE_WARP_PROGRAMS_PER_SM
         elif (block_m, num_warps) == (16, 4) and head_dim > 128:
             programs_per_sm = WIDE_HEAD_PROGRAMS_PER_SM
