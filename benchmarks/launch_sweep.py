@@ -65,8 +65,11 @@ def parse_launch(text):
     """The launch "64/16/4/p1" as plan_paged's keywords: block_n 64, programs_per_sm
     16, num_warps 4, prefetch 1."""
     parts = text.split("/")
-    if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] not in
-                                    ("p0", "p1", "p2")):  # fmt: skip
+    if (
+        len(parts) not in (3, 4)
+        or not all(p.isdigit() and int(p) > 0 for p in parts[:3])
+        or parts[3:] not in ([], ["p0"], ["p1"], ["p2"])
+    ):
         sys.exit(f"launch_sweep.py: --launches: {text!r} is not N/PER_SM/WARPS[/pK]")
     launch = dict(zip(("block_n", "programs_per_sm", "num_warps"), map(int, parts)))
     if len(parts) == 4:

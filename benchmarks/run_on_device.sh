@@ -22,6 +22,9 @@
 #                                              #   of Python (instructions, stall samples; ncu_lines.py)
 #   bash benchmarks/run_on_device.sh dispatch  # carry .gpu-carry: the plan's crossover between the
 #                                              #   windows and the memory-bound path (dispatch_sweep.py)
+#   bash benchmarks/run_on_device.sh launches  # carry .gpu-carry: the memory-bound kernel's cached
+#                                              #   part at chosen launches (launch_sweep.py,
+#                                              #   LAUNCH_ARGS)
 #   bash benchmarks/run_on_device.sh paged     # carry .gpu-carry: the memory-bound path's tests,
 #                                              #   then paged_probe.py (exactness, then its time beside
 #                                              #   the window path, the floor, vLLM's decode kernel)
@@ -86,7 +89,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|ncu-paged|dispatch|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|host-calls|before|host-before|launcher|run-ab|checks|serving|serving-before|stack|stack-before|memory-bound|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|launches|ncu-paged|dispatch|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|host-calls|before|host-before|launcher|run-ab|checks|serving|serving-before|stack|stack-before|memory-bound|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -210,6 +213,11 @@ for mode in "$@"; do
     kernels)
       carry .gpu-carry timeout 200 python3 benchmarks/breakdown.py --workloads "$WORKLOADS" 2>&1 \
         | tee "$OUT/breakdown.md" | tail -16 ;;
+    launches)
+      # the 17-64-row batches at chosen launches beside the default (NOTES.md §57); e.g.
+      # LAUNCH_ARGS="--batches d64 --launches '64/32/2,64/16/2/p1'"
+      eval carry .gpu-carry timeout "${LAUNCH_TIMEOUT:-330}" python3 benchmarks/launch_sweep.py \
+        "$OUT" ${LAUNCH_ARGS:-} 2>&1 | tee "$OUT/launch-sweep.md" | grep -vE "batches:|warn" | tail -16 ;;
     host)
       # HOST_ARGS: --run (a window step's run per layer) or --paged (decodes on the
       # memory-bound path: the plan per step and the run per layer, NOTES.md §49)

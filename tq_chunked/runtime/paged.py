@@ -245,7 +245,7 @@ MAX_GPU_TILE = 32
 # 3bit_nc D 128 (NOTES.md §44): 0.63-0.84x the time of (16, 64, 4) on the H200 at
 # head sizes 64 and 128, where it was measured and is the default (NOTES.md §46). The
 # 32-row tile keeps 4 warps at head size 128: at 2 it spills (NOTES.md §44) and took
-# 1.01-1.45x the time (§57); so would D 256's 16-row tile at one warp (182 spill
+# 1.00-1.45x the time (§57); so would D 256's 16-row tile at one warp (182 spill
 # instructions an iteration).
 DECODE_LAUNCH = (16, 32, 1)
 # The 32-row tile's launch at head size 128: 128 positions an iteration, 0.70-0.76x
