@@ -11,9 +11,9 @@ Batches of B requests of q_len query tokens over ``cached`` tokens each (Hq/Hk/D
 --long-band, the rule's second band, plan.PAGED_MAX_ROWS_LONG, for the other presets
 and dtypes at head size 128: 32-64 rows over 8K-64K, NOTES.md §41; with --short-runs,
 the rule's run minimum, plan.PAGED_MIN_CACHED: 4-32 rows over 1K-8K at head size 128,
-the four presets; with --short-band, the second band below its 16K prefixes: 48-64 rows
+the four presets; with --short-band, the second band over short prefixes: 42-64 rows
 over 1K-8K, 64 requests a batch, as the serving grid's "64 hits q16 1K-8K", at Hq / Hk
-28 / 4, 32 / 8 and 64 / 8), each path
+28 / 4, 32 / 8 and 64 / 8, NOTES.md §57), each path
 through ``continuation_prefill_varlen`` with a workspace of workspace_bytes(N) as the
 plugin calls it. Writes dispatch-sweep.json (after each point) and prints a table of
 paged / windows per point, last.
@@ -62,11 +62,10 @@ SHORT_RUNS = (
     [1 * K, 2 * K, 4 * K, 8 * K],
 )
 
-# --short-band: plan.PAGED_MAX_ROWS_LONG's prefix minimum (16K) with 0.6.4's 32-row
-# tiles of 128 positions (0.70-0.76x 0.6.3's time, NOTES.md §46), in batches of 64
-# requests (64K-512K cached tokens: both sides of the run minimum); first Hq / Hk 28 /
-# 4 (G 7: 49, 56 and 63 rows), whose "32 x q8 1K-16K" took the windows at 1.55x the
-# memory-bound path's time on the H100 (NOTES.md §56)
+# --short-band: the second band's prefix minimum (plan.PAGED_LONG_CACHED, 16K before
+# §57) with 0.6.4's 32-row tiles (NOTES.md §46), in batches of 64 requests (64K-512K
+# cached tokens: both sides of the run minimum); Hq / Hk 28 / 4 first (G 7: 42, 56 and
+# 63 rows), the grid's one dispatch miss (NOTES.md §56, §57)
 SHORT_BAND = (
     [
         ("qwen2-7b 4bit fp16", 28, 4, 128, "turboquant_4bit_nc", torch.float16, 64),

@@ -11,7 +11,8 @@ default's (the same plan but its launch: within 1e-3 relative, else the row says
 "differs"). GPU kernel time per call of ``paged_attention``'s cached part (the probe's
 ``Paged.cached``: torch.profiler, every kernel summed over 10 calls). Writes
 launch-sweep.json after each batch and prints launch / default per batch, last
-(NOTES.md §57).
+(NOTES.md §57); the default is written as the launches are, its programs an SM as
+planned (the work's programs over the SMs).
 """
 
 import argparse
@@ -58,7 +59,8 @@ BATCHES = {
          "turboquant_3bit_nc", "bfloat16"),
     ],
 }  # fmt: skip
-LAUNCHES = "64/8/4,64/16/4,64/16/4/p1,64/8/2,64/16/2,128/4/4/p0,128/8/4,128/8/4/p0"
+# 0.6.11's 32-row launches first (D 64 and 256: 64/4/4; D 128: 128/4/4, prefetch 1)
+LAUNCHES = "64/4/4,128/4/4,64/8/4,64/16/4,64/16/2,64/32/2,128/8/4/p0,128/12/4"
 
 
 def parse_launch(text):
@@ -84,8 +86,11 @@ def sweep(batch, launches):
     b = build_batch(preset, reqs, hq, hk, d, 16, dtype, "cuda")
     default = Paged(b, hq, hk, d, dtype)
     p = default.plan
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # the default as the launches are written: block_n/programs an SM/warps/prefetch
+    # (programs an SM as planned: the work's programs over the SMs, rounded)
     row = dict(batch=name, rows=max(q for _, q in reqs) * hq // hk,
-               default=f"{p.block_m} rows, {p.block_n}/{p.programs} programs/"
+               default=f"{p.block_m} rows, {p.block_n}/{p.programs / sms:.0f}/"
                f"{p.num_warps}/p{p.prefetch}", default_ms=kernel_ms(default.cached),
                ms={})  # fmt: skip
     want = default.cached().clone()
@@ -113,13 +118,13 @@ def main():
     unknown = set(a.batches.split(",")) - set(BATCHES)
     if unknown:
         sys.exit(f"launch_sweep.py: --batches: unknown {sorted(unknown)}")
-    launches = [x for x in a.launches.split(",") if x]
+    launches = list(dict.fromkeys(x for x in a.launches.split(",") if x))
     for text in launches:
         parse_launch(text)
     os.makedirs(a.out_dir, exist_ok=True)
     batches = [x for k in a.batches.split(",") for x in BATCHES[k]]
     rows = []
-    for batch in tqdm(batches, desc="batches", file=sys.stdout):
+    for batch in tqdm(batches, desc="batches", file=sys.stderr):
         rows.append(sweep(batch, launches))
         with open(os.path.join(a.out_dir, "launch-sweep.json"), "w") as fh:
             json.dump(
@@ -128,8 +133,10 @@ def main():
     print("\n| batch | rows | default | ms | " + " | ".join(launches) + " |")
     print("|---" * (len(launches) + 4) + "|")
     for r in rows:
+        # a launch that failed or answered otherwise: "failed" or "differs" (the
+        # reason in the JSON)
         cells = [
-            f"{v / r['default_ms']:.2f}" if isinstance(v, float) else v[:12]
+            f"{v / r['default_ms']:.2f}" if isinstance(v, float) else v.split(":")[0]
             for v in r["ms"].values()
         ]
         head = f"| {r['batch']} | {r['rows']} | {r['default']} | {r['default_ms']:.3f}"

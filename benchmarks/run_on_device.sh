@@ -24,7 +24,7 @@
 #                                              #   windows and the memory-bound path (dispatch_sweep.py)
 #   bash benchmarks/run_on_device.sh launches  # carry .gpu-carry: the memory-bound kernel's cached
 #                                              #   part at chosen launches (launch_sweep.py,
-#                                              #   LAUNCH_ARGS)
+#                                              #   LAUNCH_BATCHES, LAUNCH_LIST)
 #   bash benchmarks/run_on_device.sh paged     # carry .gpu-carry: the memory-bound path's tests,
 #                                              #   then paged_probe.py (exactness, then its time beside
 #                                              #   the window path, the floor, vLLM's decode kernel)
@@ -214,10 +214,11 @@ for mode in "$@"; do
       carry .gpu-carry timeout 200 python3 benchmarks/breakdown.py --workloads "$WORKLOADS" 2>&1 \
         | tee "$OUT/breakdown.md" | tail -16 ;;
     launches)
-      # the 17-64-row batches at chosen launches beside the default (NOTES.md §57); e.g.
-      # LAUNCH_ARGS="--batches d64 --launches '64/32/2,64/16/2/p1'"
-      eval carry .gpu-carry timeout "${LAUNCH_TIMEOUT:-330}" python3 benchmarks/launch_sweep.py \
-        "$OUT" ${LAUNCH_ARGS:-} 2>&1 | tee "$OUT/launch-sweep.md" | grep -vE "batches:|warn" | tail -16 ;;
+      # the 17-64-row batches at chosen launches beside the default (NOTES.md §57);
+      # LAUNCH_BATCHES (e.g. d64,d128) and LAUNCH_LIST (e.g. 64/32/2,64/16/2) where given
+      carry .gpu-carry timeout "${LAUNCH_TIMEOUT:-330}" python3 benchmarks/launch_sweep.py \
+        "$OUT" ${LAUNCH_BATCHES:+--batches "$LAUNCH_BATCHES"} ${LAUNCH_LIST:+--launches \
+        "$LAUNCH_LIST"} 2>"$OUT/launch-sweep.log" | tee "$OUT/launch-sweep.md" | tail -16 ;;
     host)
       # HOST_ARGS: --run (a window step's run per layer) or --paged (decodes on the
       # memory-bound path: the plan per step and the run per layer, NOTES.md §49)

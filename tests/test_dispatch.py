@@ -145,6 +145,8 @@ LONG = plan.PAGED_LONG_CACHED
         (plan.PAGED_MAX_ROWS_LONG, LONG - 1, "turboquant_3bit_nc", 128, False),
         (plan.PAGED_MAX_ROWS_LONG, LONG, "turboquant_3bit_nc", 64, False),
         (plan.PAGED_MAX_ROWS_LONG, LONG, "turboquant_k8v4", 128, False),
+        (plan.PAGED_MAX_ROWS_LONG, 1024, "turboquant_3bit_nc", 128, True),  # §57's bar
+        (plan.PAGED_MAX_ROWS_LONG, 1023, "turboquant_3bit_nc", 128, False),
     ],
 )
 def test_more_rows_take_the_memory_bound_path_only_over_a_long_prefix(
@@ -155,6 +157,25 @@ def test_more_rows_take_the_memory_bound_path_only_over_a_long_prefix(
     MSE keys."""
     cfg = plan.TQConfig.from_preset(preset, head_dim)
     assert plan.paged_eligible(rows, cached, cfg) is takes
+
+
+def test_the_grids_56_row_batch_over_1k_16k_is_one_memory_bound_run():
+    """NOTES.md §57: the memory-bound grid's "32 x q8 1K-16K 28/4 4bit" (56 rows a kv
+    head; 3 of its 32 requests under 2K cached tokens) is one run of the memory-bound
+    path; with the band at 2K or above, its runs would fall under PAGED_MIN_CACHED."""
+    from tq_chunked.tools.testing import SHAPES, memory_bound_workloads
+
+    (w,) = [w for w in memory_bound_workloads() if w.name.startswith("32 x q8 1K-16K")]
+    hq, hk, d = SHAPES[w.shape]
+    qsl, lens = [0], []
+    for cached, q in w.requests:
+        qsl.append(qsl[-1] + q)
+        lens.append(cached + q)
+    assert min(c for c, _ in w.requests) >= plan.PAGED_LONG_CACHED
+    table = torch.zeros(len(lens), max(lens) // 16 + 1, dtype=torch.int32)
+    prefill = ContinuationPrefill(hq, hk, d, preset=w.preset, block_size=16)
+    step = prefill.plan(table.to(DEVICE), query_start_loc_cpu=qsl, seq_lens_cpu=lens)
+    assert _units(step) == ["paged " + " ".join(map(str, range(len(lens))))]
 
 
 def test_a_run_of_long_prefixes_with_64_rows_takes_the_memory_bound_path(monkeypatch):

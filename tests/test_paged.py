@@ -538,8 +538,10 @@ def test_the_register_cap_is_the_default_launchs_alone(q_len, head_dim, launch, 
             assert launched == tile32[head_dim]
         else:
             assert plan.num_warps == 4
-    # the L2 prefetch at the one-warp launches and TILE32_LAUNCH alone (NOTES.md §46)
-    assert plan.prefetch == (launched in paged.PREFETCH_LAUNCHES)
+    # the L2 prefetch at the one-warp launches and TILE32_LAUNCH alone (NOTES.md §46;
+    # TILE32_D64_LAUNCH not timed with it, §57)
+    prefetching = [paged.DECODE_LAUNCH, paged.TILE32_LAUNCH, paged.TRANSPOSED_LAUNCH]
+    assert plan.prefetch == (launched in prefetching)
     interp = plan_paged(qsl, lens, 16, 4, head_dim, "turboquant_3bit_nc",
                         interpret=True)  # fmt: skip
     assert interp.max_registers == 0
@@ -665,6 +667,7 @@ def test_the_split_aims_at_the_launchs_programs_per_sm(head_dim, launch, per_sm)
     [(128, {}, 8),  # TILE32_LAUNCH
      (64, {}, 32),  # TILE32_D64_LAUNCH
      (256, {}, paged.PROGRAMS_PER_SM),  # (32, 64, 4): not measured otherwise
+     (128, {"block_n": 64}, paged.PROGRAMS_PER_SM),  # (32, 64, 4): not TILE32_LAUNCH
      (128, {"num_warps": 2}, 2 * paged.PROGRAMS_PER_SM),  # (32, 64, 2), not at D 64
      (64, {"num_warps": 4}, paged.PROGRAMS_PER_SM)],  # (32, 64, 4)
 )  # fmt: skip

@@ -244,21 +244,19 @@ MAX_GPU_TILE = 32
 # decoded tiles' round trips), and 64.6 -> 50.8 warp instructions per slot-row at
 # 3bit_nc D 128 (NOTES.md §44): 0.63-0.84x the time of (16, 64, 4) on the H200 at
 # head sizes 64 and 128, where it was measured and is the default (NOTES.md §46). The
-# 32-row tile keeps 4 warps at head size 128: at 2 it spills (NOTES.md §44) and took
-# 1.00-1.45x the time (§57); so would D 256's 16-row tile at one warp (182 spill
-# instructions an iteration).
+# 32-row tile keeps 4 warps at head size 128, where 2 spill and were slower (NOTES.md
+# §44, §57); so would D 256's 16-row tile at one warp (182 spill instructions an
+# iteration).
 DECODE_LAUNCH = (16, 32, 1)
 # The 32-row tile's launch at head size 128: 128 positions an iteration, 0.70-0.76x
 # the time of block_n 64 (NOTES.md §46).
 TILE32_LAUNCH = (32, 128, 4)
-# At head size 64: 2 warps, each its own 16 rows, 64 positions an iteration: with 32
-# programs an SM, 0.57-0.64x the time of (32, 64, 4) at 4 over the MSE presets, 0.82x
-# over fp8 keys (NOTES.md §57). Head size 256 keeps (32, 64, 4): every other launch
-# tried took 1.05-1.71x its time.
+# At head size 64: 2 warps, each its own 16 rows (no softmax rows traded between
+# warps), 64 positions an iteration; 0.57-0.82x the time of (32, 64, 4) (NOTES.md §57).
+# Head size 256 keeps (32, 64, 4), the fastest launch tried there (NOTES.md §57).
 TILE32_D64_LAUNCH = (32, 64, 2)
-# The programs an SM the split aims at for these launches at these head sizes, where
-# timed against other counts (NOTES.md §57): TILE32_LAUNCH 8 (0.90-0.97x the time of
-# 4), TILE32_D64_LAUNCH 32 (0.92-0.95x the time of 16, 0.78-0.99x that of 8).
+# The programs an SM the split aims at for these launches at these head sizes, the
+# fastest counts timed (NOTES.md §57); other launches take the rule's (plan_paged).
 TILE32_PROGRAMS_PER_SM = {(TILE32_LAUNCH, 128): 8, (TILE32_D64_LAUNCH, 64): 32}
 # The 8-row tile's launch: a transposed tile (``_per_row``: the positions on the
 # tensor cores' 16-row side, the rows on the 8-row side), one warp, 32 positions an
@@ -269,9 +267,9 @@ TRANSPOSED_LAUNCH = (8, 32, 1)
 # The launches that ask L2 for the next tile's slots by default (PagedPlan.prefetch):
 # DECODE_LAUNCH and TILE32_LAUNCH, where it was timed (1.02-1.04x the time without it
 # at D 128, even at D 64), and TRANSPOSED_LAUNCH, one warp as DECODE_LAUNCH (not
-# timed); at (32, 64, 4) it cost 4-7 % (NOTES.md §46). Not for fp8 keys at
-# DECODE_LAUNCH: there it took 1.09-1.10x the time without it (NOTES.md §49, §55; fp8
-# keys at the other two not timed).
+# timed); at (32, 64, 4) it cost 4-7 % (NOTES.md §46), and at TILE32_D64_LAUNCH it
+# was not timed. Not for fp8 keys at DECODE_LAUNCH: there it took 1.09-1.10x the time
+# without it (NOTES.md §49, §55; fp8 keys at the other two not timed).
 PREFETCH_LAUNCHES = (DECODE_LAUNCH, TILE32_LAUNCH, TRANSPOSED_LAUNCH)
 
 
@@ -297,8 +295,8 @@ def default_launch(
     tile), or the tile ``block_m`` where given; on a GPU, 16-row tiles at
     DECODE_LAUNCH at head sizes 64 and 128, 32-row tiles at TILE32_LAUNCH at head
     size 128 and TILE32_D64_LAUNCH at 64, other tiles 64 positions an iteration on 4
-    warps; 8-row tiles
-    (``plan_paged``'s choice by ``transposed_by_default``, or asked for) at
+    warps; 8-row tiles (``plan_paged``'s choice by ``transposed_by_default``, or asked
+    for) at
     TRANSPOSED_LAUNCH up to head size 128, on 2 warps above (one spills 247
     instructions an iteration at D 256, two 50). Under the interpreter 16 positions
     an iteration, on 4 warps (one for 8-row tiles)."""
@@ -462,7 +460,8 @@ def plan_paged(
     else:
         # a launch given in part: the tuned launches are whole choices, so the rest is
         # 64 positions an iteration on 4 warps (0.6.3's, NOTES.md §46), on one warp
-        # for a transposed tile (never 4: wgmma)
+        # for a transposed tile (never 4: wgmma); a launch that comes out as a tuned
+        # one takes its prefetch and programs an SM below
         block_m = block_m or default_launch(most, interpret, head_dim)[0]
         block_n = block_n or (16 if interpret else 64)
         num_warps = num_warps or (1 if block_m == 8 else 4)

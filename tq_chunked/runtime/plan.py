@@ -96,10 +96,10 @@ PAGED_MAX_ROWS = 32
 PAGED_MIN_CACHED = 256 * 1024
 # Up to PAGED_MAX_ROWS_LONG rows (two tiles, each decoding every slot) where the
 # request itself holds PAGED_LONG_CACHED cached tokens, at head size 128 over MSE keys:
-# 0.57-0.91x the windows' time from 2K cached tokens a request, 0.91-1.09x at 1K, where
-# the two paths tie (1K is the least measured; a lower bar keeps a batch's runs whole);
-# head size 64 measured slower, head size 256 and fp8 keys not at all
-# (benchmarks/NOTES.md §41, §57).
+# faster than the windows from 2K cached tokens a request; at 1K, the least measured,
+# about even, and taken so that a request between 1K and 2K does not break its run
+# below PAGED_MIN_CACHED (benchmarks/NOTES.md §41, §57). Head size 64 measured slower,
+# head size 256 and fp8 keys not at all.
 PAGED_MAX_ROWS_LONG = 64
 PAGED_LONG_CACHED = 1024
 PATHS = ("auto", "window", "paged")
