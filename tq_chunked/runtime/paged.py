@@ -296,10 +296,9 @@ def default_launch(
     DECODE_LAUNCH at head sizes 64 and 128, 32-row tiles at TILE32_LAUNCH at head
     size 128 and TILE32_D64_LAUNCH at 64, other tiles 64 positions an iteration on 4
     warps; 8-row tiles (``plan_paged``'s choice by ``transposed_by_default``, or asked
-    for) at
-    TRANSPOSED_LAUNCH up to head size 128, on 2 warps above (one spills 247
-    instructions an iteration at D 256, two 50). Under the interpreter 16 positions
-    an iteration, on 4 warps (one for 8-row tiles)."""
+    for) at TRANSPOSED_LAUNCH up to head size 128, on 2 warps above (one spills 247
+    instructions an iteration at D 256, two 50). Under the interpreter 16 positions an
+    iteration, on 4 warps (one for 8-row tiles)."""
     if block_m == 8:
         # never 4 warps: they compile the transposed tile's dots to wgmma (MAX_GPU_TILE)
         if interpret:
