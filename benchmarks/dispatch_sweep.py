@@ -4,7 +4,7 @@ path (``path="paged"``), over query rows per kv head x cached tokens per request
 the floor beside them (GPU).
 
     python benchmarks/dispatch_sweep.py [OUT_DIR] [--long-band | --short-runs |
-        --short-band]
+        --short-band | --d64-band]
 
 Batches of B requests of q_len query tokens over ``cached`` tokens each (Hq/Hk/D
 32/8/128, turboquant_3bit_nc, fp16, and Hq/Hk/D 16/16/64, 4bit_nc, bf16; with
@@ -13,7 +13,9 @@ and dtypes at head size 128: 32-64 rows over 8K-64K, NOTES.md §41; with --short
 the rule's run minimum, plan.PAGED_MIN_CACHED: 4-32 rows over 1K-8K at head size 128,
 the four presets; with --short-band, the second band over short prefixes: 42-64 rows
 over 1K-8K, 64 requests a batch, as the serving grid's "64 hits q16 1K-8K", at Hq / Hk
-28 / 4, 32 / 8 and 64 / 8, NOTES.md §57), each path
+28 / 4, 32 / 8 and 64 / 8, NOTES.md §57; with --d64-band, the band's head size 64
+side, where the rule sends 33-64 rows to the windows: 40-64 rows over 1K-64K at Hq / Hk
+16 / 16, NOTES.md §58), each path
 through ``continuation_prefill_varlen`` with a workspace of workspace_bytes(N) as the
 plugin calls it. Writes dispatch-sweep.json (after each point) and prints a table of
 paged / windows per point, last.
@@ -78,6 +80,19 @@ SHORT_BAND = (
     [1 * K, 2 * K, 4 * K, 8 * K],
 )
 
+# --d64-band: 33-64 rows a kv head at head size 64, which the second band leaves to the
+# windows (plan.PAGED_MAX_ROWS_LONG is for head size 128), now that 0.6.12's 32-row
+# launch at D 64 took 0.57-0.82x 0.6.11's (NOTES.md §57, §58)
+D64_BAND = (
+    [
+        ("mha-d64 4bit bf16", 16, 16, 64, "turboquant_4bit_nc", torch.bfloat16, 16),
+        ("mha-d64 3bit fp16", 16, 16, 64, "turboquant_3bit_nc", torch.float16, 16),
+        ("mha-d64 k3v4 bf16", 16, 16, 64, "turboquant_k3v4_nc", torch.bfloat16, 16),
+    ],
+    [40, 48, 64],
+    [1 * K, 4 * K, 16 * K, 64 * K],
+)
+
 
 def kernel_ms(call):
     return sum(profile_ms(call).values())
@@ -132,6 +147,7 @@ def main():
         "--long-band": LONG_BAND,
         "--short-runs": SHORT_RUNS,
         "--short-band": SHORT_BAND,
+        "--d64-band": D64_BAND,
     }
     args = [a for a in sys.argv[1:] if a not in bands]
     chosen = [bands[a] for a in sys.argv[1:] if a in bands]

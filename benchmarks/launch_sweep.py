@@ -4,15 +4,16 @@ over batches of 17-64 query rows per kv head (GPU).
     python benchmarks/launch_sweep.py [OUT_DIR] [--batches "d64,d128"]
         [--launches "64/16/4,64/8/4,128/8/4/p0"]
 
-Each launch is block_n/programs per SM/num_warps, with /p0, /p1 or /p2 for the slots
-prefetched that many tiles ahead (default: the plan's choice for that launch); the
-tile's rows stay the plan's. Each batch's answer at every launch is compared with the
-default's (the same plan but its launch: within 1e-3 relative, else the row says
-"differs"). GPU kernel time per call of ``paged_attention``'s cached part (the probe's
-``Paged.cached``: torch.profiler, every kernel summed over 10 calls). Writes
-launch-sweep.json after each batch and prints launch / default per batch, last
-(NOTES.md §57); the default is written as the launches are, its programs an SM as
-planned (the work's programs over the SMs).
+Each launch is block_n/programs per SM/num_warps, then optionally /p0, /p1 or /p2 for
+the slots prefetched that many tiles ahead (default: the plan's choice for that launch)
+and /m16, /m32 or /m64 for the tile's query rows (default: the plan's; /m64 puts a
+64-row batch in one tile where the plan takes two of 32), in either order. Each batch's
+answer at every launch is compared with the default's (the same plan but its launch:
+within 1e-3 relative, else the row says "differs"). GPU kernel time per call of
+``paged_attention``'s cached part (the probe's ``Paged.cached``: torch.profiler, every
+kernel summed over 10 calls). Writes launch-sweep.json after each batch and prints
+launch / default per batch, last (NOTES.md §57); the default is written as the launches
+are, its programs an SM as planned (the work's programs over the SMs).
 """
 
 import argparse
@@ -64,18 +65,27 @@ LAUNCHES = "64/4/4,128/4/4,64/8/4,64/16/4,64/16/2,64/32/2,128/8/4/p0,128/12/4"
 
 
 def parse_launch(text):
-    """The launch "64/16/4/p1" as plan_paged's keywords: block_n 64, programs_per_sm
-    16, num_warps 4, prefetch 1."""
+    """The launch "64/16/4/p1/m64" as plan_paged's keywords: block_n 64,
+    programs_per_sm 16, num_warps 4, prefetch 1, block_m 64 (the last two optional,
+    in either order)."""
     parts = text.split("/")
+    extra = dict((x[:1], x[1:]) for x in parts[3:])
     if (
-        len(parts) not in (3, 4)
+        len(parts) < 3
         or not all(p.isdigit() and int(p) > 0 for p in parts[:3])
-        or parts[3:] not in ([], ["p0"], ["p1"], ["p2"])
+        or len(extra) != len(parts) - 3
+        or not set(extra) <= {"p", "m"}
+        or extra.get("p", "0") not in ("0", "1", "2")
+        or extra.get("m", "16") not in ("16", "32", "64")
     ):
-        sys.exit(f"launch_sweep.py: --launches: {text!r} is not N/PER_SM/WARPS[/pK]")
+        sys.exit(
+            f"launch_sweep.py: --launches: {text!r} is not N/PER_SM/WARPS[/pK][/mROWS]"
+        )
     launch = dict(zip(("block_n", "programs_per_sm", "num_warps"), map(int, parts)))
-    if len(parts) == 4:
-        launch["prefetch"] = int(parts[3][1])
+    if "p" in extra:
+        launch["prefetch"] = int(extra["p"])
+    if "m" in extra:
+        launch["block_m"] = int(extra["m"])
     return launch
 
 
@@ -96,7 +106,8 @@ def sweep(batch, launches):
     want = default.cached().clone()
     for text in launches:
         try:
-            alt = Paged(b, hq, hk, d, dtype, block_m=p.block_m, **parse_launch(text))
+            launch = dict(block_m=p.block_m) | parse_launch(text)
+            alt = Paged(b, hq, hk, d, dtype, **launch)
             err = rel_err(alt.cached(), want)
             row["ms"][text] = kernel_ms(alt.cached) if err < 1e-3 else "differs"
             del alt
