@@ -246,7 +246,8 @@ def test_the_head_major_cache_and_one_layer_after_another(preset):
 def _layers(batch):
     """(name, arguments of Step.run) of one step's layers, in order: the batch's; new
     tensors of the same layouts (the tables too); value the key itself; apart again;
-    another scale; a query of other strides; the cache at another alignment class."""
+    another scale; a query of other strides; the cache at another alignment class; the
+    rotation in 16 bits (another dtype, which an fp8 preset's launches never read)."""
     new = lambda t: None if t is None else t.clone()  # same layout, other address
     wide = torch.empty_like(batch.query.repeat(1, 1, 2))
     wide[..., ::2] = batch.query  # the same values, strides (., ., 2)
@@ -259,6 +260,7 @@ def _layers(batch):
     kw = batch.kwargs
     tables = {"centroids": kw["centroids"], "rotation": kw["rotation"]}
     others = {name: new(t) for name, t in tables.items()}
+    rotation16 = dict(tables, rotation=tables["rotation"].to(q.dtype))
     scale = kw["scale"]
     layers = [
         ("the batch's", (q, k, v, c), tables, scale),
@@ -268,6 +270,7 @@ def _layers(batch):
         ("another scale", (q, k, v, c), tables, scale * 0.5),
         ("strided query", (wide[..., ::2], k, v, c), tables, scale),
         ("shifted cache", (q, k, v, shifted), tables, scale),
+        ("16-bit rotation", (q, k, v, c), rotation16, scale),
     ]
     return [(name, args, dict(t, scale=s)) for name, args, t, s in layers]
 
@@ -279,7 +282,7 @@ def test_a_steps_layers_launch_bound_as_each_alone(preset, path):
     and its fills from the arguments the first built (_utils.BoundLaunches), its own
     tensors put in: each layer's answer and lse are the one call's bit for bit,
     through layers of the same layouts, a value that is the key, another scale, other
-    strides and another alignment class."""
+    strides, another alignment class and another rotation dtype."""
     batch = make_batch(REQUESTS, preset, seed=6, device=DEVICE)
     step = _plan(batch, path=path)
     if path == "paged":  # one run with own keys, one with the call, one window
@@ -298,12 +301,67 @@ def test_a_steps_layers_launch_bound_as_each_alone(preset, path):
         bound.append(sum(k != "split" for v in step._bound.values() for k in v))
     # bound at the first layer, again where the layouts, the aliasing or (paged
     # runs) the scale changed, and not where only the addresses did; a fill reads
-    # neither the query nor the scale
-    if path == "paged":
-        assert bound == [3, 3, 6, 6, 8, 10, 13]  # two runs and a window's fill
+    # neither the query nor the scale; an fp8 preset's launches not the rotation
+    mse = PRESETS[preset][0] != 8
+    if path == "paged":  # two runs and a window's fill
+        assert bound == [3, 3, 6, 6, 8, 10, 13, 13 + 3 * mse]
     else:
         n = bound[0]
-        assert n and bound == [n, n, 2 * n, 2 * n, 2 * n, 2 * n, 3 * n]
+        assert n and bound == [n, n, 2 * n, 2 * n, 2 * n, 2 * n, 3 * n, (3 + mse) * n]
+
+
+def _without(field, layer_key, paged_key):
+    """The key builders of prefill.py with one field of the key dropped."""
+
+    def shapes(layer, places):
+        layouts, alias = layer_key(layer, places)
+        if field == "strides":  # (dtype, shape, strides, alignment class)
+            layouts = tuple(x and (x[0], x[1], None, x[3]) for x in layouts)
+        if field == "aliasing":
+            alias = tuple(range(len(alias)))
+        return layouts, alias
+
+    def paged(shapes, scale, new_lse, err):
+        return paged_key(shapes, None if field == "scale" else scale, new_lse, err)
+
+    return shapes, paged
+
+
+# each field of a layer's key and the first layer that a key without it launches with
+# another layer's arguments ("value is key" first, so that "the batch's" follows it)
+KEY_FIELDS = {
+    "strides": "strided query",
+    "aliasing": "the batch's",
+    "scale": "another scale",
+}
+
+
+@pytest.mark.parametrize("field", list(KEY_FIELDS))
+def test_a_key_without_each_of_its_fields_launches_stale_arguments(field, monkeypatch):
+    """The key of a step's bound launches needs each of its fields: without the
+    strides, the aliasing or the scale, the first layer that differs from the one
+    before it in that field alone answers otherwise than one call (so the test above
+    covers each field)."""
+    from tq_chunked.runtime import prefill
+
+    shapes, paged = _without(field, prefill.layer_key, prefill._paged_key)
+    monkeypatch.setattr(prefill, "layer_key", shapes)
+    monkeypatch.setattr(prefill, "_paged_key", paged)
+    batch = make_batch(REQUESTS, "turboquant_3bit_nc", seed=8, device=DEVICE)
+    step = _plan(batch, path="paged")
+    layers = sorted(_layers(batch), key=lambda x: x[0] != "value is key")
+    stale = None
+    for name, args, kw in layers:
+        out = step.run(*args, **kw)
+        one = continuation_prefill_varlen(
+            *args, batch.block_table, None, None, **{**batch.kwargs, **kw},
+            query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens,
+            backend=BACKEND, path="paged",
+        )  # fmt: skip
+        if not torch.equal(out, one):
+            stale = name
+            break
+    assert stale == KEY_FIELDS[field], (field, batch.seed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -371,7 +429,7 @@ def test_bound_launches_are_what_paged_launches_and_fill_launch_build(
                 else:
                     assert x == y, (layer, a[0])
     # built where the layouts, the aliasing or the scale changed
-    assert binds == [2, 0, 2, 0, 2, 2, 2]
+    assert binds == [2, 0, 2, 0, 2, 2, 2, 2]
 
 
 @settings(

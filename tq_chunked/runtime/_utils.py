@@ -364,11 +364,20 @@ def _run(compiled, grid3, driver, device, args) -> None:
     )
 
 
+def layout_at(at: tuple) -> tuple:
+    """What a launch reads of a tensor argument besides its address, from its
+    ``place`` ``at``: dtype, shape, strides, and the address's 16-byte alignment class
+    (Triton's specialization; ints derived from the shape and strides): two tensors of
+    one layout launch alike."""
+    _, address, dtype, shape, strides, _ = at
+    return (dtype, shape, strides, address & 15)
+
+
 def layout(t: torch.Tensor) -> tuple:
-    """What a launch reads of a tensor argument besides its address: dtype, shape,
-    strides, and the address's 16-byte alignment class (Triton's specialization;
-    ints derived from the shape and strides): two tensors of one layout launch alike."""
-    return (t.dtype, t.shape, t.stride(), t.data_ptr() & 15)
+    """``layout_at`` of a tensor."""
+    at = place(t)
+    assert at is not None
+    return layout_at(at)
 
 
 class BoundLaunch:
@@ -419,19 +428,20 @@ class BoundLaunch:
             self.device = triton.runtime.driver.active.get_current_device()
 
 
-def layer_key(layer: tuple, *values) -> tuple:
-    """What a launch's arguments read of a layer's tensors (each or None) and values,
-    but for the tensors' addresses: each tensor's ``layout``, which of them are one
-    tensor, the values. Two layers of one key, their tensors on the same device, get
-    the same launches but for the addresses."""
+def layer_key(layer: tuple, places: tuple) -> tuple:
+    """What launches read of a layer's tensors (each or None) but for their addresses:
+    each one's ``layout_at`` from its ``place`` in ``places``, and which of them are
+    one tensor (each position's first of the same object). Two layers of one key,
+    their tensors on the same device, get the same launches but for the addresses; a
+    unit's own key is a part of it (prefill._fill_key, _paged_key)."""
     ids = [id(t) for t in layer]
-    shapes = tuple(None if t is None else layout(t) for t in layer)
-    return shapes, tuple(map(ids.index, ids)), values
+    shapes = tuple(None if at is None else layout_at(at) for at in places)
+    return shapes, tuple(map(ids.index, ids))
 
 
 class BoundLaunches:
     """Launches (a list of (launcher, grid, arguments, options)) made with one layer's
-    tensors ``layer``, kept for a step's other layers of the same ``layer_key``: each
+    tensors ``layer``, kept for a step's other layers of the same key: each
     launch's arguments built once, each layer's tensors put where the first's were;
     the kept compiled kernels then launch as ``Launcher`` launches them, without the
     arguments or the launcher's key built again (benchmarks/NOTES.md §52). ``owned``:

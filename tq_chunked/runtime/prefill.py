@@ -47,6 +47,7 @@ from ._utils import (
     check_tensor,
     interpreting,
     layer_key,
+    layout,
     place,
     self_overlapping,
     span,
@@ -570,9 +571,10 @@ class Step:
         self.buffers: tuple = ()
         self._place: tuple | None = None  # the workspace's (address, bytes)
         self._workspace_span: tuple[int, int] | None = None  # its byte range
-        # _utils.layer_key -> {(a paged run's id or a window's and its first kv
-        # head): BoundLaunches}: the launches as the step's first layer of that key
-        # built them (the plan holds its units and windows)
+        # a layer's key for its fills or its paged runs (_fill_key, _paged_key) ->
+        # {(a paged run's id or a window's and its first kv head): BoundLaunches}: the
+        # launches as the step's first layer of that key built them (the plan holds
+        # its units and windows)
         self._bound: dict = {}
         if workspace is not None:
             self._take(workspace)
@@ -591,10 +593,10 @@ class Step:
         self.workspace = workspace
 
     def bound(self, key: tuple) -> dict:
-        """The units' launches bound for a layer of ``key`` (a ``layer_key``): a dict
-        the layer fills at the first layer of that key. Up to 32 keys are kept, the
-        oldest dropped first (a model whose layers alternate layouts binds each
-        once)."""
+        """The units' launches bound for a layer of ``key`` (``_fill_key``,
+        ``_paged_key``): a dict the layer fills at the first layer of that key. Up to
+        32 keys are kept, the oldest dropped first (a model whose layers alternate
+        layouts binds each once)."""
         bound = self._bound.get(key)
         if bound is None:
             if len(self._bound) >= 32:
@@ -678,8 +680,10 @@ class Step:
                 if len(p._fits) >= CHECKED_LAYOUTS:
                     del p._fits[next(iter(p._fits))]  # the oldest
                 p._fits[fit] = True
+        if places is None:  # the checks passed: each is a tensor or None
+            places = tuple(map(place, layer))
         # the overlaps at every layer, from the places' byte ranges
-        spans = [span(at) for at in (places or map(place, layer))]
+        spans = [span(at) for at in places]
         written = spans[8] if workspace is not None else self._workspace_span
         check_overlaps(
             [("out", spans[6]), ("lse", spans[7]), ("workspace", written)],
@@ -687,19 +691,29 @@ class Step:
              ("kv_cache", spans[3]), self._own_spans[0], ("rotation", spans[5]),
              ("centroids", spans[4]), *self._own_spans[1:]],
         )  # fmt: skip
+        at_out, at_lse = places[6:8]
         if out is None:
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
+            at_out = place(out)
         if lse is None and return_lse:
             lse = torch.empty(p.num_q_heads, n, dtype=torch.float32, device=self.device)
+            at_lse = place(lse)
         need = self.plan.workspace_bytes
         if workspace is None and self.workspace is None and need:
             workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
         if workspace is not None:
             self._take(workspace)
         if n:
-            _Layer(
-                self, query, key, value, kv_cache, centroids, rotation, scale, out, lse
-            ).run()
+            # the layer's key for the step's bound launches, from the places the checks
+            # read (an fp8 preset's launches take no rotation)
+            rotation = None if p.cfg.key_fp8 else rotation
+            at_rotation = None if rotation is None else places[5]
+            shapes = layer_key(
+                (query, key, value, kv_cache, centroids, rotation, out, lse),
+                (*places[:5], at_rotation, at_out, at_lse),
+            )
+            _Layer(self, query, key, value, kv_cache, centroids, rotation, scale, out,
+                   lse, shapes).run()  # fmt: skip
         return (out, lse) if return_lse else out
 
     def _check_layouts(
@@ -805,19 +819,38 @@ def _carve(workspace, key):
     return carve(workspace, key)
 
 
+def _fill_key(shapes: tuple, err) -> tuple:
+    """The key of a layer's fills (kv_cache, centroids, rotation, key, value, err):
+    the layouts and aliasing of ``shapes`` (``_Layer.shapes``) at those tensors,
+    whether the bad-id record is read (one tensor a device: its layout never
+    changes)."""
+    layouts, alias = shapes
+    return "fill", layouts[1:6], alias[1:6], err is None
+
+
+def _paged_key(shapes: tuple, scale: float, new_lse, err) -> tuple:
+    """The key of a layer's paged runs: the whole layer's ``shapes`` (a run reads
+    each of its tensors), the scale, the layout of the causal call's lse (the call's
+    own tensor; its partial ``new`` is out, or out's bytes as fp16, as the run
+    says)."""
+    return "paged", shapes, scale, new_lse is not None and layout(new_lse), err is None
+
+
 class _Layer:
     """One layer's run of a step: its tensors, and the three kinds of unit (see the
     module docstring)."""
 
     def __init__(
-        self, step, query, key, value, kv_cache, centroids, rotation, scale, out, lse
-    ):
-        p = step.prefill
-        self.step, self.cfg = step, p.cfg
+        self, step, query, key, value, kv_cache, centroids, rotation, scale, out, lse,
+        shapes,
+    ):  # fmt: skip
+        self.step, self.cfg = step, step.prefill.cfg
         self.query, self.key, self.value, self.kv_cache = query, key, value, kv_cache
-        self.centroids = centroids
-        self.rotation = None if p.cfg.key_fp8 else rotation
+        self.centroids, self.rotation = centroids, rotation  # None: fp8 keys
         self.scale, self.out, self.lse = scale, out, lse
+        # _utils.layer_key of (query, key, value, kv_cache, centroids, rotation, out,
+        # lse): the units' keys for the step's bound launches are parts of it
+        self.shapes = shapes
         self.split = False  # the rotation's parts written into the workspace
         self.fills = None  # the step's bound fills for this layer's layouts
 
@@ -873,7 +906,7 @@ class _Layer:
         if self.fills is None:  # the layer's first fill
             self.fill_layer = (self.kv_cache, self.centroids, self.rotation,
                                self.key, self.value, self.err)  # fmt: skip
-            self.fills = self.step.bound(("fill", layer_key(self.fill_layer)))
+            self.fills = self.step.bound(_fill_key(self.shapes, self.err))
         if self.rotation is not None and not self.split:
             # once per layer: every layout holds the parts at the same place
             bound = self.fills.get("split")
@@ -935,7 +968,7 @@ class _Layer:
         # then launched bound (NOTES.md §52)
         layer = (self.query, self.kv_cache, self.centroids, self.rotation, self.key,
                  self.value, self.out, self.lse, new, new_lse, self.err)  # fmt: skip
-        runs = self.step.bound(("paged", layer_key(layer, self.scale)))
+        runs = self.step.bound(_paged_key(self.shapes, self.scale, new_lse, self.err))
         bound = runs.get(id(run))
         if bound is None:
             launches = paged_launches(
