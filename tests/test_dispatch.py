@@ -276,38 +276,55 @@ def _layers(batch):
 
 
 @pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
-@pytest.mark.parametrize("path", ["paged", "window"])
+@pytest.mark.parametrize("path", ["paged", "window", "long"])
 def test_a_steps_layers_launch_bound_as_each_alone(preset, path):
-    """Every layer of a step after the first of its layouts launches its paged runs
-    and its fills from the arguments the first built (_utils.BoundLaunches), its own
-    tensors put in: each layer's answer and lse are the one call's bit for bit,
-    through layers of the same layouts, a value that is the key, another scale, other
-    strides, another alignment class and another rotation dtype."""
+    """Every layer of a step after the first of its layouts launches its paged runs,
+    its fills and its long requests' merges from the arguments the first built
+    (_utils.BoundLaunches), its own tensors put in: each layer's answer and lse are
+    the one call's bit for bit, through layers of the same layouts, a value that is
+    the key, another scale, other strides, another alignment class and another
+    rotation dtype. "long": windows of 64 tokens, four long requests of 2-4."""
     batch = make_batch(REQUESTS, preset, seed=6, device=DEVICE)
-    step = _plan(batch, path=path)
+    paths = dict(path="window", window=64) if path == "long" else dict(path=path)
+    step = _plan(batch, **paths)
     if path == "paged":  # one run with own keys, one with the call, one window
         assert _units(step) == PAGED_UNITS
-    bound = []
+    if path == "long":
+        assert [u for u in _units(step) if u.startswith("long")] == [
+            "long 0",
+            "long 3",
+            "long 5",
+            "long 6",
+        ]
+    bound, merges = [], []
     for name, args, kw in _layers(batch):
         out, lse = step.run(*args, **kw, return_lse=True)
         one, one_lse = continuation_prefill_varlen(
             *args, batch.block_table, None, None, **{**batch.kwargs, **kw},
             query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens,
-            backend=BACKEND, path=path, return_lse=True,
+            backend=BACKEND, return_lse=True, **paths,
         )  # fmt: skip
         assert torch.equal(out, one), (name, batch.seed)
         assert torch.equal(lse, one_lse), (name, batch.seed)
-        # the units' bound launches (not the rotation's split, one per layout)
-        bound.append(sum(k != "split" for v in step._bound.values() for k in v))
+        # the units' bound launches (not the rotation's split, one per layout), the
+        # merges apart
+        counts = {kind: 0 for kind in ("fill", "paged", "merge")}
+        for key, launches in step._bound.items():
+            counts[key[0]] += sum(k != "split" for k in launches)
+        merges.append(counts.pop("merge"))
+        bound.append(sum(counts.values()))
     # bound at the first layer, again where the layouts, the aliasing or (paged
     # runs) the scale changed, and not where only the addresses did; a fill reads
-    # neither the query nor the scale; an fp8 preset's launches not the rotation
+    # neither the query nor the scale; an fp8 preset's launches not the rotation; a
+    # merge reads out, lse and the partials alone, of the same layouts in each layer
     mse = PRESETS[preset][0] != 8
     if path == "paged":  # two runs and a window's fill
         assert bound == [3, 3, 6, 6, 8, 10, 13, 13 + 3 * mse]
     else:
         n = bound[0]
         assert n and bound == [n, n, 2 * n, 2 * n, 2 * n, 2 * n, 3 * n, (3 + mse) * n]
+    # one merge a window of each long request's kv-head group: 11 windows here
+    assert merges == [11 * (path == "long")] * len(merges)
 
 
 def _without(field, layer_key, paged_key):

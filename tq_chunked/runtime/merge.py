@@ -158,14 +158,26 @@ def merge_attn_states(
             output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse
         )
         return
+    launcher, grid, args, options = merge_launch(
+        output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse
+    )
+    launcher(grid, *args, **options)
+
+
+def merge_launch(
+    output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None
+):
+    """``merge_attn_states``'s Triton launch (its checks passed; at least one row), as
+    (launcher, grid, arguments, options): for launches bound once per step
+    (_utils.BoundLaunches)."""
+    rows, h, d = suffix_output.shape
     block_d = next_power_of_2(d)
     block_l = 16 if block_d <= 128 else 8
     # not read without a prefix
     p = prefix_output if prefix_output is not None else suffix_output
     lp = prefix_lse if prefix_lse is not None else suffix_lse
     lo = output_lse if output_lse is not None else suffix_lse  # not written without
-    launch_merge(
-        (cdiv(rows, block_l), h),
+    args = (
         output,
         p,
         lp,
@@ -188,8 +200,8 @@ def merge_attn_states(
         prefix_output is not None,
         output_lse is not None,
         interpreter_rounds_bf16(output.dtype),
-        num_warps=4,
     )
+    return launch_merge, (cdiv(rows, block_l), h), args, {"num_warps": 4}
 
 
 def _weighted(w, o):

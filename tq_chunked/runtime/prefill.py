@@ -56,7 +56,7 @@ from ._utils import (
 from .attention import resolve_backend, varlen_attention
 from .dequant import fill_launch, fill_window, split_launch
 from .format import TQConfig, resolve_config
-from .merge import merge_attn_states
+from .merge import merge_attn_states, merge_launch
 from .paged import DEFAULT_SMS, PagedPlan, paged_launches
 from .plan import PATHS, LongRequest, PagedRun, Plan, default_window, make_plan
 from .workspace import ALIGN, DEFAULT_WORKSPACE_BYTES, carve, rotation_bytes
@@ -853,6 +853,7 @@ class _Layer:
         self.shapes = shapes
         self.split = False  # the rotation's parts written into the workspace
         self.fills = None  # the step's bound fills for this layer's layouts
+        self.merges = None  # and its long requests' bound merges
 
     def run(self):
         step = self.step
@@ -1034,20 +1035,39 @@ class _Layer:
                     part,
                     self.step.backend,
                 )
-                first = i == 0
-                if w.kind == "part":
-                    merge_attn_states(
-                        bufs.state_out,
-                        None if first else bufs.state_out,
-                        None if first else bufs.state_lse,
-                        part,
-                        part_lse,
-                        bufs.state_lse,
-                    )
-                else:
-                    merge_attn_states(
-                        o, bufs.state_out, bufs.state_lse, part, part_lse, lse_out
-                    )
+                self._merge(w, kv0, i == 0, (o, part, part_lse, lse_out), bufs)
+
+    def _merge(self, w, kv0, first, layer, bufs):
+        """Window ``w``'s partial (``layer``: the request's rows of out and lse, the
+        partial and its lse) merged: a part window's into the float32 state (the first
+        copied there), the last's with the state into out and lse."""
+        o, part, part_lse, lse_out = layer
+        if w.kind == "part":
+            args = (
+                bufs.state_out,
+                None if first else bufs.state_out,
+                None if first else bufs.state_lse,
+                part,
+                part_lse,
+                bufs.state_lse,
+            )
+        else:
+            args = (o, bufs.state_out, bufs.state_lse, part, part_lse, lse_out)
+        if not use_triton(self.out):
+            merge_attn_states(*args)
+            return
+        # bound as the fills are, by the layouts of out and lse and the partial's lse
+        # (the attention call's own tensor), NOTES.md §58
+        if self.merges is None:  # the layer's first merge
+            layouts = self.shapes[0]
+            self.merges = self.step.bound(("merge", layouts[6], layouts[7]))
+        at = (id(w), kv0, layout(part_lse))
+        bound = self.merges.get(at)
+        if bound is None:
+            owned = (bufs.state_out, bufs.state_lse)
+            bound = BoundLaunches([merge_launch(*args)], layer, owned)
+            self.merges[at] = bound
+        bound(layer)
 
 
 # ---------------------------------------------------------------------------
