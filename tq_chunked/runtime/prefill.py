@@ -571,10 +571,10 @@ class Step:
         self.buffers: tuple = ()
         self._place: tuple | None = None  # the workspace's (address, bytes)
         self._workspace_span: tuple[int, int] | None = None  # its byte range
-        # a layer's key for its fills or its paged runs (_fill_key, _paged_key) ->
-        # {(a paged run's id or a window's and its first kv head): BoundLaunches}: the
-        # launches as the step's first layer of that key built them (the plan holds
-        # its units and windows)
+        # a layer's key for its fills, paged runs or merges (_fill_key, _paged_key,
+        # _Layer._merge) -> {(a paged run's id, or a window's and its first kv head):
+        # BoundLaunches}: the launches as the step's first layer of that key built
+        # them (the plan holds its units and windows)
         self._bound: dict = {}
         if workspace is not None:
             self._take(workspace)
@@ -594,9 +594,9 @@ class Step:
 
     def bound(self, key: tuple) -> dict:
         """The units' launches bound for a layer of ``key`` (``_fill_key``,
-        ``_paged_key``): a dict the layer fills at the first layer of that key. Up to
-        32 keys are kept, the oldest dropped first (a model whose layers alternate
-        layouts binds each once)."""
+        ``_paged_key``, a merge's): a dict the layer fills at the first layer of that
+        key. Up to 32 keys are kept, the oldest dropped first (a model whose layers
+        alternate layouts binds each once)."""
         bound = self._bound.get(key)
         if bound is None:
             if len(self._bound) >= 32:
