@@ -327,6 +327,50 @@ def test_a_steps_layers_launch_bound_as_each_alone(preset, path):
     assert merges == [11 * (path == "long")] * len(merges)
 
 
+@pytest.mark.parametrize("path", ["paged", "long"])
+def test_layers_of_other_out_and_lse_layouts_bind_again(path):
+    """A layer whose out or lse differs in layout from the layers before it (other
+    strides, another alignment class, lse not asked for) binds its paged runs or its
+    long requests' merges again, and answers as one call; the fills, which read
+    neither, stay bound."""
+    batch = make_batch(REQUESTS, "turboquant_3bit_nc", seed=9, device=DEVICE)
+    paths = dict(path="window", window=64) if path == "long" else dict(path=path)
+    step = _plan(batch, **paths)
+    n, hq, d = batch.query.shape
+    q = batch.query
+    wide = torch.empty(n, hq, 2 * d, dtype=q.dtype, device=q.device)[..., :d]
+    shifted = torch.empty(n * hq * d + 1, dtype=q.dtype, device=q.device)[1:]
+    padded = torch.empty(hq, n + 8, device=q.device)[:, :n]  # lse rows of n + 8
+    layouts = [
+        ("allocated", None, None, True),
+        ("strided out", wide, None, True),
+        ("shifted out", shifted.view(n, hq, d), None, True),
+        ("padded lse", None, padded, True),
+        ("no lse", None, None, False),
+    ]
+    one, one_lse = continuation_prefill_varlen(
+        *batch.args[:4], batch.block_table, None, None, **batch.kwargs,
+        query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens,
+        backend=BACKEND, return_lse=True, **paths,
+    )  # fmt: skip
+    kw = {k: batch.kwargs[k] for k in ("centroids", "rotation", "scale")}
+    counts = []
+    for name, out, lse, return_lse in layouts:
+        got = step.run(*batch.args[:4], **kw, out=out, lse=lse, return_lse=return_lse)
+        out, lse = got if return_lse else (got, None)
+        assert torch.equal(out, one), (name, batch.seed)
+        assert lse is None or torch.equal(lse, one_lse), (name, batch.seed)
+        kinds = {"fill": 0, "paged": 0, "merge": 0}
+        for key, launches in step._bound.items():
+            kinds[key[0]] += sum(k != "split" for k in launches)
+        counts.append(kinds)
+    unit = "paged" if path == "paged" else "merge"
+    first = counts[0][unit]  # 2 paged runs; 11 windows' merges
+    assert first == (2 if path == "paged" else 11)
+    assert [c[unit] for c in counts] == [first * (i + 1) for i in range(len(counts))]
+    assert len({c["fill"] for c in counts}) == 1
+
+
 def _without(field, layer_key, paged_key):
     """The key builders of prefill.py with one field of the key dropped."""
 
@@ -355,10 +399,11 @@ KEY_FIELDS = {
 
 @pytest.mark.parametrize("field", list(KEY_FIELDS))
 def test_a_key_without_each_of_its_fields_launches_stale_arguments(field, monkeypatch):
-    """The key of a step's bound launches needs each of its fields: without the
-    strides, the aliasing or the scale, the first layer that differs from the one
-    before it in that field alone answers otherwise than one call (so the test above
-    covers each field)."""
+    """The key of a step's bound launches needs its strides, its aliasing and its
+    scale: without one of them, the first layer that differs from the one before it
+    in that field alone answers otherwise than one call (so
+    test_a_steps_layers_launch_bound_as_each_alone covers these three fields through
+    the query, key and value; out's and lse's layouts have the test above)."""
     from tq_chunked.runtime import prefill
 
     shapes, paged = _without(field, prefill.layer_key, prefill._paged_key)

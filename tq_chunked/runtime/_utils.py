@@ -432,8 +432,8 @@ def layer_key(layer: tuple, places: tuple) -> tuple:
     """What launches read of a layer's tensors (each or None) but for their addresses:
     each one's ``layout_at`` from its ``place`` in ``places``, and which of them are
     one tensor (each position's first of the same object). Two layers of one key,
-    their tensors on the same device, get the same launches but for the addresses; a
-    unit's own key is a part of it (prefill._fill_key, _paged_key)."""
+    their tensors on the same device, get the same launches but for the addresses;
+    each unit's key is built from it (prefill._fill_key, _paged_key, a merge's)."""
     ids = [id(t) for t in layer]
     shapes = tuple(None if at is None else layout_at(at) for at in places)
     return shapes, tuple(map(ids.index, ids))

@@ -150,8 +150,7 @@ def merge_attn_states(
             "prefix_output and prefix_lse must be given together (or both None: no "
             "prefix)"
         )
-    rows, h, d = suffix_output.shape
-    if rows == 0:
+    if suffix_output.shape[0] == 0:
         return
     if impl == "torch":
         _merge_torch(
@@ -167,9 +166,10 @@ def merge_attn_states(
 def merge_launch(
     output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None
 ):
-    """``merge_attn_states``'s Triton launch (its checks passed; at least one row), as
-    (launcher, grid, arguments, options): for launches bound once per step
-    (_utils.BoundLaunches)."""
+    """``merge_attn_states``'s Triton launch, as (launcher, grid, arguments, options),
+    for launches bound once per step (_utils.BoundLaunches). The caller has done
+    ``merge_attn_states``'s checks: at least one row, the prefix's output and lse
+    given together."""
     rows, h, d = suffix_output.shape
     block_d = next_power_of_2(d)
     block_l = 16 if block_d <= 128 else 8

@@ -572,9 +572,10 @@ class Step:
         self._place: tuple | None = None  # the workspace's (address, bytes)
         self._workspace_span: tuple[int, int] | None = None  # its byte range
         # a layer's key for its fills, paged runs or merges (_fill_key, _paged_key,
-        # _Layer._merge) -> {(a paged run's id, or a window's and its first kv head):
-        # BoundLaunches}: the launches as the step's first layer of that key built
-        # them (the plan holds its units and windows)
+        # _Layer._merge) -> {a paged run's id; a window's id and first kv head (its
+        # fill; "split": the rotation's); a window's id, first kv head and partial
+        # lse's layout (its merge): BoundLaunches}: the launches as the step's first
+        # layer of that key built them (the plan holds its units and windows)
         self._bound: dict = {}
         if workspace is not None:
             self._take(workspace)
@@ -1057,7 +1058,8 @@ class _Layer:
             merge_attn_states(*args)
             return
         # bound as the fills are, by the layouts of out and lse and the partial's lse
-        # (the attention call's own tensor), NOTES.md §58
+        # (the attention call's own tensor), NOTES.md §58; merge_attn_states's checks
+        # hold by construction (a long request has rows; a prefix comes whole)
         if self.merges is None:  # the layer's first merge
             layouts = self.shapes[0]
             self.merges = self.step.bound(("merge", layouts[6], layouts[7]))
