@@ -12,7 +12,8 @@ process, each call with the GPU kept busy (``launcher_ab.alternate``), and their
 swaps every round.
 
 Cases: ``host_profile.py --paged``'s three decodes (the memory-bound path) and its
-``--run`` batch, 16 prefix-cache hits of 64 tokens over 1-2K, in 1 and in 8 windows.
+``--run`` batch, 16 prefix-cache hits of 64 tokens over 1-2K, in 1 and in 8 windows;
+one hit of 64 tokens over 16K in 8 windows (a long request: its windows merged).
 Per case and version: ``ContinuationPrefill.plan`` and ``Step.run`` (one layer), the
 median of ``--rounds`` medians of ``--calls`` calls; new / old; and whether the two
 versions' outputs are the same bits. Writes OUT_DIR/run-ab.json and prints a table.
@@ -69,6 +70,9 @@ def cases():
         window = -(-need // parts) // 16 * 16 + 16
         out.append((f"16 hits q64 1-2K, {parts} windows", WINDOW_REQUESTS, window,
                     "turboquant_3bit_nc", (32, 8, 128), "float16"))  # fmt: skip
+    # a long request: 8 windows over one prefix, each merged into its state
+    out.append(("1 hit q64 16K, 8 windows", [(16 * 1024, 64)], 2064,
+                "turboquant_3bit_nc", (32, 8, 128), "float16"))  # fmt: skip
     return out
 
 
