@@ -45,6 +45,16 @@ BATCHES = {
         ("16 x q64 8K-16K d64 3bit", "mha-d64", seeded_hits(23, 16, 64, 8 * K, 16 * K),
          "turboquant_3bit_nc", "float16"),
     ],
+    # 33-64 rows at D 64: one 64-row tile (TILE64_D64_LAUNCH) or two of 32 (NOTES.md
+    # §58)
+    "d64-wide": [
+        ("16 x q40 8K-16K d64 4bit bf16", "mha-d64",
+         seeded_hits(26, 16, 40, 8 * K, 16 * K), "turboquant_4bit_nc", "bfloat16"),
+        ("16 x q48 16K-32K d64 k3v4 bf16", "mha-d64",
+         seeded_hits(27, 16, 48, 16 * K, 32 * K), "turboquant_k3v4_nc", "bfloat16"),
+        ("16 x q64 8K-16K d64 3bit", "mha-d64", seeded_hits(23, 16, 64, 8 * K, 16 * K),
+         "turboquant_3bit_nc", "float16"),
+    ],
     "d128": [
         ("16 x q4 8K-32K 64/8 k3v4 bf16", "70b-tp1",
          seeded_hits(6, 16, 4, 8 * K, 32 * K), "turboquant_k3v4_nc", "bfloat16"),

@@ -266,9 +266,9 @@ def _runtime_calls(fn, times):
     ]
 
 
-# (cached, q_len) at Hq / Hk = 32 / 8: windows (a long request, a first chunk, 64 and
-# 160 rows a kv head), and the memory-bound path (4-32 rows a kv head) with a first
-# chunk in a window between its two paged runs
+# (cached, q_len) at Hq / Hk = 32 / 8: windows (a long request, a first chunk, 80 and
+# 160 rows a kv head: above the second band's 64), and the memory-bound path (4-32 rows
+# a kv head) with a first chunk in a window between its two paged runs
 @pytest.fixture
 def any_cached_length(monkeypatch):
     """Small batches on the memory-bound path: "auto" takes it for runs of any cached
@@ -279,7 +279,7 @@ def any_cached_length(monkeypatch):
 
 
 STEPS = {
-    "windows": [(20000, 300), (0, 64), (9000, 16), (500, 40)],
+    "windows": [(20000, 300), (0, 64), (9000, 20), (500, 40)],
     "memory-bound": [(9000, 1), (20000, 4), (0, 6), (500, 2), (3000, 8)],
 }
 
@@ -375,7 +375,7 @@ def test_a_step_is_planned_without_a_sync_and_run_per_layer_without_sync_or_mall
     assert torch.isfinite(out).all() and not torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("requests", [[(9000, 16), (500, 40)], [(9000, 1), (500, 4)]])
+@pytest.mark.parametrize("requests", [[(9000, 20), (500, 40)], [(9000, 1), (500, 4)]])
 def test_a_step_run_on_another_stream_waits_for_its_plan(requests, any_cached_length):
     """A step planned on one stream and run on another gives the same bits: the run's
     stream waits for the plan's upload (the integers are not yet there when the plan's

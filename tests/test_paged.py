@@ -216,6 +216,7 @@ GPU_LAUNCHES = [
     paged.DECODE_LAUNCH,
     paged.TILE32_LAUNCH,
     paged.TILE32_D64_LAUNCH,
+    paged.TILE64_D64_LAUNCH,
     paged.TRANSPOSED_LAUNCH,
 ]
 
@@ -515,6 +516,7 @@ def test_the_plans_split_aims_at_the_sms_and_its_scratch_is_its_regions():
         (1, 64, {"block_n": 64, "num_warps": 4}, 128),  # 4 programs an SM
         (1, 128, {"block_m": 32}, 0),  # a 32-row tile: TILE32_LAUNCH, 4 warps
         (8, 64, {}, 0),  # a 32-row tile at D 64: TILE32_D64_LAUNCH, 2 warps
+        (16, 64, {}, 0),  # a 64-row tile at D 64: TILE64_D64_LAUNCH, 2 warps
         (1, 256, {}, 0),  # Triton's count (4 warps: one spills at D 256)
         (8, 128, {}, 0),  # 32-row tiles
         (1, 128, {"block_n": 128}, 0),  # another launch
@@ -530,12 +532,13 @@ def test_the_register_cap_is_the_default_launchs_alone(q_len, head_dim, launch, 
     assert plan.max_registers == cap
     launched = (plan.block_m, plan.block_n, plan.num_warps)
     if not launch:  # one warp at D 64 and 128 (DECODE_ or TRANSPOSED_LAUNCH), else
-        # the 32-row tiles' own launches at D 128 and 64, else 4 warps
-        tile32 = {128: paged.TILE32_LAUNCH, 64: paged.TILE32_D64_LAUNCH}
+        # the 32- and 64-row tiles' own launches at D 128 and 64, else 4 warps
+        tiles = {(32, 128): paged.TILE32_LAUNCH, (32, 64): paged.TILE32_D64_LAUNCH,
+                 (64, 64): paged.TILE64_D64_LAUNCH}  # fmt: skip
         if q_len == 1 and head_dim in (64, 128):
             assert plan.num_warps == 1
-        elif plan.block_m == 32 and head_dim in tile32:
-            assert launched == tile32[head_dim]
+        elif (plan.block_m, head_dim) in tiles:
+            assert launched == tiles[plan.block_m, head_dim]
         else:
             assert plan.num_warps == 4
     # the L2 prefetch at the one-warp launches and TILE32_LAUNCH alone (NOTES.md §46;
@@ -559,6 +562,10 @@ def test_the_register_cap_is_the_default_launchs_alone(q_len, head_dim, launch, 
         (1, 256, {}, (16, 64, 4)),
         (8, 128, {}, paged.TILE32_LAUNCH),
         (8, 64, {}, paged.TILE32_D64_LAUNCH),
+        (12, 64, {}, paged.TILE64_D64_LAUNCH),  # 48 rows: one tile of 64
+        (16, 64, {}, paged.TILE64_D64_LAUNCH),
+        (16, 128, {}, paged.TILE32_LAUNCH),  # two 32-row tiles: 64 at 4 warps is wgmma
+        (1, 64, {"block_m": 64}, paged.TILE64_D64_LAUNCH),
         (8, 256, {}, (32, 64, 4)),
         (1, 128, {"block_m": 32}, paged.TILE32_LAUNCH),  # the tile's own launch
         (1, 128, {"block_m": 64}, (64, 64, 4)),

@@ -234,6 +234,7 @@ class PagedScratch:
 # The largest tile a GPU launch takes by default: 64-row tiles with 4 warps compile to
 # Hopper's wgmma, which gave wrong answers and an illegal address in this kernel under
 # Triton 3.6 on the H200 machine (NOTES.md §33, as the fused prototype's did in §26).
+# At head size 64 a 64-row tile on 2 warps (TILE64_D64_LAUNCH) compiles to mma.sync.
 MAX_GPU_TILE = 32
 
 
@@ -255,9 +256,18 @@ TILE32_LAUNCH = (32, 128, 4)
 # warps), 64 positions an iteration; 0.57-0.82x the time of (32, 64, 4) (NOTES.md §57).
 # Head size 256 keeps (32, 64, 4), the fastest launch tried there (NOTES.md §57).
 TILE32_D64_LAUNCH = (32, 64, 2)
+# 33-64 rows at head size 64: one 64-row tile on 2 warps (32 rows each), decoding each
+# slot once where two 32-row tiles decode it twice: 0.73x their time over 64 rows
+# (NOTES.md §58); 64 positions an iteration (32 spill less, and took 0.78x).
+TILE64_D64_LAUNCH = (64, 64, 2)
 # The programs an SM the split aims at for these launches at these head sizes, the
-# fastest counts timed (NOTES.md §57); other launches take the rule's (plan_paged).
-TILE32_PROGRAMS_PER_SM = {(TILE32_LAUNCH, 128): 8, (TILE32_D64_LAUNCH, 64): 32}
+# fastest counts timed (NOTES.md §57, §58); other launches take the rule's
+# (plan_paged).
+TILE32_PROGRAMS_PER_SM = {
+    (TILE32_LAUNCH, 128): 8,
+    (TILE32_D64_LAUNCH, 64): 32,
+    (TILE64_D64_LAUNCH, 64): 16,
+}
 # The 8-row tile's launch: a transposed tile (``_per_row``: the positions on the
 # tensor cores' 16-row side, the rows on the 8-row side), one warp, 32 positions an
 # iteration. Half the MMAs and half the accumulator of the 16-row tile: 46.1 against
@@ -290,12 +300,13 @@ def default_launch(
     rows: int, interpret: bool, head_dim: int = 128, block_m: int | None = None
 ) -> tuple[int, int, int]:
     """(block_m, block_n, num_warps) for a batch whose largest request has ``rows``
-    query rows per kv head: one tile of all of them up to MAX_GPU_TILE (each slot
-    decoded once per request and kv head), 16 at least (the tensor cores' smallest
-    tile), or the tile ``block_m`` where given; on a GPU, 16-row tiles at
-    DECODE_LAUNCH at head sizes 64 and 128, 32-row tiles at TILE32_LAUNCH at head
-    size 128 and TILE32_D64_LAUNCH at 64, other tiles 64 positions an iteration on 4
-    warps; 8-row tiles (``plan_paged``'s choice by ``transposed_by_default``, or asked
+    query rows per kv head: one tile of all of them up to MAX_GPU_TILE, 64 at head
+    size 64 (each slot decoded once per request and kv head), 16 at least (the
+    tensor cores' smallest tile), or the tile ``block_m`` where given; on a GPU,
+    16-row tiles at DECODE_LAUNCH at head sizes 64 and 128, 32-row tiles at
+    TILE32_LAUNCH at head size 128 and TILE32_D64_LAUNCH at 64, 64-row tiles at
+    TILE64_D64_LAUNCH at 64, other tiles 64 positions an iteration on 4 warps; 8-row
+    tiles (``plan_paged``'s choice by ``transposed_by_default``, or asked
     for) at TRANSPOSED_LAUNCH up to head size 128, on 2 warps above (one spills 247
     instructions an iteration at D 256, two 50). Under the interpreter 16 positions an
     iteration, on 4 warps (one for 8-row tiles)."""
@@ -307,7 +318,10 @@ def default_launch(
     if interpret:
         return block_m or 16, 16, 4
     if block_m is None:
-        block_m = min(max(next_power_of_2(max(rows, 1)), 16), MAX_GPU_TILE)
+        widest = 64 if head_dim == 64 else MAX_GPU_TILE
+        block_m = min(max(next_power_of_2(max(rows, 1)), 16), widest)
+    if block_m == 64 and head_dim == 64:
+        return TILE64_D64_LAUNCH
     if block_m == 16 and head_dim in (64, 128):
         return DECODE_LAUNCH
     if block_m == 32 and head_dim == 128:
