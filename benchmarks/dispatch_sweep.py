@@ -14,8 +14,8 @@ the rule's run minimum, plan.PAGED_MIN_CACHED: 4-32 rows over 1K-8K at head size
 the four presets; with --short-band, the second band over short prefixes: 42-64 rows
 over 1K-8K, 64 requests a batch, as the serving grid's "64 hits q16 1K-8K", at Hq / Hk
 28 / 4, 32 / 8 and 64 / 8, NOTES.md §57; with --d64-band, the band's head size 64
-side, where the rule sends 33-64 rows to the windows: 40-64 rows over 1K-64K at Hq / Hk
-16 / 16, NOTES.md §58), each path
+side, where the rule sends 33-64 rows to the windows: 40 and 64 rows over 4K-64K at
+Hq / Hk 16 / 16, NOTES.md §58), each path
 through ``continuation_prefill_varlen`` with a workspace of workspace_bytes(N) as the
 plugin calls it. Writes dispatch-sweep.json (after each point) and prints a table of
 paged / windows per point, last.
@@ -87,10 +87,9 @@ D64_BAND = (
     [
         ("mha-d64 4bit bf16", 16, 16, 64, "turboquant_4bit_nc", torch.bfloat16, 16),
         ("mha-d64 3bit fp16", 16, 16, 64, "turboquant_3bit_nc", torch.float16, 16),
-        ("mha-d64 k3v4 bf16", 16, 16, 64, "turboquant_k3v4_nc", torch.bfloat16, 16),
     ],
-    [40, 48, 64],
-    [1 * K, 4 * K, 16 * K, 64 * K],
+    [40, 64],
+    [4 * K, 16 * K, 64 * K],
 )
 
 
