@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tq_chunked import ContinuationPrefill, continuation_prefill_varlen
 from tq_chunked.runtime import vllm_backend
-from tq_chunked.runtime._utils import cdiv, next_power_of_2
+from tq_chunked.runtime._utils import cdiv, interpreting, next_power_of_2
 from tq_chunked.runtime.plan import LongRequest
 from tq_chunked.tools.reference import oracle_continuation_prefill
 from tq_chunked.tools.testing import make_batch, rel_err
@@ -117,10 +117,18 @@ def test_long_requests_layers_launch_bound_as_each_alone():
 
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+# the memory-bound path on the CPU: Triton's interpreter (a GPU machine runs without)
+INTERPRETED = pytest.mark.skipif(
+    not interpreting(), reason="Triton runs on the CPU under TRITON_INTERPRET=1"
+)
 
 
 @pytest.mark.parametrize(
-    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])]
+    "device",
+    [
+        pytest.param("cpu", marks=INTERPRETED),
+        pytest.param("cuda", marks=[pytest.mark.gpu, GPU]),
+    ],
 )
 @pytest.mark.parametrize("path", ["window", "paged"])
 def test_the_plan_joins_its_ints_without_torchs_thread_pool(path, device, monkeypatch):
