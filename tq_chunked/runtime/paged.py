@@ -257,8 +257,8 @@ TILE32_LAUNCH = (32, 128, 4)
 # Head size 256 keeps (32, 64, 4), the fastest launch tried there (NOTES.md §57).
 TILE32_D64_LAUNCH = (32, 64, 2)
 # 33-64 rows at head size 64: one 64-row tile on 2 warps (32 rows each), decoding each
-# slot once where two 32-row tiles decode it twice: 0.73x their time over 64 rows
-# (NOTES.md §58); 64 positions an iteration (32 spill less, and took 0.78x).
+# slot once where two 32-row tiles decode it twice: 0.71-0.74x their time over 40-64
+# rows (NOTES.md §58); 64 positions an iteration (32 spill less, and were slower).
 TILE64_D64_LAUNCH = (64, 64, 2)
 # The programs an SM the split aims at for these launches at these head sizes, the
 # fastest counts timed (NOTES.md §57, §58); other launches take the rule's
