@@ -94,17 +94,14 @@ FIT_ROWS = 256  # a window fitted to the budget is a multiple of this (fit_windo
 # fixed cost weighs against it (benchmarks/NOTES.md §35, §37, §39).
 PAGED_MAX_ROWS = 32
 PAGED_MIN_CACHED = 256 * 1024
-# Up to PAGED_MAX_ROWS_LONG rows over MSE keys where the request itself holds enough
-# cached tokens. At head size 128 (two 32-row tiles, each decoding every slot) from
-# PAGED_LONG_CACHED: faster than the windows from 2K cached tokens a request; at 1K,
-# the least measured, about even, and taken so that a request between 1K and 2K does
-# not break its run below PAGED_MIN_CACHED (benchmarks/NOTES.md §41, §57). At head
-# size 64 (one 64-row tile, paged.TILE64_D64_LAUNCH) from PAGED_LONG_CACHED_D64, the
-# least measured: 0.78-0.88x the windows' time there, 0.33-0.38x from 16K (§58).
-# Head size 256 and fp8 keys not measured.
+# Up to PAGED_MAX_ROWS_LONG rows (two tiles, each decoding every slot) where the
+# request itself holds PAGED_LONG_CACHED cached tokens, at head size 128 over MSE keys:
+# faster than the windows from 2K cached tokens a request; at 1K, the least measured,
+# about even, and taken so that a request between 1K and 2K does not break its run
+# below PAGED_MIN_CACHED (benchmarks/NOTES.md §41, §57). Head size 64 measured slower,
+# head size 256 and fp8 keys not at all.
 PAGED_MAX_ROWS_LONG = 64
 PAGED_LONG_CACHED = 1024
-PAGED_LONG_CACHED_D64 = 4096
 PATHS = ("auto", "window", "paged")
 
 
@@ -488,16 +485,17 @@ def make_plan(
 def paged_eligible(rows: int, cached: int, cfg: TQConfig) -> bool:
     """Whether "auto" may send a request of ``rows`` query rows per kv head over
     ``cached`` cached tokens (at least one) to the memory-bound path: at most
-    PAGED_MAX_ROWS rows, or at most PAGED_MAX_ROWS_LONG over MSE keys with
-    PAGED_LONG_CACHED cached tokens or more at head size 128, PAGED_LONG_CACHED_D64 at
-    head size 64 (``paged_runs`` tests the first inline)."""
+    PAGED_MAX_ROWS rows, or at most PAGED_MAX_ROWS_LONG over PAGED_LONG_CACHED cached
+    tokens or more at head size 128 over MSE keys (``paged_runs`` tests the first
+    inline)."""
     if rows <= PAGED_MAX_ROWS:
         return True
-    if rows > PAGED_MAX_ROWS_LONG or cfg.key_fp8:
-        return False
-    if cfg.head_dim == 128:
-        return cached >= PAGED_LONG_CACHED
-    return cfg.head_dim == 64 and cached >= PAGED_LONG_CACHED_D64
+    return (
+        rows <= PAGED_MAX_ROWS_LONG
+        and cached >= PAGED_LONG_CACHED
+        and cfg.head_dim == 128
+        and not cfg.key_fp8
+    )
 
 
 def paged_runs(
