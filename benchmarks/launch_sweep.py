@@ -7,11 +7,11 @@ over batches of 17-64 query rows per kv head (GPU).
 Each launch is block_n/programs per SM/num_warps, then optionally /p0, /p1 or /p2 for
 the slots prefetched that many tiles ahead (default: the plan's choice for that launch)
 and /m16, /m32 or /m64 for the tile's query rows (default: the plan's; /m64 puts a
-64-row batch in one tile where the plan takes two of 32), in either order. Each batch's
-answer at every launch is compared with the default's (the same plan but its launch:
-within 1e-3 relative, else the row says "differs"). GPU kernel time per call of
-``paged_attention``'s cached part (the probe's ``Paged.cached``: torch.profiler, every
-kernel summed over 10 calls). Writes launch-sweep.json after each batch and prints
+64-row batch at head size 128 in one tile where the plan takes two of 32), in either
+order. Each batch's answer at every launch is compared with the default's (the same plan
+but its launch: within 1e-3 relative, else the row says "differs"). GPU kernel time per
+call of ``paged_attention``'s cached part (the probe's ``Paged.cached``: torch.profiler,
+every kernel summed over 10 calls). Writes launch-sweep.json after each batch and prints
 launch / default per batch, last (NOTES.md §57); the default is written as the launches
 are, its programs an SM as planned (the work's programs over the SMs).
 """

@@ -42,7 +42,8 @@ REQUESTS = [(70, 4), (0, 5), (33, 0), (130, 1), (45, 6)]
 # the ratio of two such independent errors spreads widely (tests/test_varlen.py).
 SHORT_REQUEST_FACTOR = 1.6
 
-# 64-row tiles on the CPU; on a GPU the largest tile it takes (paged.MAX_GPU_TILE)
+# 64-row tiles on the CPU; on a GPU the largest tile it takes at every head size
+# (paged.MAX_GPU_TILE; 64 at head size 64: TILE64_D64_LAUNCH, in test_the_gpu_launches)
 BIG_TILE = 64 if DEVICE == "cpu" else MAX_GPU_TILE
 
 
@@ -229,7 +230,7 @@ def test_the_gpu_launches(launch):
     block_m, block_n, num_warps = launch
     seed = 330 + block_m
     batch = make_batch(
-        [(300, 8), (0, 2), (517, 1), (130, 8)],
+        [(300, 8), (0, 2), (517, 1), (130, 16)],  # up to 64 rows a kv head
         "turboquant_3bit_nc",
         num_q_heads=8,
         num_kv_heads=2,
@@ -566,6 +567,8 @@ def test_the_register_cap_is_the_default_launchs_alone(q_len, head_dim, launch, 
         (16, 64, {}, paged.TILE64_D64_LAUNCH),
         (16, 128, {}, paged.TILE32_LAUNCH),  # two 32-row tiles: 64 at 4 warps is wgmma
         (1, 64, {"block_m": 64}, paged.TILE64_D64_LAUNCH),
+        (16, 64, {"block_n": 64}, (32, 64, 4)),  # in part: never 64 rows on 4 warps
+        (16, 64, {"num_warps": 4}, (32, 64, 4)),
         (8, 256, {}, (32, 64, 4)),
         (1, 128, {"block_m": 32}, paged.TILE32_LAUNCH),  # the tile's own launch
         (1, 128, {"block_m": 64}, (64, 64, 4)),
@@ -673,19 +676,21 @@ def test_the_split_aims_at_the_launchs_programs_per_sm(head_dim, launch, per_sm)
     "head_dim, launch, per_sm",
     [(128, {}, 8),  # TILE32_LAUNCH
      (64, {}, 32),  # TILE32_D64_LAUNCH
+     (64, {"block_m": 64}, 16),  # TILE64_D64_LAUNCH
      (256, {}, paged.PROGRAMS_PER_SM),  # (32, 64, 4): not measured otherwise
      (128, {"block_n": 64}, paged.PROGRAMS_PER_SM),  # (32, 64, 4): not TILE32_LAUNCH
      (128, {"num_warps": 2}, 2 * paged.PROGRAMS_PER_SM),  # (32, 64, 2), not at D 64
      (64, {"num_warps": 4}, paged.PROGRAMS_PER_SM)],  # (32, 64, 4)
 )  # fmt: skip
 def test_the_32_row_tiles_aim_at_their_own_programs_per_sm(head_dim, launch, per_sm):
-    """NOTES.md §57: TILE32_PROGRAMS_PER_SM at those launches and head sizes alone; 16
-    requests of 8 query tokens (32 rows a kv head) over 64K positions, 132 SMs."""
+    """NOTES.md §57, §58: TILE32_PROGRAMS_PER_SM at those launches and head sizes
+    alone; 16 requests of 8 query tokens (32 rows a kv head) over 64K positions, 132
+    SMs."""
     b, hk, cached = 16, 8, 65536
     qsl, lens = list(range(0, 8 * b + 1, 8)), [cached + 8] * b
     plan = plan_paged(qsl, lens, 32, hk, head_dim, "turboquant_3bit_nc", sms=132,
                       interpret=False, **launch)  # fmt: skip
-    assert plan.block_m == 32
+    assert plan.block_m == launch.get("block_m", 32)
     want = -(-b * hk * cached // (132 * per_sm))
     assert plan.split_len == -(-want // plan.block_n) * plan.block_n
 

@@ -97,7 +97,8 @@ MIN_SPLIT = 256
 # twice the warps (0.88-0.89x the time of 16, NOTES.md §46). 16-row tiles of 4 warps
 # above head size 128: 8, since at D 256 two of them fill an SM's shared memory (86
 # KB each) and 4 left two waves (0.90-0.91x the time of 4 there, NOTES.md §49, §55;
-# other head sizes above 128 not timed). The 32-row tiles: TILE32_PROGRAMS_PER_SM.
+# other head sizes above 128 not timed). The 32- and 64-row tiles:
+# TILE32_PROGRAMS_PER_SM.
 PROGRAMS_PER_SM = 4
 ONE_WARP_PROGRAMS_PER_SM = 32
 WIDE_HEAD_PROGRAMS_PER_SM = 8
@@ -231,10 +232,11 @@ class PagedScratch:
     chunk_v: torch.Tensor
 
 
-# The largest tile a GPU launch takes by default: 64-row tiles with 4 warps compile to
-# Hopper's wgmma, which gave wrong answers and an illegal address in this kernel under
-# Triton 3.6 on the H200 machine (NOTES.md §33, as the fused prototype's did in §26).
-# At head size 64 a 64-row tile on 2 warps (TILE64_D64_LAUNCH) compiles to mma.sync.
+# The largest tile a GPU launch takes by default but at head size 64: 64-row tiles with
+# 4 warps compile to Hopper's wgmma, which gave wrong answers and an illegal address in
+# this kernel under Triton 3.6 on the H200 machine (NOTES.md §33, as the fused
+# prototype's did in §26). At head size 64 a 64-row tile on 2 warps
+# (TILE64_D64_LAUNCH) compiles to mma.sync; a launch given in part keeps to this.
 MAX_GPU_TILE = 32
 
 
@@ -277,9 +279,10 @@ TRANSPOSED_LAUNCH = (8, 32, 1)
 # The launches that ask L2 for the next tile's slots by default (PagedPlan.prefetch):
 # DECODE_LAUNCH and TILE32_LAUNCH, where it was timed (1.02-1.04x the time without it
 # at D 128, even at D 64), and TRANSPOSED_LAUNCH, one warp as DECODE_LAUNCH (not
-# timed); at (32, 64, 4) it cost 4-7 % (NOTES.md §46), and at TILE32_D64_LAUNCH it
-# was not timed. Not for fp8 keys at DECODE_LAUNCH: there it took 1.09-1.10x the time
-# without it (NOTES.md §49, §55; fp8 keys at the other two not timed).
+# timed); at (32, 64, 4) it cost 4-7 % (NOTES.md §46), and at TILE32_D64_LAUNCH and
+# TILE64_D64_LAUNCH it was not timed. Not for fp8 keys at DECODE_LAUNCH: there it took
+# 1.09-1.10x the time without it (NOTES.md §49, §55; fp8 keys at the other two not
+# timed).
 PREFETCH_LAUNCHES = (DECODE_LAUNCH, TILE32_LAUNCH, TRANSPOSED_LAUNCH)
 
 
@@ -475,7 +478,10 @@ def plan_paged(
         # 64 positions an iteration on 4 warps (0.6.3's, NOTES.md §46), on one warp
         # for a transposed tile (never 4: wgmma); a launch that comes out as a tuned
         # one takes its prefetch and programs an SM below
-        block_m = block_m or default_launch(most, interpret, head_dim)[0]
+        # (at most MAX_GPU_TILE rows: a 64-row tile on 4 warps is wgmma)
+        block_m = block_m or min(
+            default_launch(most, interpret, head_dim)[0], MAX_GPU_TILE
+        )
         block_n = block_n or (16 if interpret else 64)
         num_warps = num_warps or (1 if block_m == 8 else 4)
     if block_m not in (8, 16, 32, 64, 128):

@@ -98,8 +98,10 @@ PAGED_MIN_CACHED = 256 * 1024
 # request itself holds PAGED_LONG_CACHED cached tokens, at head size 128 over MSE keys:
 # faster than the windows from 2K cached tokens a request; at 1K, the least measured,
 # about even, and taken so that a request between 1K and 2K does not break its run
-# below PAGED_MIN_CACHED (benchmarks/NOTES.md §41, §57). Head size 64 measured slower,
-# head size 256 and fp8 keys not at all.
+# below PAGED_MIN_CACHED (benchmarks/NOTES.md §41, §57). Head size 64 measured slower
+# in two 32-row tiles (§41) and faster in one of 64 (§58), but a run's tile follows its
+# largest request, and a run mixing decodes with 33-64-row requests was not measured
+# there. Head size 256 and fp8 keys not measured.
 PAGED_MAX_ROWS_LONG = 64
 PAGED_LONG_CACHED = 1024
 PATHS = ("auto", "window", "paged")
