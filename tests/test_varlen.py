@@ -322,10 +322,12 @@ def test_a_batch_of_short_hits_is_one_fill_and_one_attention_call_without_merges
 
     counts = {}
     # a fill: fill_window (the reference decoder), or fill_launch's launch built at
-    # a step's first layer (Triton; NOTES.md §52), each once per window here
+    # a step's first layer (Triton; NOTES.md §52), each once per window here; a merge
+    # likewise: merge_attn_states, or merge_launch's launch (NOTES.md §58)
     for name, counted in (("fill_window", "fill"), ("fill_launch", "fill"),
                           ("varlen_attention", "varlen_attention"),
-                          ("merge_attn_states", "merge_attn_states")):  # fmt: skip
+                          ("merge_attn_states", "merge_attn_states"),
+                          ("merge_launch", "merge_attn_states")):  # fmt: skip
         real = getattr(chunked, name)
         monkeypatch.setattr(
             chunked,
