@@ -275,6 +275,20 @@ def _layers(batch):
     return [(name, args, dict(t, scale=s)) for name, args, t, s in layers]
 
 
+def _paths(path):
+    """The plan's keywords for a test's path: "long" is windows of 64 tokens."""
+    return dict(path="window", window=64) if path == "long" else dict(path=path)
+
+
+def _bound_counts(step):
+    """The step's bound launches by unit kind (fill, paged, merge), the rotation's
+    split (one per layout) not counted."""
+    counts = {"fill": 0, "paged": 0, "merge": 0}
+    for key, launches in step._bound.items():
+        counts[key[0]] += sum(k != "split" for k in launches)
+    return counts
+
+
 @pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
 @pytest.mark.parametrize("path", ["paged", "window", "long"])
 def test_a_steps_layers_launch_bound_as_each_alone(preset, path):
@@ -285,7 +299,7 @@ def test_a_steps_layers_launch_bound_as_each_alone(preset, path):
     the key, another scale, other strides, another alignment class and another
     rotation dtype. "long": windows of 64 tokens, four long requests of 2-4."""
     batch = make_batch(REQUESTS, preset, seed=6, device=DEVICE)
-    paths = dict(path="window", window=64) if path == "long" else dict(path=path)
+    paths = _paths(path)
     step = _plan(batch, **paths)
     if path == "paged":  # one run with own keys, one with the call, one window
         assert _units(step) == PAGED_UNITS
@@ -306,11 +320,8 @@ def test_a_steps_layers_launch_bound_as_each_alone(preset, path):
         )  # fmt: skip
         assert torch.equal(out, one), (name, batch.seed)
         assert torch.equal(lse, one_lse), (name, batch.seed)
-        # the units' bound launches (not the rotation's split, one per layout), the
-        # merges apart
-        counts = {kind: 0 for kind in ("fill", "paged", "merge")}
-        for key, launches in step._bound.items():
-            counts[key[0]] += sum(k != "split" for k in launches)
+        # the units' bound launches, the merges apart
+        counts = _bound_counts(step)
         merges.append(counts.pop("merge"))
         bound.append(sum(counts.values()))
     # bound at the first layer, again where the layouts, the aliasing or (paged
@@ -334,7 +345,7 @@ def test_layers_of_other_out_and_lse_layouts_bind_again(path):
     long requests' merges again, and answers as one call; the fills, which read
     neither, stay bound."""
     batch = make_batch(REQUESTS, "turboquant_3bit_nc", seed=9, device=DEVICE)
-    paths = dict(path="window", window=64) if path == "long" else dict(path=path)
+    paths = _paths(path)
     step = _plan(batch, **paths)
     n, hq, d = batch.query.shape
     q = batch.query
@@ -360,10 +371,7 @@ def test_layers_of_other_out_and_lse_layouts_bind_again(path):
         out, lse = got if return_lse else (got, None)
         assert torch.equal(out, one), (name, batch.seed)
         assert lse is None or torch.equal(lse, one_lse), (name, batch.seed)
-        kinds = {"fill": 0, "paged": 0, "merge": 0}
-        for key, launches in step._bound.items():
-            kinds[key[0]] += sum(k != "split" for k in launches)
-        counts.append(kinds)
+        counts.append(_bound_counts(step))
     unit = "paged" if path == "paged" else "merge"
     first = counts[0][unit]  # 2 paged runs; 11 windows' merges
     assert first == (2 if path == "paged" else 11)
