@@ -4,7 +4,7 @@ path (``path="paged"``), over query rows per kv head x cached tokens per request
 the floor beside them (GPU).
 
     python benchmarks/dispatch_sweep.py [OUT_DIR] [--long-band | --short-runs |
-        --short-band | --d64-band]
+        --short-band | --d64-band | --mixed]
 
 Batches of B requests of q_len query tokens over ``cached`` tokens each (Hq/Hk/D
 32/8/128, turboquant_3bit_nc, fp16, and Hq/Hk/D 16/16/64, 4bit_nc, bf16; with
@@ -19,8 +19,16 @@ Hq / Hk 16 / 16, NOTES.md §58), each path
 through ``continuation_prefill_varlen`` with a workspace of workspace_bytes(N) as the
 plugin calls it. Writes dispatch-sweep.json (after each point) and prints a table of
 paged / windows per point, last.
+
+With --mixed, batches that mix decodes with 33-64-row requests (the decodes first, as
+vLLM orders a step) at head sizes 64 and 128, each through "auto" under three rules:
+0.6.13's (the band at head size 128 alone; a run's requests share the tile of its
+largest), "joined" (the band at both head sizes, one tile a run) and "split" (this
+version's: the two sides of PAGED_MAX_ROWS in runs of their own), beside the windows
+and the floor (NOTES.md §59). Writes dispatch-mixed.json; prints each rule / windows.
 """
 
+import contextlib
 import functools
 import json
 import os
@@ -32,6 +40,7 @@ from breakdown import floor_of, profile_ms
 from tqdm import tqdm
 
 from tq_chunked import continuation_prefill_varlen, default_window, workspace_bytes
+from tq_chunked.runtime import plan
 from tq_chunked.tools.testing import build_batch
 
 K = 1024
@@ -93,6 +102,55 @@ D64_BAND = (
 )
 
 
+# --mixed: (shape, [(requests, cached, query tokens), ...]) batches, decodes first
+MIXED_SHAPES = [
+    ("mha-d64 4bit bf16", 16, 16, 64, "turboquant_4bit_nc", torch.bfloat16),
+    ("mha-d64 3bit fp16", 16, 16, 64, "turboquant_3bit_nc", torch.float16),
+    ("llama3-8b 3bit fp16", 32, 8, 128, "turboquant_3bit_nc", torch.float16),
+]
+# query tokens at G 1 (head size 64; a quarter of them at G 4): decodes beside a few
+# 64-row requests, beside as many 40-row ones, and short decodes beside 64-row ones
+MIXES = [
+    ("64 x 4K + 4 x q64 16K", [(64, 4 * K, 1), (4, 16 * K, 64)]),
+    ("32 x 8K + 16 x q40 8K", [(32, 8 * K, 1), (16, 8 * K, 40)]),
+    ("128 x 2K + 8 x q64 4K", [(128, 2 * K, 1), (8, 4 * K, 64)]),
+]
+RULES = ("0.6.13", "joined", "split")
+
+
+def _joined(paged_runs):
+    """``plan.paged_runs`` with each run whole again: its parts on either side of
+    PAGED_MAX_ROWS joined (0.6.13's runs, one tile a run)."""
+
+    def runs(qsl, seq_lens, group, path, device, cfg):
+        out = []
+        for part in paged_runs(qsl, seq_lens, group, path, device, cfg):
+            between = range(out[-1][-1] + 1, part[0]) if out else ()
+            if out and not any(qsl[r + 1] > qsl[r] for r in between):
+                out[-1] = out[-1] + part
+            else:
+                out.append(part)
+        return out
+
+    return runs
+
+
+@contextlib.contextmanager
+def rule(name):
+    """The plan's rule ``name`` of RULES while the block runs."""
+    runs, least = plan.paged_runs, dict(plan.PAGED_LONG_CACHED)
+    if name != "split":
+        plan.paged_runs = _joined(runs)
+    if name == "0.6.13":
+        plan.PAGED_LONG_CACHED.pop(64)
+    try:
+        yield
+    finally:
+        plan.paged_runs = runs
+        plan.PAGED_LONG_CACHED.clear()
+        plan.PAGED_LONG_CACHED.update(least)
+
+
 def kernel_ms(call):
     return sum(profile_ms(call).values())
 
@@ -110,10 +168,9 @@ def host_ms(call, calls=20):
     return t
 
 
-def point(shape, rows, cached):
-    name, hq, hk, d, preset, dtype, b_n = shape
-    q_len = max(1, rows * hk // hq)
-    b = build_batch(preset, [(cached, q_len)] * b_n, hq, hk, d, 16, dtype, "cuda")
+def batch_call(b, hq, hk, d, dtype):
+    """``continuation_prefill_varlen`` over ``build_batch``'s batch ``b``, as the plugin
+    calls it (a workspace of workspace_bytes(N)); the path is the caller's."""
     qsl = torch.tensor(b["query_start_loc"], dtype=torch.int32)
     lens = torch.tensor(b["seq_lens"], dtype=torch.int32)
     n = b["query"].shape[0]
@@ -127,6 +184,14 @@ def point(shape, rows, cached):
         qsl.cuda(), lens.cuda(), **b["kwargs"], query_start_loc_cpu=qsl,
         seq_lens_cpu=lens, window=w, workspace=ws, check_block_table=False,
     )  # fmt: skip
+    return call
+
+
+def point(shape, rows, cached):
+    name, hq, hk, d, preset, dtype, b_n = shape
+    q_len = max(1, rows * hk // hq)
+    b = build_batch(preset, [(cached, q_len)] * b_n, hq, hk, d, 16, dtype, "cuda")
+    call = batch_call(b, hq, hk, d, dtype)
     # rows: the batch's own (q_len x Hq / Hk: 42 where 48 are asked at G 7)
     row = dict(shape=name, rows_asked=rows, rows=q_len * hq // hk, q_len=q_len,
                cached=cached, requests=b_n)  # fmt: skip
@@ -136,9 +201,50 @@ def point(shape, rows, cached):
         row[f"{path}_ms"] = kernel_ms(c)
         row[f"{path}_host_ms"] = host_ms(c)
     row["paged_over_window"] = row["paged_ms"] / row["window_ms"]
-    del b, ws
+    del b, call
     torch.cuda.empty_cache()
     return row
+
+
+def mixed_point(shape, mix):
+    name, hq, hk, d, preset, dtype = shape
+    g = hq // hk
+    reqs = [(c, max(1, q // g) if q > 1 else 1) for n, c, q in mix[1] for _ in range(n)]
+    b = build_batch(preset, reqs, hq, hk, d, 16, dtype, "cuda")
+    call = batch_call(b, hq, hk, d, dtype)
+    row = dict(shape=name, mix=mix[0], requests=len(reqs),
+               rows=sorted({q * g for _, q in reqs}))  # fmt: skip
+    row["floor_ms"] = kernel_ms(floor_of(b, hk, d, dtype))
+    row["window_ms"] = kernel_ms(functools.partial(call, path="window"))
+    qsl, lens = tuple(b["query_start_loc"]), tuple(b["seq_lens"])
+    cfg = plan.TQConfig.from_preset(preset, d)
+    for name in RULES:
+        with rule(name):
+            runs = plan.paged_runs(qsl, lens, g, "auto", torch.device("cuda"), cfg)
+            row[f"{name}_runs"] = [len(r) for r in runs]
+            c = functools.partial(call, path="auto")
+            row[f"{name}_ms"] = kernel_ms(c)
+            row[f"{name}_host_ms"] = host_ms(c)
+    del b, call
+    torch.cuda.empty_cache()
+    return row
+
+
+def mixed(out_dir):
+    rows = []
+    points = [(s, m) for s in MIXED_SHAPES for m in MIXES]
+    for shape, mix in tqdm(points, desc="points", file=sys.stdout):
+        rows.append(mixed_point(shape, mix))
+        with open(os.path.join(out_dir, "dispatch-mixed.json"), "w") as fh:
+            json.dump(
+                dict(device=torch.cuda.get_device_name(), rows=rows), fh, indent=1
+            )
+    print("\nGPU kernel time per call: each rule / the windows (floor / windows)")
+    print("| shape | batch | " + " | ".join(RULES) + " | floor |")
+    print("|---" * (len(RULES) + 3) + "|")
+    for x in rows:
+        cells = [f"{x[f'{r}_ms'] / x['window_ms']:.2f}" for r in RULES + ("floor",)]
+        print(f"| {x['shape']} | {x['mix']} | " + " | ".join(cells) + " |")
 
 
 def main():
@@ -148,7 +254,11 @@ def main():
         "--short-band": SHORT_BAND,
         "--d64-band": D64_BAND,
     }
-    args = [a for a in sys.argv[1:] if a not in bands]
+    args = [a for a in sys.argv[1:] if a not in bands and a != "--mixed"]
+    if "--mixed" in sys.argv[1:]:
+        out_dir = args[0] if args else os.environ.get("OUT", ".")
+        os.makedirs(out_dir, exist_ok=True)
+        return mixed(out_dir)
     chosen = [bands[a] for a in sys.argv[1:] if a in bands]
     if len(chosen) > 1:
         sys.exit("dispatch_sweep.py: choose one of " + ", ".join(bands))

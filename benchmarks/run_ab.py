@@ -13,7 +13,8 @@ swaps every round.
 
 Cases: ``host_profile.py --paged``'s three decodes (the memory-bound path) and its
 ``--run`` batch, 16 prefix-cache hits of 64 tokens over 1-2K, in 1 and in 8 windows;
-one hit of 64 tokens over 16K in 8 windows (a long request: its windows merged).
+one hit of 64 tokens over 16K in 8 windows (a long request: its windows merged); 32
+decodes beside 16 requests of 40 rows a kv head over 8K (two paged runs from 0.6.14).
 Per case and version: ``ContinuationPrefill.plan`` and ``Step.run`` (one layer), the
 median of ``--rounds`` medians of ``--calls`` calls; new / old; and whether the two
 versions' outputs are the same bits. Writes OUT_DIR/run-ab.json and prints a table.
@@ -73,6 +74,11 @@ def cases():
     # a long request: 8 windows over one prefix, each merged into its state
     out.append(("1 hit q64 16K, 8 windows", [(16 * 1024, 64)], 2064,
                 "turboquant_3bit_nc", (32, 8, 128), "float16"))  # fmt: skip
+    # decodes beside 40-row requests: one paged run until 0.6.13, two from 0.6.14
+    # (NOTES.md §59; other tiles, so not the same bits)
+    mixed = [(8 * 1024, 1)] * 32 + [(8 * 1024, 10)] * 16
+    out.append(("32 decodes + 16 x q10 8K", mixed, None, "turboquant_3bit_nc",
+                (32, 8, 128), "float16"))  # fmt: skip
     return out
 
 

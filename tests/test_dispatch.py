@@ -33,7 +33,8 @@ BACKEND = "triton" if DEVICE == "cuda" else "torch"
 # paged, window, paged, window, so that a window's fill follows a paged run.
 REQUESTS = [(90, 3), (0, 5), (33, 0), (130, 17), (45, 16), (200, 1), (70, 20)]
 UNITS = ["paged 0", "window 1 3", "paged 4 5", "window 6"]
-PAGED_UNITS = ["paged 0", "window 1", "paged 3 4 5 6"]  # path="paged"
+# path="paged": 3 and 6 (34 and 40 rows a kv head) in runs of their own (paged_runs)
+PAGED_UNITS = ["paged 0", "window 1", "paged 3", "paged 4 5", "paged 6"]
 
 
 @pytest.fixture(autouse=True)
@@ -130,7 +131,8 @@ def test_auto_needs_enough_cached_tokens_in_a_run(monkeypatch):
     assert paged(torch.bfloat16, "turboquant_k8v4") == ["paged 2 3"]
 
 
-LONG = plan.PAGED_LONG_CACHED
+LONG = plan.PAGED_LONG_CACHED[128]
+LONG64 = plan.PAGED_LONG_CACHED[64]
 
 
 @pytest.mark.parametrize(
@@ -144,6 +146,10 @@ LONG = plan.PAGED_LONG_CACHED
         (plan.PAGED_MAX_ROWS_LONG + 1, LONG, "turboquant_3bit_nc", 128, False),
         (plan.PAGED_MAX_ROWS_LONG, LONG - 1, "turboquant_3bit_nc", 128, False),
         (plan.PAGED_MAX_ROWS_LONG, LONG, "turboquant_3bit_nc", 64, False),
+        (plan.PAGED_MAX_ROWS_LONG, LONG64, "turboquant_3bit_nc", 64, True),  # §59
+        (plan.PAGED_MAX_ROWS_LONG, LONG64 - 1, "turboquant_4bit_nc", 64, False),
+        (PAGED_MAX_ROWS + 1, LONG64, "turboquant_k3v4_nc", 64, True),
+        (plan.PAGED_MAX_ROWS_LONG, LONG64, "turboquant_k8v4", 64, False),
         (plan.PAGED_MAX_ROWS_LONG, LONG, "turboquant_k8v4", 128, False),
         (plan.PAGED_MAX_ROWS_LONG, 1024, "turboquant_3bit_nc", 128, True),  # §57's bar
         (plan.PAGED_MAX_ROWS_LONG, 1023, "turboquant_3bit_nc", 128, False),
@@ -152,9 +158,9 @@ LONG = plan.PAGED_LONG_CACHED
 def test_more_rows_take_the_memory_bound_path_only_over_a_long_prefix(
     rows, cached, preset, head_dim, takes
 ):
-    """The rule's second band (NOTES.md §41, §57): 33-64 rows a kv head where the
-    request holds 1K cached tokens or more, at head size 128 (the one measured) over
-    MSE keys."""
+    """The rule's second band (NOTES.md §41, §57, §59): 33-64 rows a kv head where the
+    request holds 1K cached tokens or more at head size 128, 4K or more at 64 (the
+    head sizes measured), over MSE keys."""
     cfg = plan.TQConfig.from_preset(preset, head_dim)
     assert plan.paged_eligible(rows, cached, cfg) is takes
 
@@ -171,7 +177,7 @@ def test_the_grids_56_row_batch_over_1k_16k_is_one_memory_bound_run():
     for cached, q in w.requests:
         qsl.append(qsl[-1] + q)
         lens.append(cached + q)
-    assert min(c for c, _ in w.requests) >= plan.PAGED_LONG_CACHED
+    assert min(c for c, _ in w.requests) >= LONG
     table = torch.zeros(len(lens), max(lens) // 16 + 1, dtype=torch.int32)
     prefill = ContinuationPrefill(hq, hk, d, preset=w.preset, block_size=16)
     step = prefill.plan(table.to(DEVICE), query_start_loc_cpu=qsl, seq_lens_cpu=lens)
@@ -180,7 +186,7 @@ def test_the_grids_56_row_batch_over_1k_16k_is_one_memory_bound_run():
 
 def test_a_run_of_long_prefixes_with_64_rows_takes_the_memory_bound_path(monkeypatch):
     """Speculative verification's shape: 16 tokens of Hq / Hk = 4 over long prefixes;
-    the same requests at head size 64 stay in windows."""
+    the same requests at head size 64 stay in windows (under its bar of 4K)."""
     monkeypatch.undo()
     reqs = [(LONG, 16)] * (plan.PAGED_MIN_CACHED // LONG)
     qsl = [16 * i for i in range(len(reqs) + 1)]
@@ -195,6 +201,24 @@ def test_a_run_of_long_prefixes_with_64_rows_takes_the_memory_bound_path(monkeyp
 
     assert units(128) == ["paged " + " ".join(map(str, range(len(reqs))))]
     assert not any(u.startswith("paged") for u in units(64))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("path", ["auto", "paged"])
+def test_requests_either_side_of_32_rows_never_share_a_run(path, head_dim):
+    """A run's tile follows its largest request, so decodes and 33-64-row requests
+    form runs of their own (NOTES.md §59): Hq / Hk = 4, decodes (4 rows), then 10 and
+    16 tokens (40 and 64 rows), a decode, a request without query tokens (in neither),
+    and 8 tokens (32 rows) over 4K prefixes; a first chunk ends the run."""
+    cfg = plan.TQConfig.from_preset("turboquant_3bit_nc", head_dim)
+    c = LONG64
+    reqs = [(c, 1), (c, 1), (c, 10), (c, 16), (c, 1), (c, 0), (c, 8), (0, 9), (c, 1)]
+    qsl = [0]
+    for _, q in reqs:
+        qsl.append(qsl[-1] + q)
+    lens = tuple(c + q for c, q in reqs)
+    runs = plan.paged_runs(tuple(qsl), lens, 4, path, torch.device(DEVICE), cfg)
+    assert runs == [(0, 1), (2, 3), (4, 6), (8,)]
 
 
 @pytest.mark.parametrize("path", ["auto", "paged", "window"])
@@ -301,7 +325,7 @@ def test_a_steps_layers_launch_bound_as_each_alone(preset, path):
     batch = make_batch(REQUESTS, preset, seed=6, device=DEVICE)
     paths = _paths(path)
     step = _plan(batch, **paths)
-    if path == "paged":  # one run with own keys, one with the call, one window
+    if path == "paged":  # runs with own keys, runs with the call, one window
         assert _units(step) == PAGED_UNITS
     if path == "long":
         assert [u for u in _units(step) if u.startswith("long")] == [
@@ -329,8 +353,18 @@ def test_a_steps_layers_launch_bound_as_each_alone(preset, path):
     # neither the query nor the scale; an fp8 preset's launches not the rotation; a
     # merge reads out, lse and the partials alone, of the same layouts in each layer
     mse = PRESETS[preset][0] != 8
-    if path == "paged":  # two runs and a window's fill
-        assert bound == [3, 3, 6, 6, 8, 10, 13, 13 + 3 * mse]
+    if path == "paged":  # four runs (r) and a window's fill (f)
+        r, f = 4, 1
+        assert bound == [
+            r + f,
+            r + f,
+            2 * (r + f),
+            2 * (r + f),
+            2 * (r + f) + r,  # another scale: the runs alone
+            2 * (r + f) + 2 * r,  # a strided query: the runs alone
+            3 * (r + f) + 2 * r,
+            (3 + mse) * (r + f) + 2 * r,
+        ]
     else:
         n = bound[0]
         assert n and bound == [n, n, 2 * n, 2 * n, 2 * n, 2 * n, 3 * n, (3 + mse) * n]
@@ -373,8 +407,8 @@ def test_layers_of_other_out_and_lse_layouts_bind_again(path):
         assert lse is None or torch.equal(lse, one_lse), (name, batch.seed)
         counts.append(_bound_counts(step))
     unit = "paged" if path == "paged" else "merge"
-    first = counts[0][unit]  # 2 paged runs; 11 windows' merges
-    assert first == (2 if path == "paged" else 11)
+    first = counts[0][unit]  # 4 paged runs; 11 windows' merges
+    assert first == (4 if path == "paged" else 11)
     assert [c[unit] for c in counts] == [first * (i + 1) for i in range(len(counts))]
     assert len({c["fill"] for c in counts}) == 1
 
@@ -488,8 +522,9 @@ def test_bound_launches_are_what_paged_launches_and_fill_launch_build(
             m.setattr(step, "_bound", {})
             step.run(*args, **kw, out=out, lse=lse)
         launches, fresh = seen[: len(seen) // 2], seen[len(seen) // 2 :]
-        # rotate, paged, combine twice; the window's split and fill
-        assert len(launches) == len(fresh) == 8
+        # rotate, paged, combine for each of the four runs; the window's split and
+        # fill
+        assert len(launches) == len(fresh) == 14
         for a, b in zip(launches, fresh):
             assert a[:2] == b[:2] and a[3] == b[3] and len(a[2]) == len(b[2])
             for x, y in zip(a[2], b[2]):
@@ -499,7 +534,7 @@ def test_bound_launches_are_what_paged_launches_and_fill_launch_build(
                 else:
                     assert x == y, (layer, a[0])
     # built where the layouts, the aliasing or the scale changed
-    assert binds == [2, 0, 2, 0, 2, 2, 2, 2]
+    assert binds == [4, 0, 4, 0, 4, 4, 4, 4]
 
 
 @settings(

@@ -26,9 +26,10 @@ dequantized, new tokens copied after them.
   prefix is bound by the bytes of its cache: it takes the **memory-bound path**
   (paged.py) instead of windows, where consecutive such requests hold
   PAGED_MIN_CACHED cached tokens together. They form a
-  **paged run**: one causal attention call over their own tokens, then their cached
-  positions read straight from the paged cache (split over the SMs, no fp16 K/V
-  anywhere), merged with that call's partial.
+  **paged run** (those of at most PAGED_MAX_ROWS rows and those of more in runs of
+  their own: a run's tile follows its largest request): one causal attention call over
+  their own tokens, then their cached positions read straight from the paged cache
+  (split over the SMs, no fp16 K/V anywhere), merged with that call's partial.
 
     requests   A: 900 + 40 | B: 300 + 20 | C: 30000 cached + 600 new | D: 0 + 64
                | E: 200000 + 1 | F: 90000 + 4     (Hq / Hk = 4: E 4 rows, F 16)
@@ -94,16 +95,15 @@ FIT_ROWS = 256  # a window fitted to the budget is a multiple of this (fit_windo
 # fixed cost weighs against it (benchmarks/NOTES.md §35, §37, §39).
 PAGED_MAX_ROWS = 32
 PAGED_MIN_CACHED = 256 * 1024
-# Up to PAGED_MAX_ROWS_LONG rows (two tiles, each decoding every slot) where the
-# request itself holds PAGED_LONG_CACHED cached tokens, at head size 128 over MSE keys:
-# faster than the windows from 2K cached tokens a request; at 1K, the least measured,
-# about even, and taken so that a request between 1K and 2K does not break its run
-# below PAGED_MIN_CACHED (benchmarks/NOTES.md §41, §57). Head size 64 measured slower
-# in two 32-row tiles (§41) and faster in one of 64 (§58), but a run's tile follows its
-# largest request, and a run mixing decodes with 33-64-row requests was not measured
-# there. Head size 256 and fp8 keys not measured.
+# Up to PAGED_MAX_ROWS_LONG rows where the request itself holds PAGED_LONG_CACHED[head
+# size] cached tokens, over MSE keys: at head size 128 (two 32-row tiles, each decoding
+# every slot) faster than the windows from 2K cached tokens a request; at 1K, the least
+# measured, about even, and taken so that a request between 1K and 2K does not break
+# its run below PAGED_MIN_CACHED (benchmarks/NOTES.md §41, §57). At head size 64 (one
+# 64-row tile) 0.78-0.88x the windows' time at 4K, the least measured, 0.33-0.38x from
+# 16K (§58, §59). Head size 256 and fp8 keys not measured.
 PAGED_MAX_ROWS_LONG = 64
-PAGED_LONG_CACHED = 1024
+PAGED_LONG_CACHED = {128: 1024, 64: 4096}
 PATHS = ("auto", "window", "paged")
 
 
@@ -487,15 +487,16 @@ def make_plan(
 def paged_eligible(rows: int, cached: int, cfg: TQConfig) -> bool:
     """Whether "auto" may send a request of ``rows`` query rows per kv head over
     ``cached`` cached tokens (at least one) to the memory-bound path: at most
-    PAGED_MAX_ROWS rows, or at most PAGED_MAX_ROWS_LONG over PAGED_LONG_CACHED cached
-    tokens or more at head size 128 over MSE keys (``paged_runs`` tests the first
-    inline)."""
+    PAGED_MAX_ROWS rows, or at most PAGED_MAX_ROWS_LONG over PAGED_LONG_CACHED[head
+    size] cached tokens or more (head sizes 64 and 128) over MSE keys (``paged_runs``
+    tests the first inline)."""
     if rows <= PAGED_MAX_ROWS:
         return True
+    least = PAGED_LONG_CACHED.get(cfg.head_dim)
     return (
         rows <= PAGED_MAX_ROWS_LONG
-        and cached >= PAGED_LONG_CACHED
-        and cfg.head_dim == 128
+        and least is not None
+        and cached >= least
         and not cfg.key_fp8
     )
 
@@ -511,33 +512,42 @@ def paged_runs(
     """The requests the memory-bound path serves, as runs of consecutive ones (requests
     without query tokens neither join nor break a run): with path "paged" every
     request with query and cached tokens; with "auto" those with cached tokens that
-    ``paged_eligible`` admits (``group`` = Hq / Hk), in runs of at least
-    PAGED_MIN_CACHED cached tokens, where Triton runs (on a GPU, or under the
-    interpreter)."""
+    ``paged_eligible`` admits (``group`` = Hq / Hk), where consecutive ones hold at
+    least PAGED_MIN_CACHED cached tokens together, and where Triton runs (on a GPU, or
+    under the interpreter). Requests of more than PAGED_MAX_ROWS rows a kv head and
+    those of at most that many never share a run."""
     triton_runs = device.type == "cuda" or interpreting()
     if path == "window" or (path == "auto" and not triton_runs):
         return []
-    runs: list[tuple[int, ...]] = []
-    run: list[int] = []
+    # each run as its parts: its requests of at most PAGED_MAX_ROWS rows a kv head and
+    # those of more form parts of their own, since a run's tile follows its largest
+    # request (paged.default_launch): whole, decodes beside a 40-row request would each
+    # take a 32- or 64-row tile where their own is 8 or 16 rows (NOTES.md §59)
+    runs: list[list[list[int]]] = []
+    run: list[list[int]] = []
+    was_wide = False
     every = path == "paged"
     for r, (s, q) in enumerate(zip(seq_lens, map(operator.sub, qsl[1:], qsl[:-1]))):
         if not q:
             continue
         # paged_eligible's first test inline: its call cost more than the rest (§51)
         rows = q * group
-        if s > q and (
-            every or rows <= PAGED_MAX_ROWS or paged_eligible(rows, s - q, cfg)
-        ):
-            run.append(r)
+        wide = rows > PAGED_MAX_ROWS
+        if s > q and (every or not wide or paged_eligible(rows, s - q, cfg)):
+            if run and wide == was_wide:
+                run[-1].append(r)
+            else:
+                run.append([r])
+            was_wide = wide
         elif run:
-            runs.append(tuple(run))
+            runs.append(run)
             run = []
     if run:
-        runs.append(tuple(run))
+        runs.append(run)
     if path == "auto":
-        cached = lambda run: sum(seq_lens[r] - qsl[r + 1] + qsl[r] for r in run)
-        runs = [run for run in runs if cached(run) >= PAGED_MIN_CACHED]
-    return runs
+        cached = lambda part: sum(seq_lens[r] - qsl[r + 1] + qsl[r] for r in part)
+        runs = [run for run in runs if sum(map(cached, run)) >= PAGED_MIN_CACHED]
+    return [tuple(part) for run in runs for part in run]
 
 
 def windows(
