@@ -109,11 +109,15 @@ MIXED_SHAPES = [
     ("llama3-8b 3bit fp16", 32, 8, 128, "turboquant_3bit_nc", torch.float16),
 ]
 # query tokens at G 1 (head size 64; a quarter of them at G 4): decodes beside a few
-# 64-row requests, beside as many 40-row ones, and short decodes beside 64-row ones
+# 64-row requests, beside as many 40-row ones, short decodes beside 64-row ones, and
+# the two in turn
 MIXES = [
     ("64 x 4K + 4 x q64 16K", [(64, 4 * K, 1), (4, 16 * K, 64)]),
     ("32 x 8K + 16 x q40 8K", [(32, 8 * K, 1), (16, 8 * K, 40)]),
     ("128 x 2K + 8 x q64 4K", [(128, 2 * K, 1), (8, 4 * K, 64)]),
+    # decodes and 40-row requests in turn: one run under the rule (parts under
+    # plan.PAGED_MIN_PART join), the last wide request to the windows
+    ("24 x (8K + q40 8K)", [(1, 8 * K, 1), (1, 8 * K, 40)] * 24),
 ]
 RULES = ("0.6.13", "joined", "split")
 
@@ -139,11 +143,11 @@ def _joined(paged_runs):
 def rule(name):
     """The plan's rule ``name`` of RULES while the block runs."""
     runs, least = plan.paged_runs, dict(plan.PAGED_LONG_CACHED)
-    if name != "split":
-        plan.paged_runs = _joined(runs)
-    if name == "0.6.13":
-        plan.PAGED_LONG_CACHED.pop(64)
     try:
+        if name != "split":
+            plan.paged_runs = _joined(runs)
+        if name == "0.6.13":
+            plan.PAGED_LONG_CACHED.pop(64, None)
         yield
     finally:
         plan.paged_runs = runs
@@ -209,7 +213,7 @@ def point(shape, rows, cached):
 def mixed_point(shape, mix):
     name, hq, hk, d, preset, dtype = shape
     g = hq // hk
-    reqs = [(c, max(1, q // g) if q > 1 else 1) for n, c, q in mix[1] for _ in range(n)]
+    reqs = [(c, max(1, q // g)) for n, c, q in mix[1] for _ in range(n)]
     b = build_batch(preset, reqs, hq, hk, d, 16, dtype, "cuda")
     call = batch_call(b, hq, hk, d, dtype)
     row = dict(shape=name, mix=mix[0], requests=len(reqs),
@@ -218,13 +222,13 @@ def mixed_point(shape, mix):
     row["window_ms"] = kernel_ms(functools.partial(call, path="window"))
     qsl, lens = tuple(b["query_start_loc"]), tuple(b["seq_lens"])
     cfg = plan.TQConfig.from_preset(preset, d)
-    for name in RULES:
-        with rule(name):
+    for rule_name in RULES:
+        with rule(rule_name):
             runs = plan.paged_runs(qsl, lens, g, "auto", torch.device("cuda"), cfg)
-            row[f"{name}_runs"] = [len(r) for r in runs]
+            row[f"{rule_name}_runs"] = [len(r) for r in runs]
             c = functools.partial(call, path="auto")
-            row[f"{name}_ms"] = kernel_ms(c)
-            row[f"{name}_host_ms"] = host_ms(c)
+            row[f"{rule_name}_ms"] = kernel_ms(c)
+            row[f"{rule_name}_host_ms"] = host_ms(c)
     del b, call
     torch.cuda.empty_cache()
     return row

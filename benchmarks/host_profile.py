@@ -1,6 +1,6 @@
 """Where the host time of one continuation_prefill_varlen call goes (GPU).
 
-    python benchmarks/host_profile.py [--run]
+    python benchmarks/host_profile.py [--run | --paged | --plan]
 
 For a single request (Hq 32, Hk 8, q 512, 8K cached: one window), a long one (q 2048,
 128K: 6 windows) and a batch of 16 prefix-cache hits: the host time per call with the
@@ -12,6 +12,11 @@ With --run: the per-layer ``Step.run`` of a plan made once (issue 34's target), 
 prefix-cache hits (q 64 over 1K-2K cached) in 1 and in 8 windows: its host time per
 layer with the GPU kept busy, and a cProfile of 32 layers x 10 (top functions by own
 time, then by cumulative time).
+
+With --plan: where the host time of a step's plan goes (``ContinuationPrefill.plan``
+on the memory-bound path): --paged's decodes and 32 decodes beside 16 requests of 40
+rows a kv head (two paged runs, NOTES.md §59), its host time with the GPU kept busy and
+a cProfile of 200 plans (top functions by own time, then by cumulative time).
 
 With --paged: the same for three decode batches of the memory-bound grid
 (``testing.memory_bound_workloads``: 64 x 1K-8K, 256 x 1K-4K k8v4 bf16, 128 x 4K-8K
@@ -87,7 +92,18 @@ PAGED_CASES = (
 )
 
 
+# --plan's batch beside --paged's: decodes, then 40-row requests (two paged runs)
+MIXED_CASE = ("32 decodes + 16 x q10 8K", [(8192, 1)] * 32 + [(8192, 10)] * 16)
+
+
 def main():
+    if "--plan" in sys.argv[1:]:
+        grid = {w.name: w for w in memory_bound_workloads()}
+        for name in PAGED_CASES:
+            w = grid[name]
+            profile_plan(name, w.requests, w.preset, SHAPES[w.shape], w.dtype)
+        profile_plan(*MIXED_CASE)
+        return
     if "--paged" in sys.argv[1:]:
         grid = {w.name: w for w in memory_bound_workloads()}
         for name in PAGED_CASES:
@@ -160,6 +176,30 @@ def profile_run(name, requests, window, preset="turboquant_3bit_nc",
         )
     # 10 steps of 32 layers, ~30 ms of GPU work ahead of each
     stats = profiled(layer, calls=32, rounds=10, spin_cycles=60_000_000)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(30)
+
+
+def profile_plan(name, requests, preset="turboquant_3bit_nc", heads=(32, 8, 128),
+                 dtype="float16"):  # fmt: skip
+    """Print the plan's host time and its profile (see the module's doc)."""
+    hq, hk, d = heads
+    b = build_batch(preset, requests, hq, hk, d, 16, getattr(torch, dtype), "cuda")
+    prefill = ContinuationPrefill(
+        hq, hk, d, preset=preset, dtype=getattr(torch, dtype), block_size=16,
+        check_block_table=False,
+    )  # fmt: skip
+    ws = torch.empty(
+        prefill.workspace_bytes(b["query"].shape[0]), dtype=torch.uint8, device="cuda"
+    )
+    lengths = dict(
+        query_start_loc_cpu=torch.tensor(b["query_start_loc"], dtype=torch.int32),
+        seq_lens_cpu=torch.tensor(b["seq_lens"], dtype=torch.int32),
+    )
+    plan = functools.partial(prefill.plan, b["block_table"], **lengths, workspace=ws)
+    runs = sum(isinstance(u, PagedRun) for u in plan().plan.units)
+    print(f"== {name}: {runs} paged runs, plan() {host_us(plan):.0f} us")
+    stats = profiled(plan, calls=20, rounds=10, spin_cycles=60_000_000)
     stats.sort_stats("tottime").print_stats(25)
     stats.sort_stats("cumulative").print_stats(30)
 

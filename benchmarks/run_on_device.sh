@@ -220,8 +220,9 @@ for mode in "$@"; do
         "$OUT" ${LAUNCH_BATCHES:+--batches "$LAUNCH_BATCHES"} ${LAUNCH_LIST:+--launches \
         "$LAUNCH_LIST"} 2>"$OUT/launch-sweep.log" | tee "$OUT/launch-sweep.md" | tail -16 ;;
     host)
-      # HOST_ARGS: --run (a window step's run per layer) or --paged (decodes on the
-      # memory-bound path: the plan per step and the run per layer, NOTES.md §49)
+      # HOST_ARGS: --run (a window step's run per layer), --paged (decodes on the
+      # memory-bound path: the plan per step and the run per layer, NOTES.md §49) or
+      # --plan (where the plan's host time goes, NOTES.md §59)
       carry .gpu-carry timeout 120 python3 benchmarks/host_profile.py ${HOST_ARGS:-} 2>&1 | tee "$OUT/host-profile.txt" \
         | grep -E "==|us$" ;;
     host-calls)

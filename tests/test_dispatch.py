@@ -40,8 +40,10 @@ PAGED_UNITS = ["paged 0", "window 1", "paged 3", "paged 4 5", "paged 6"]
 @pytest.fixture(autouse=True)
 def any_cached_length(monkeypatch):
     """Batches small enough for the interpreter: "auto" takes the memory-bound path
-    for runs of any cached length (the rule's threshold has its own test)."""
+    for runs of any cached length, and cuts them into parts of any (the rule's
+    thresholds have their own tests)."""
     monkeypatch.setattr(plan, "PAGED_MIN_CACHED", 1)
+    monkeypatch.setattr(plan, "PAGED_MIN_PART", 1)
 
 
 def _units(step):
@@ -132,6 +134,7 @@ def test_auto_needs_enough_cached_tokens_in_a_run(monkeypatch):
 
 
 LONG = plan.PAGED_LONG_CACHED[128]
+MIN_PART = plan.PAGED_MIN_PART  # as the plan has it (the fixture patches it)
 LONG64 = plan.PAGED_LONG_CACHED[64]
 
 
@@ -203,22 +206,60 @@ def test_a_run_of_long_prefixes_with_64_rows_takes_the_memory_bound_path(monkeyp
     assert not any(u.startswith("paged") for u in units(64))
 
 
+def _runs(reqs, path="auto", head_dim=128, group=4):
+    """plan.paged_runs of (cached, q_len) requests over 3-bit MSE keys."""
+    cfg = plan.TQConfig.from_preset("turboquant_3bit_nc", head_dim)
+    qsl = [0]
+    for _, q in reqs:
+        qsl.append(qsl[-1] + q)
+    lens = tuple(c + q for c, q in reqs)
+    return plan.paged_runs(tuple(qsl), lens, group, path, torch.device(DEVICE), cfg)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("path", ["auto", "paged"])
 def test_requests_either_side_of_32_rows_never_share_a_run(path, head_dim):
     """A run's tile follows its largest request, so decodes and 33-64-row requests
     form runs of their own (NOTES.md §59): Hq / Hk = 4, decodes (4 rows), then 10 and
     16 tokens (40 and 64 rows), a decode, a request without query tokens (in neither),
-    and 8 tokens (32 rows) over 4K prefixes; a first chunk ends the run."""
-    cfg = plan.TQConfig.from_preset("turboquant_3bit_nc", head_dim)
+    and 8 tokens (32 rows), over 4K each (the fixture's PAGED_MIN_PART: any part
+    stands alone); a first chunk ends the span."""
     c = LONG64
     reqs = [(c, 1), (c, 1), (c, 10), (c, 16), (c, 1), (c, 0), (c, 8), (0, 9), (c, 1)]
-    qsl = [0]
-    for _, q in reqs:
-        qsl.append(qsl[-1] + q)
-    lens = tuple(c + q for c, q in reqs)
-    runs = plan.paged_runs(tuple(qsl), lens, 4, path, torch.device(DEVICE), cfg)
-    assert runs == [(0, 1), (2, 3), (4, 6), (8,)]
+    assert _runs(reqs, path, head_dim) == [(0, 1), (2, 3), (4, 6), (8,)]
+
+
+@pytest.mark.parametrize("path", ["auto", "paged"])
+def test_a_small_part_joins_its_neighbour_or_a_small_wide_end_goes_to_windows(
+    path, monkeypatch
+):
+    """Parts under PAGED_MIN_PART cached tokens (NOTES.md §59): decodes with one wide
+    request after them keep their own tile ("auto": the wide request to the windows;
+    "paged": it joins them); interleaved decodes and wide requests are one run, not one
+    each; a small part joins the large one before it (any run length: the fixture's
+    PAGED_MIN_CACHED)."""
+    monkeypatch.setattr(plan, "PAGED_MIN_PART", MIN_PART)
+    small, large = 4096, MIN_PART
+    decodes = [(large // 8, 1)] * 8  # one large part
+    wide = (small, 16)  # 64 rows a kv head
+    one_wide = _runs([*decodes, wide], path)
+    assert one_wide == ([tuple(range(8))] if path == "auto" else [tuple(range(9))])
+    interleaved = [(small, 1), wide] * 6 + [(small, 1)]
+    assert _runs(interleaved, path) == [tuple(range(13))]
+    # a large wide part, then a small decode: the decode joins it
+    assert _runs([(large, 16), (large, 16), (small, 1)], path) == [(0, 1, 2)]
+
+
+def test_the_run_minimum_counts_a_span_before_it_is_cut(monkeypatch):
+    """PAGED_MIN_CACHED holds for a span of consecutive requests, not each of its
+    runs: decodes under the minimum and wide requests that bring the span to it are
+    both served, each in its run."""
+    monkeypatch.undo()
+    least = plan.PAGED_MIN_CACHED
+    decodes = [(least // 16, 1)] * 12  # three quarters of the minimum
+    wide = [(least // 8, 16)] * 2  # the rest
+    assert _runs(decodes) == []
+    assert _runs(decodes + wide) == [tuple(range(12)), (12, 13)]
 
 
 @pytest.mark.parametrize("path", ["auto", "paged", "window"])

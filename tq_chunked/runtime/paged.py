@@ -55,8 +55,11 @@ benchmarks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -163,8 +166,13 @@ class PagedPlan:
     def num_tokens(self) -> int:
         return len(self.tokens) // TOKEN_FIELDS
 
-    def regions(self) -> dict[str, tuple[int, tuple[int, ...], torch.dtype]]:
-        """Each scratch region's name -> (byte offset, shape, dtype)."""
+    def regions(self) -> Mapping[str, tuple[int, tuple[int, ...], torch.dtype]]:
+        """Each scratch region's name -> (byte offset, shape, dtype), read only."""
+        return MappingProxyType(self._regions)
+
+    @functools.cached_property
+    def _regions(self) -> dict[str, tuple[int, tuple[int, ...], torch.dtype]]:
+        # once a plan: sizing, carving and the workspace's bound each read it
         hq, hk, d, n = self.num_q_heads, self.num_kv_heads, self.head_dim, 0
         out, at = {}, 0
         if self.half_chunk:
@@ -183,7 +191,7 @@ class PagedPlan:
             at += _aligned(math.prod(shape) * dtype.itemsize)
         return out
 
-    @property
+    @functools.cached_property
     def scratch_bytes(self) -> int:
         """Bytes of the scratch (each region aligned to 256 bytes)."""
         return sum(
@@ -513,19 +521,21 @@ def plan_paged(
         work = int((tiles * cached).sum()) * hk
         split_len = max(MIN_SPLIT, cdiv(work, max(sms * programs_per_sm, 1)))
     split_len = cdiv(max(min(split_len, longest), 1), block_n) * block_n
+    if max_registers is None:
+        max_registers = register_cap(block_m, block_n, num_warps, head_dim, interpret)
+    launch = dict(
+        half_chunk=half_chunk,
+        max_registers=max_registers,
+        prefetch=prefetch,
+        own_keys=own_keys,
+    )
     while True:
         plan = _build(
             cfg, hq, hk, served, q0, q_len, cached, rows, tiles,
-            block_m, block_n, num_warps, split_len, half_chunk,
+            block_m, block_n, num_warps, split_len, launch,
         )  # fmt: skip
         if plan.scratch_bytes <= max_scratch_bytes:
-            if max_registers is None:
-                max_registers = register_cap(
-                    block_m, block_n, num_warps, head_dim, interpret
-                )
-            return dataclasses.replace(
-                plan, max_registers=max_registers, prefetch=prefetch, own_keys=own_keys
-            )
+            return plan
         if split_len >= longest:
             raise ValueError(
                 f"the memory-bound path needs {plan.scratch_bytes} bytes of scratch "
@@ -537,32 +547,44 @@ def plan_paged(
 
 def _build(
     cfg, hq, hk, served, q0, q_len, cached, rows, tiles,
-    block_m, block_n, num_warps, split_len, half_chunk,
+    block_m, block_n, num_warps, split_len, launch,
 ) -> PagedPlan:  # fmt: skip
     """The work list and the tokens' fields, built by array ops on the host from the
     served requests' int64 arrays (thousands of programs per step: a Python loop took
     milliseconds, benchmarks/NOTES.md §38). Request i's programs, in order: tile, kv
-    head, split; its tokens: its query tokens in order."""
+    head, split; its tokens: its query tokens in order. ``launch``: PagedPlan's
+    half_chunk, max_registers, prefetch and own_keys."""
     n = len(served)
     splits = np.where(tiles > 0, -(-cached // split_len), 0)
     part0 = np.cumsum(splits * q_len) - splits * q_len  # the request's first row
     crow0 = np.cumsum(q_len) - q_len  # its first served token
 
+    # each field into its int32 column
     i = np.repeat(np.arange(n), q_len)  # each served token's request
     t = np.arange(i.size) - crow0[i]
-    tokens = np.stack([q0[i] + t, part0[i] + t, splits[i], q_len[i], q0[i]], axis=1)
+    tokens = np.empty((i.size, TOKEN_FIELDS), np.int32)
+    tokens[:, 0] = q0[i] + t
+    tokens[:, 1] = part0[i] + t
+    tokens[:, 2] = splits[i]
+    tokens[:, 3] = q_len[i]
+    tokens[:, 4] = q0[i]
 
     count = tiles * hk * splits
     i = np.repeat(np.arange(n), count)  # each program's request
     k = np.arange(i.size) - (np.cumsum(count) - count)[i]  # its index
     s = splits[i]  # > 0 for every program
-    j, h, tile = k % s, (k // s) % hk, k // (s * hk)
+    j = k % s
     p0 = j * split_len
-    work = np.stack(
-        [served[i], h, q0[i], crow0[i], rows[i], tile * block_m, p0,
-         np.minimum(cached[i], p0 + split_len), part0[i] + j * q_len[i]],
-        axis=1,
-    )  # fmt: skip
+    work = np.empty((i.size, WORK_FIELDS), np.int32)
+    work[:, 0] = served[i]
+    work[:, 1] = (k // s) % hk  # kv head
+    work[:, 2] = q0[i]
+    work[:, 3] = crow0[i]
+    work[:, 4] = rows[i]
+    work[:, 5] = k // (s * hk) * block_m  # the tile's first row
+    work[:, 6] = p0
+    work[:, 7] = np.minimum(cached[i], p0 + split_len)
+    work[:, 8] = part0[i] + j * q_len[i]
     return PagedPlan(
         hq,
         hk,
@@ -572,12 +594,12 @@ def _build(
         block_n,
         num_warps,
         split_len,
-        torch.from_numpy(work.astype(np.int32).reshape(-1)),
-        torch.from_numpy(tokens.astype(np.int32).reshape(-1)),
+        torch.from_numpy(work.reshape(-1)),
+        torch.from_numpy(tokens.reshape(-1)),
         int((splits * q_len).sum()),
         int(splits.max(initial=0)),
         int(q_len.max(initial=0)),
-        half_chunk,
+        **launch,
     )
 
 

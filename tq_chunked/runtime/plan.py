@@ -97,13 +97,17 @@ PAGED_MAX_ROWS = 32
 PAGED_MIN_CACHED = 256 * 1024
 # Up to PAGED_MAX_ROWS_LONG rows where the request itself holds PAGED_LONG_CACHED[head
 # size] cached tokens, over MSE keys: at head size 128 (two 32-row tiles, each decoding
-# every slot) faster than the windows from 2K cached tokens a request; at 1K, the least
-# measured, about even, and taken so that a request between 1K and 2K does not break
-# its run below PAGED_MIN_CACHED (benchmarks/NOTES.md §41, §57). At head size 64 (one
-# 64-row tile) 0.78-0.88x the windows' time at 4K, the least measured, 0.33-0.38x from
-# 16K (§58, §59). Head size 256 and fp8 keys not measured.
+# every slot) from 1K, the least measured, about even with the windows there, so that a
+# request between 1K and 2K does not break its run below PAGED_MIN_CACHED
+# (benchmarks/NOTES.md §41, §57); at head size 64 (one 64-row tile) from 4K, the least
+# measured there (§58, §59). Head size 256 and fp8 keys not measured.
 PAGED_MAX_ROWS_LONG = 64
 PAGED_LONG_CACHED = {128: 1024, 64: 4096}
+# A run's tile follows its largest request (paged.default_launch), so a run is cut into
+# parts where its requests cross PAGED_MAX_ROWS rows a kv head, each part a run of its
+# own; a part needs PAGED_MIN_PART cached tokens to stand alone (one more plan a step
+# and three launches a layer), the least measured to gain (benchmarks/NOTES.md §59).
+PAGED_MIN_PART = 32 * 1024
 PATHS = ("auto", "window", "paged")
 
 
@@ -514,19 +518,15 @@ def paged_runs(
     request with query and cached tokens; with "auto" those with cached tokens that
     ``paged_eligible`` admits (``group`` = Hq / Hk), where consecutive ones hold at
     least PAGED_MIN_CACHED cached tokens together, and where Triton runs (on a GPU, or
-    under the interpreter). Requests of more than PAGED_MAX_ROWS rows a kv head and
-    those of at most that many never share a run."""
+    under the interpreter). Each such span is then cut by width (``_by_width``)."""
     triton_runs = device.type == "cuda" or interpreting()
     if path == "window" or (path == "auto" and not triton_runs):
         return []
-    # each run as its parts: its requests of at most PAGED_MAX_ROWS rows a kv head and
-    # those of more form parts of their own, since a run's tile follows its largest
-    # request (paged.default_launch): whole, decodes beside a 40-row request would each
-    # take a 32- or 64-row tile where their own is 8 or 16 rows (NOTES.md §59)
-    runs: list[list[list[int]]] = []
-    run: list[list[int]] = []
-    was_wide = False
+    spans: list[list[tuple[list[int], bool, int]]] = []  # each span's parts (_by_width)
+    span: list[tuple[list[int], bool, int]] = []
+    held = 0  # the span's cached tokens
     every = path == "paged"
+    least = 0 if every else PAGED_MIN_CACHED
     for r, (s, q) in enumerate(zip(seq_lens, map(operator.sub, qsl[1:], qsl[:-1]))):
         if not q:
             continue
@@ -534,20 +534,50 @@ def paged_runs(
         rows = q * group
         wide = rows > PAGED_MAX_ROWS
         if s > q and (every or not wide or paged_eligible(rows, s - q, cfg)):
-            if run and wide == was_wide:
-                run[-1].append(r)
+            if span and span[-1][1] == wide:
+                part, _, n = span[-1]
+                part.append(r)
+                span[-1] = (part, wide, n + s - q)
             else:
-                run.append([r])
-            was_wide = wide
-        elif run:
-            runs.append(run)
-            run = []
-    if run:
-        runs.append(run)
-    if path == "auto":
-        cached = lambda part: sum(seq_lens[r] - qsl[r + 1] + qsl[r] for r in part)
-        runs = [run for run in runs if sum(map(cached, run)) >= PAGED_MIN_CACHED]
-    return [tuple(part) for run in runs for part in run]
+                span.append(([r], wide, s - q))
+            held += s - q
+        elif span:
+            if held >= least:
+                spans.append(span)
+            span, held = [], 0
+    if span and held >= least:
+        spans.append(span)
+    return [run for span in spans for run in _by_width(span, every)]
+
+
+def _by_width(
+    parts: list[tuple[list[int], bool, int]], every: bool
+) -> list[tuple[int, ...]]:
+    """The runs of one span of consecutive requests, from its parts (requests, whether
+    each has more than PAGED_MAX_ROWS rows a kv head, cached tokens), which alternate in
+    width. A part of PAGED_MIN_PART cached tokens or more is a run; a smaller one joins
+    the part before it (the first, the part after it), so that the tile of the larger
+    width serves both. With "auto" (not ``every``) a small wide part at either end of
+    the span goes to the windows instead, so that a span of decodes with a few wide
+    requests after them keeps the decodes' own tile (NOTES.md §59)."""
+    if not every:
+        while parts and parts[0][1] and parts[0][2] < PAGED_MIN_PART:
+            parts = parts[1:]
+        while parts and parts[-1][1] and parts[-1][2] < PAGED_MIN_PART:
+            parts = parts[:-1]
+    runs: list[list[int]] = []
+    small: list[int] = []  # small parts waiting for a large one after them
+    for requests, _, cached in parts:
+        if cached >= PAGED_MIN_PART:
+            runs.append(small + requests)
+            small = []
+        elif runs:
+            runs[-1] += requests
+        else:
+            small += requests
+    if small:
+        runs.append(small)  # no part of the span is large
+    return [tuple(run) for run in runs]
 
 
 def windows(
