@@ -523,7 +523,7 @@ def plan_paged(
     split_len = cdiv(max(min(split_len, longest), 1), block_n) * block_n
     if max_registers is None:
         max_registers = register_cap(block_m, block_n, num_warps, head_dim, interpret)
-    launch = dict(
+    fields = dict(
         half_chunk=half_chunk,
         max_registers=max_registers,
         prefetch=prefetch,
@@ -532,7 +532,7 @@ def plan_paged(
     while True:
         plan = _build(
             cfg, hq, hk, served, q0, q_len, cached, rows, tiles,
-            block_m, block_n, num_warps, split_len, launch,
+            block_m, block_n, num_warps, split_len, fields,
         )  # fmt: skip
         if plan.scratch_bytes <= max_scratch_bytes:
             return plan
@@ -547,12 +547,12 @@ def plan_paged(
 
 def _build(
     cfg, hq, hk, served, q0, q_len, cached, rows, tiles,
-    block_m, block_n, num_warps, split_len, launch,
+    block_m, block_n, num_warps, split_len, fields,
 ) -> PagedPlan:  # fmt: skip
     """The work list and the tokens' fields, built by array ops on the host from the
     served requests' int64 arrays (thousands of programs per step: a Python loop took
     milliseconds, benchmarks/NOTES.md §38). Request i's programs, in order: tile, kv
-    head, split; its tokens: its query tokens in order. ``launch``: PagedPlan's
+    head, split; its tokens: its query tokens in order. ``fields``: PagedPlan's
     half_chunk, max_registers, prefetch and own_keys."""
     n = len(served)
     splits = np.where(tiles > 0, -(-cached // split_len), 0)
@@ -599,7 +599,7 @@ def _build(
         int((splits * q_len).sum()),
         int(splits.max(initial=0)),
         int(q_len.max(initial=0)),
-        **launch,
+        **fields,
     )
 
 
