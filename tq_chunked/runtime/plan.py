@@ -26,8 +26,9 @@ dequantized, new tokens copied after them.
   prefix is bound by the bytes of its cache: it takes the **memory-bound path**
   (paged.py) instead of windows, where consecutive such requests hold
   PAGED_MIN_CACHED cached tokens together. They form a
-  **paged run** (those of at most PAGED_MAX_ROWS rows and those of more in runs of
-  their own: a run's tile follows its largest request): one causal attention call over
+  **paged run** (cut where their widths cross PAGED_MAX_ROWS rows, into parts of at
+  least PAGED_MIN_PART cached tokens: a run's tile follows its largest request;
+  ``_by_width``): one causal attention call over
   their own tokens, then their cached positions read straight from the paged cache
   (split over the SMs, no fp16 K/V anywhere), merged with that call's partial.
 
