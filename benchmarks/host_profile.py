@@ -132,10 +132,11 @@ def layer_call(step, b, out):
     )  # fmt: skip
 
 
-def profile_run(name, requests, window, preset="turboquant_3bit_nc",
-                heads=(32, 8, 128), dtype="float16"):  # fmt: skip
-    """Print the host-time profile of Step.run per layer (see the module's doc); and
-    the plan's host time, where the step runs on the memory-bound path."""
+def planner(requests, window=None, preset="turboquant_3bit_nc", heads=(32, 8, 128),
+            dtype="float16"):  # fmt: skip
+    """(batch, plan): ``build_batch``'s batch of these requests on the GPU and a call
+    of no arguments that plans a step over it (host lengths, a workspace of the
+    step's bytes)."""
     hq, hk, d = heads
     b = build_batch(preset, requests, hq, hk, d, 16, getattr(torch, dtype), "cuda")
     prefill = ContinuationPrefill(
@@ -148,10 +149,17 @@ def profile_run(name, requests, window, preset="turboquant_3bit_nc",
         query_start_loc_cpu=torch.tensor(b["query_start_loc"], dtype=torch.int32),
         seq_lens_cpu=torch.tensor(b["seq_lens"], dtype=torch.int32),
     )
-    step = prefill.plan(b["block_table"], **lengths, workspace=ws)
+    return b, functools.partial(prefill.plan, b["block_table"], **lengths, workspace=ws)
+
+
+def profile_run(name, requests, window, preset="turboquant_3bit_nc",
+                heads=(32, 8, 128), dtype="float16"):  # fmt: skip
+    """Print the host-time profile of Step.run per layer (see the module's doc); and
+    the plan's host time, where the step runs on the memory-bound path."""
+    b, plan = planner(requests, window, preset, heads, dtype)
+    step = plan()
     if any(isinstance(u, PagedRun) for u in step.plan.units):
-        us = host_us(lambda: prefill.plan(b["block_table"], **lengths, workspace=ws))
-        print(f"== {name}: plan() {us:.0f} us")
+        print(f"== {name}: plan() {host_us(plan):.0f} us")
     out = torch.empty_like(b["query"])
     layer = layer_call(step, b, out)
     print(f"== {name}: {len(step.plan.units)} units, run() {host_us(layer):.0f} us")
@@ -162,7 +170,7 @@ def profile_run(name, requests, window, preset="turboquant_3bit_nc",
         with_limit = paged.OWN_KEYS_MAX
         paged.OWN_KEYS_MAX = 0
         try:
-            before = prefill.plan(b["block_table"], **lengths, workspace=ws)
+            before = plan()
         finally:
             paged.OWN_KEYS_MAX = with_limit
         layer_before = layer_call(before, b, out)
@@ -183,20 +191,7 @@ def profile_run(name, requests, window, preset="turboquant_3bit_nc",
 def profile_plan(name, requests, preset="turboquant_3bit_nc", heads=(32, 8, 128),
                  dtype="float16"):  # fmt: skip
     """Print the plan's host time and its profile (see the module's doc)."""
-    hq, hk, d = heads
-    b = build_batch(preset, requests, hq, hk, d, 16, getattr(torch, dtype), "cuda")
-    prefill = ContinuationPrefill(
-        hq, hk, d, preset=preset, dtype=getattr(torch, dtype), block_size=16,
-        check_block_table=False,
-    )  # fmt: skip
-    ws = torch.empty(
-        prefill.workspace_bytes(b["query"].shape[0]), dtype=torch.uint8, device="cuda"
-    )
-    lengths = dict(
-        query_start_loc_cpu=torch.tensor(b["query_start_loc"], dtype=torch.int32),
-        seq_lens_cpu=torch.tensor(b["seq_lens"], dtype=torch.int32),
-    )
-    plan = functools.partial(prefill.plan, b["block_table"], **lengths, workspace=ws)
+    _, plan = planner(requests, None, preset, heads, dtype)
     runs = sum(isinstance(u, PagedRun) for u in plan().plan.units)
     print(f"== {name}: {runs} paged runs, plan() {host_us(plan):.0f} us")
     stats = profiled(plan, calls=20, rounds=10, spin_cycles=60_000_000)

@@ -28,7 +28,11 @@ import sys
 from pathlib import Path
 
 import torch
-from host_profile import PAGED_CASES, layer_call  # benchmarks/, this script's folder
+from host_profile import (  # benchmarks/, this script's folder
+    MIXED_CASE,
+    PAGED_CASES,
+    layer_call,
+)
 from launcher_ab import alternate
 
 import tq_chunked.runtime as this_runtime
@@ -76,9 +80,7 @@ def cases():
                 "turboquant_3bit_nc", (32, 8, 128), "float16"))  # fmt: skip
     # decodes beside 40-row requests: one paged run until 0.6.13, two from 0.6.14
     # (NOTES.md §59; other tiles, so not the same bits)
-    mixed = [(8 * 1024, 1)] * 32 + [(8 * 1024, 10)] * 16
-    out.append(("32 decodes + 16 x q10 8K", mixed, None, "turboquant_3bit_nc",
-                (32, 8, 128), "float16"))  # fmt: skip
+    out.append((*MIXED_CASE, None, "turboquant_3bit_nc", (32, 8, 128), "float16"))
     return out
 
 
