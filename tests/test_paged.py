@@ -590,6 +590,29 @@ def test_a_launch_given_in_part_takes_the_four_warp_launch_for_the_rest(
 
 
 @pytest.mark.parametrize(
+    "device, capability, hip, want",
+    [
+        (None, None, None, "ieee"),  # the CPU interpreter
+        ("cpu", None, None, "ieee"),
+        ("cuda", (9, 0), None, "tf32x3"),
+        ("cuda", (8, 0), None, "tf32x3"),
+        ("cuda", (7, 5), None, "ieee"),  # no tf32 before sm_80
+        ("cuda", (9, 4), "6.2", "ieee"),  # ROCm's Triton takes only "ieee"
+    ],
+)
+def test_the_rotation_takes_tf32x3_only_where_triton_compiles_it(
+    monkeypatch, device, capability, hip, want
+):
+    """paged.rotation_precision: three tf32 products on NVIDIA GPUs from sm_80, float32
+    FMA dots elsewhere."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    device = None if device is None else torch.device(device)
+    # the function itself, not its cache of earlier answers
+    assert paged.rotation_precision.__wrapped__(device) == want
+
+
+@pytest.mark.parametrize(
     "q_len, head_dim, preset, transposed",
     [
         (1, 64, "turboquant_k3v4_nc", True),  # 8 rows a kv head

@@ -630,9 +630,10 @@ def _rotate_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TOKEN_FIELDS: tl.constexpr,
+    PRECISION: tl.constexpr,  # the dot's input precision: rotation_precision()
 ):
-    """Rows (served token, head) of ``q @ rotation^T`` in float32 (products and sums
-    in float32, as ``q.float() @ rotation.float().T``); program 0 also writes the
+    """Rows (served token, head) of ``q @ rotation^T`` in float32 (``q.float() @
+    rotation.float().T`` to an error of float32's order); program 0 also writes the
     centroid table as fp16."""
     i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = i < n_rows
@@ -648,13 +649,13 @@ def _rotate_kernel(
             mask=live[:, None] & (e < D)[None, :],
             other=0.0,
         ).to(tl.float32)
-        # rotation^T[e, d] = rotation[d, e]
+        # rotation[d, e] as a (d, e) tile, transposed for the dot
         r = tl.load(
-            rot_ptr + d[None, :] * s_rot0 + e[:, None] * s_rot1,
-            mask=(e < D)[:, None] & (d < D)[None, :],
+            rot_ptr + d[:, None] * s_rot0 + e[None, :] * s_rot1,
+            mask=(d < D)[:, None] & (e < D)[None, :],
             other=0.0,
         ).to(tl.float32)  # any float dtype the caller passes
-        acc = tl.dot(q, r, acc, input_precision="ieee")
+        acc = tl.dot(q, tl.trans(r), acc, input_precision=PRECISION)
     tl.store(
         out_ptr + i.to(tl.int64)[:, None] * D + d[None, :],
         acc,
@@ -664,6 +665,21 @@ def _rotate_kernel(
         c = tl.arange(0, 16)
         table = tl.load(centroids_ptr + c * s_centroid, mask=c < n_centroids, other=0)
         tl.store(table_ptr + c, table.to(tl.float16))
+
+
+@functools.cache
+def rotation_precision(device: torch.device | None) -> str:
+    """The query rotation's dot precision on ``device`` (None: the CPU interpreter).
+
+    "tf32x3" on NVIDIA GPUs from sm_80: three tf32 products on the tensor cores (each
+    operand a tf32 head and its remainder; the remainders' product dropped) summed in
+    float32, an error of float32's order; float32 FMA dots ("ieee") took 5.6x its time
+    over a row-major rotation, vLLM's (NOTES.md §61). "ieee" elsewhere: older GPUs have
+    no tf32, ROCm's Triton takes only "ieee", and the interpreter computes in float32
+    whatever is asked."""
+    if device is None or device.type != "cuda" or torch.version.hip is not None:
+        return "ieee"
+    return "tf32x3" if torch.cuda.get_device_capability(device) >= (8, 0) else "ieee"
 
 
 # ---------------------------------------------------------------------------
@@ -1847,7 +1863,7 @@ def paged_launches(
     launches: list[tuple[Launcher, tuple, tuple, dict]] = []
     if plan.rotated and programs:
         assert centroids is not None and rotation is not None  # checked above
-        block_r = 16
+        block_r = 32  # rows a program on 4 warps (tf32x3: mma.sync tiles; NOTES.md §61)
         rotate_args = (
             query,
             rotation,
@@ -1869,6 +1885,7 @@ def paged_launches(
             block_r,
             min(block_d, 32),
             TOKEN_FIELDS,
+            rotation_precision(None if interp else query.device),
         )
         rotate_grid = (cdiv(tokens_n * hq, block_r),)
         launches.append((launch_rotate, rotate_grid, rotate_args, {"num_warps": 4}))
