@@ -22,6 +22,8 @@
 #                                              #   of Python (instructions, stall samples; ncu_lines.py)
 #   bash benchmarks/run_on_device.sh dispatch  # carry .gpu-carry: the plan's crossover between the
 #                                              #   windows and the memory-bound path (dispatch_sweep.py)
+#   bash benchmarks/run_on_device.sh rotate    # carry .gpu-carry: the memory-bound path's query
+#                                              #   rotation alone and in a step (rotate_probe.py)
 #   bash benchmarks/run_on_device.sh launches  # carry .gpu-carry: the memory-bound kernel's cached
 #                                              #   part at chosen launches (launch_sweep.py,
 #                                              #   LAUNCH_BATCHES, LAUNCH_LIST)
@@ -89,7 +91,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|launches|ncu-paged|dispatch|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|host-calls|before|host-before|launcher|run-ab|checks|serving|serving-before|stack|stack-before|memory-bound|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|launches|ncu-paged|dispatch|rotate|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|host-calls|before|host-before|launcher|run-ab|checks|serving|serving-before|stack|stack-before|memory-bound|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -280,6 +282,9 @@ for mode in "$@"; do
       for c in .gpu-carry .gpu-carry-0.21.0 .gpu-carry-0.26.0; do
         [ -d "$c" ] && carry "$c" timeout 90 python3 benchmarks/vllm_forward.py "$OUT" 2>&1 | grep -v "^INFO\|^WARNING"
       done ;;
+    rotate)
+      carry .gpu-carry timeout 280 python3 benchmarks/rotate_probe.py "$OUT" 2>&1 \
+        | grep -v '^{"tokens' | tail -34 ;;
     engine-stage)
       bash benchmarks/engine_setup.sh ".engine-carry-$ENGINE_VLLM/part${PART:?engine-stage needs PART=k}" ;;
     engine)

@@ -97,11 +97,9 @@ OWN_KEYS_MAX = 16
 MIN_SPLIT = 256
 # Programs of 4 warps the planner aims at per SM: enough for two resident programs and
 # the last wave's imbalance; programs of 2 warps, twice as many. One-warp programs: 32,
-# twice the warps (0.88-0.89x the time of 16, NOTES.md §46). 16-row tiles of 4 warps
-# above head size 128: 8, since at D 256 two of them fill an SM's shared memory (86
-# KB each) and 4 left two waves (0.90-0.91x the time of 4 there, NOTES.md §49, §55;
-# other head sizes above 128 not timed). The 32- and 64-row tiles:
-# TILE32_PROGRAMS_PER_SM.
+# twice the warps (NOTES.md §46). 16-row tiles of 4 warps above head size 128: 8, since
+# at D 256 two of them fill an SM's shared memory and 4 left two waves (§49, §55). The
+# 32- and 64-row tiles: TILE32_PROGRAMS_PER_SM.
 PROGRAMS_PER_SM = 4
 ONE_WARP_PROGRAMS_PER_SM = 32
 WIDE_HEAD_PROGRAMS_PER_SM = 8
@@ -251,24 +249,20 @@ MAX_GPU_TILE = 32
 # The 16-row tile's launch on a GPU: one warp, 32 positions an iteration. A program's
 # warps otherwise share the tile's positions, so that the softmax's row max and sums,
 # the value scales' max and the probabilities (into the value dot's layout) cross warps
-# through shared memory: 16 barriers an iteration at (16, 64, 4), 10 at one warp (the
-# decoded tiles' round trips), and 64.6 -> 50.8 warp instructions per slot-row at
-# 3bit_nc D 128 (NOTES.md §44): 0.63-0.84x the time of (16, 64, 4) on the H200 at
-# head sizes 64 and 128, where it was measured and is the default (NOTES.md §46). The
-# 32-row tile keeps 4 warps at head size 128, where 2 spill and were slower (NOTES.md
-# §44, §57); so would D 256's 16-row tile at one warp (182 spill instructions an
-# iteration).
+# through shared memory: more barriers and instructions a slot-row, and slower at head
+# sizes 64 and 128, where this is the default (NOTES.md §44, §46). Head size 256 keeps
+# 4 warps: one spills there.
 DECODE_LAUNCH = (16, 32, 1)
-# The 32-row tile's launch at head size 128: 128 positions an iteration, 0.70-0.76x
-# the time of block_n 64 (NOTES.md §46).
+# The 32-row tile's launch at head size 128: 4 warps (2 spill) and 128 positions an
+# iteration, the fastest timed (NOTES.md §46, §57).
 TILE32_LAUNCH = (32, 128, 4)
 # At head size 64: 2 warps, each its own 16 rows (no softmax rows traded between
-# warps), 64 positions an iteration; 0.57-0.82x the time of (32, 64, 4) (NOTES.md §57).
-# Head size 256 keeps (32, 64, 4), the fastest launch tried there (NOTES.md §57).
+# warps), 64 positions an iteration. Head size 256 keeps (32, 64, 4), the fastest
+# launch tried there (NOTES.md §57).
 TILE32_D64_LAUNCH = (32, 64, 2)
 # 33-64 rows at head size 64: one 64-row tile on 2 warps (32 rows each), decoding each
-# slot once where two 32-row tiles decode it twice: 0.71-0.74x their time over 40-64
-# rows (NOTES.md §58); 64 positions an iteration (32 spill less, and were slower).
+# slot once where two 32-row tiles decode it twice; 64 positions an iteration (NOTES.md
+# §58).
 TILE64_D64_LAUNCH = (64, 64, 2)
 # The programs an SM the split aims at for these launches at these head sizes, the
 # fastest counts timed (NOTES.md §57, §58); other launches take the rule's
@@ -280,30 +274,25 @@ TILE32_PROGRAMS_PER_SM = {
 }
 # The 8-row tile's launch: a transposed tile (``_per_row``: the positions on the
 # tensor cores' 16-row side, the rows on the 8-row side), one warp, 32 positions an
-# iteration. Half the MMAs and half the accumulator of the 16-row tile: 46.1 against
-# 51.6 warp instructions per slot-row at 3bit_nc D 128 G 4 (NOTES.md §47). The default
-# where ``transposed_by_default`` says, else taken where asked (``block_m=8``).
+# iteration: half the MMAs and half the accumulator of the 16-row tile (NOTES.md §47).
+# The default where ``transposed_by_default`` says, else taken where asked
+# (``block_m=8``).
 TRANSPOSED_LAUNCH = (8, 32, 1)
 # The launches that ask L2 for the next tile's slots by default (PagedPlan.prefetch):
-# DECODE_LAUNCH and TILE32_LAUNCH, where it was timed (1.02-1.04x the time without it
-# at D 128, even at D 64), and TRANSPOSED_LAUNCH, one warp as DECODE_LAUNCH (not
-# timed); at (32, 64, 4) it cost 4-7 % (NOTES.md §46), and at TILE32_D64_LAUNCH and
-# TILE64_D64_LAUNCH it was not timed. Not for fp8 keys at DECODE_LAUNCH: there it took
-# 1.09-1.10x the time without it (NOTES.md §49, §55; fp8 keys at the other two not
-# timed).
+# DECODE_LAUNCH and TILE32_LAUNCH, where it was timed faster or even, and
+# TRANSPOSED_LAUNCH, one warp as DECODE_LAUNCH; not (32, 64, 4), where it cost time,
+# nor the two head-size-64 tiles, where it was not timed (NOTES.md §46). Never for fp8
+# keys at DECODE_LAUNCH, where it cost time (§49, §55).
 PREFETCH_LAUNCHES = (DECODE_LAUNCH, TILE32_LAUNCH, TRANSPOSED_LAUNCH)
 
 
 def transposed_by_default(rows: int, head_dim: int) -> bool:
     """Whether a GPU batch whose largest request has at most 8 query rows per kv head
     takes the transposed 8-row tile (TRANSPOSED_LAUNCH) rather than the 16-row one
-    (DECODE_LAUNCH): at head size 64, where it took 0.90x the 16-row tile's time and
-    0.91x its best launch (k3v4_nc decode at G 1; 14 warps an SM either way at the cap
-    of 144); the other presets and groups at D 64 by their SASS counts (3bit_nc G 4:
-    28.6 against 32.2 warp instructions per slot-row; 0-4 spill instructions an
-    iteration; not timed). At 128 it is not: 3- and 4-bit keys need Triton's 255
-    registers there (8 warps an SM against 9; capped they spill) and took 0.99-1.06x
-    the time; fp8 keys tied the 16-row tile without its L2 prefetch (NOTES.md §49)."""
+    (DECODE_LAUNCH): at head size 64, where it was the faster (timed for k3v4_nc, the
+    other presets by their SASS counts). Not at 128, where 3- and 4-bit keys need all
+    255 registers (8 warps an SM against 9; capped they spill) and it was not faster
+    (NOTES.md §47, §49)."""
     return rows <= 8 and head_dim == 64
 
 
@@ -347,23 +336,16 @@ def register_cap(
 ) -> int:
     """The attention kernel's registers per thread on a GPU (0: Triton's count).
 
-    At the 16-row launch of 0.6.3, (16, 64, 4), and D 64 or 128, Triton 3.6 counts
-    128-191 for sm_90 (3 programs an SM at D 64, 2 at D 128 but for fp8 keys); capped
-    at 128 and 168 (65536 registers an SM over 4 and 3 programs of 128 threads), one
-    more program shares the SM, for about 1 more warp instruction per slot-row and no
-    spill in the loop (benchmarks/sass_report.py; measured paying, NOTES.md §42).
-
-    At the one-warp launch (DECODE_LAUNCH) a warp holds the whole (16, D) float32
-    accumulator and both fp16 query operands: Triton counts 248-255. Capped at 216 (D
-    128: 9 warps an SM, as many as its 24 KiB of shared memory allow) and 144 (D 64:
-    14 warps), 0-3 spill instructions an iteration (NOTES.md §44). Without the cap:
-    1.12x the time at D 64, 1.02x at D 128 (NOTES.md §46).
-
-    At TRANSPOSED_LAUNCH, D 64: 144 as DECODE_LAUNCH's (Triton counts 168; no spill
-    at 144). D 128 keeps Triton's 255 at MSE keys: 8 warps an SM, where a cap of 216
-    or 224 (9 warps) spills 23-41 instructions an iteration (NOTES.md §47), and took
-    1.04-1.08x the time of 255 (NOTES.md §49). Other launches and head sizes are not
-    measured."""
+    A cap lets one more program (or warp) share an SM, where that was timed to pay for
+    the few spill instructions it costs (benchmarks/sass_report.py counts them):
+    - (16, 64, 4): 128 at D 64, 168 at D 128 (Triton counts 128-191; NOTES.md §42).
+    - DECODE_LAUNCH, whose one warp holds the whole (16, D) float32 accumulator and
+      both query operands (Triton counts 248-255): 144 at D 64 (14 warps an SM), 216
+      at D 128 (9 warps, as many as its shared memory allows; NOTES.md §44, §46).
+    - TRANSPOSED_LAUNCH: 144 at D 64. D 128 keeps Triton's 255 at MSE keys, where a
+      cap for 9 warps spilled 23-41 instructions an iteration and was slower (NOTES.md
+      §47, §49).
+    Other launches and head sizes: Triton's count."""
     if interpret:
         return 0
     caps = {
