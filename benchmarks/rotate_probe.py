@@ -84,19 +84,10 @@ def in_step(workload="64 hits q16 1K-8K"):
 
 
 def kernels_us(call, n=20):
-    from torch.profiler import ProfilerActivity, profile
+    """GPU time per call of each kernel, us, by name (paged_probe's profile)."""
+    from paged_probe import kernels_ms  # benchmarks/, this script's folder
 
-    call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            call()
-        torch.cuda.synchronize()
-    return {
-        e.key[:40]: round(e.self_device_time_total / n, 2)
-        for e in prof.key_averages()
-        if e.device_type.name == "CUDA" and e.self_device_time_total > 0
-    }
+    return {name: round(ms * 1e3, 2) for name, ms in kernels_ms(call, n).items()}
 
 
 def main():
