@@ -39,6 +39,14 @@ VARIANTS = [  # (precision, rows a program, warps)
 ]
 
 
+def served_tokens(n_tok):
+    """The plan's token fields for ``n_tok`` served tokens, each its own query token
+    (the only field the rotation reads)."""
+    tokens = torch.zeros(n_tok, pg.TOKEN_FIELDS, dtype=torch.int32, device="cuda")
+    tokens[:, 0] = torch.arange(n_tok, device="cuda")
+    return tokens.view(-1)
+
+
 def launch(precision, q, rotation, centroids, tokens, out, table, block_r, warps):
     n_tok = tokens.numel() // pg.TOKEN_FIELDS
     grid = (cdiv(n_tok * HQ, block_r),)
@@ -64,19 +72,19 @@ def in_step(workload="64 hits q16 1K-8K"):
     run = layer_call(step, b, out)
     got = kernels_us(run)
     n_tok = b["query"].shape[0]
-    tokens = torch.zeros(n_tok, pg.TOKEN_FIELDS, dtype=torch.int32, device="cuda")
-    tokens[:, 0] = torch.arange(n_tok, device="cuda")
+    tokens = served_tokens(n_tok)
     mine = torch.empty(n_tok * HQ, D, device="cuda")
     table = torch.empty(16, dtype=torch.float16, device="cuda")
     kw = b["kwargs"]
+    precision, block_r, warps = VARIANTS[0]  # the runtime's launch
     g = torch.Generator(device="cuda").manual_seed(1)
     qr = torch.linalg.qr(torch.randn(D, D, device="cuda", generator=g))[0]
     queries = {"step's": b["query"], "randn": torch.randn_like(b["query"])}
     for qname, q in queries.items():
         for rname, r in (("step's", kw["rotation"]), ("column-major", qr)):
             direct = functools.partial(
-                launch, *VARIANTS[0][:1], q, r, kw["centroids"], tokens.view(-1),
-                mine, table, *VARIANTS[0][1:],
+                launch, precision, q, r, kw["centroids"], tokens, mine, table,
+                block_r, warps,
             )  # fmt: skip
             key = f"direct, query {qname}, rotation {rname}"
             got[key] = kernels_us(direct)["_rotate_kernel"]
@@ -105,8 +113,7 @@ def main():
         rot = torch.linalg.qr(torch.randn(D, D, device="cuda", generator=g))[0]
         rot = rot.contiguous()
         centroids = torch.randn(8, device="cuda", generator=g)
-        tokens = torch.zeros(n_tok, pg.TOKEN_FIELDS, dtype=torch.int32, device="cuda")
-        tokens[:, 0] = torch.arange(n_tok, device="cuda")
+        tokens = served_tokens(n_tok)
         table = torch.empty(16, dtype=torch.float16, device="cuda")
         for layout, r in (("row-major", rot), ("column-major", rot.T.contiguous().T)):
             ref = (q.double() @ r.double().T).reshape(n_tok * HQ, D)
@@ -114,7 +121,7 @@ def main():
                 out = torch.full((n_tok * HQ, D), float("nan"), device="cuda")
 
                 call = functools.partial(
-                    launch, precision, q, r, centroids, tokens.view(-1), out, table,
+                    launch, precision, q, r, centroids, tokens, out, table,
                     block_r, warps,
                 )  # fmt: skip
                 call()
