@@ -1,19 +1,21 @@
 """The memory-bound kernel's cached part at chosen launches, beside the plan's default,
-over batches of 17-64 query rows per kv head (GPU).
+over batches of 17-64 query rows per kv head, and decodes (GPU).
 
     python benchmarks/launch_sweep.py [OUT_DIR] [--batches "d64,d128"]
         [--launches "64/16/4,64/8/4,128/8/4/p0"]
 
 Each launch is block_n/programs per SM/num_warps, then optionally /p0, /p1 or /p2 for
-the slots prefetched that many tiles ahead (default: the plan's choice for that launch)
-and /m16, /m32 or /m64 for the tile's query rows (default: the plan's; /m64 puts a
-64-row batch at head size 128 in one tile where the plan takes two of 32), in either
-order. Each batch's answer at every launch is compared with the default's (the same plan
-but its launch: within 1e-3 relative, else the row says "differs"). GPU kernel time per
-call of ``paged_attention``'s cached part (the probe's ``Paged.cached``: torch.profiler,
-every kernel summed over 10 calls). Writes launch-sweep.json after each batch and prints
-launch / default per batch, last (NOTES.md §57); the default is written as the launches
-are, its programs an SM as planned (the work's programs over the SMs).
+the slots prefetched that many tiles ahead (default: the plan's choice for that launch),
+/m16, /m32 or /m64 for the tile's query rows (default: the plan's; /m64 puts a 64-row
+batch at head size 128 in one tile where the plan takes two of 32) and /rREGS for the
+kernel's registers a thread (32-255; r0: Triton's own count; default
+``paged.register_cap``'s), in any order. Each batch's answer at every launch is
+compared with the default's (the same plan but its launch: within 1e-3 relative, else
+the row says "differs"). GPU kernel time per call of ``paged_attention``'s cached part
+(the probe's ``Paged.cached``: torch.profiler, every kernel summed over 10 calls).
+Writes launch-sweep.json after each batch and prints launch / default per batch, last
+(NOTES.md §57); the default is written as the launches are, its programs an SM as
+planned (the work's programs over the SMs).
 """
 
 import argparse
@@ -64,6 +66,18 @@ BATCHES = {
          "float16"),
         ("64 x q6 1K-8K 3bit", "llama3-8b", seeded_hits(24, 64, 6, K, 8 * K),
          "turboquant_3bit_nc", "float16"),
+        # the engine's short-hits batch (benchmarks/engine.py): two 32-row tiles
+        ("64 x q16 1K-8K 3bit", "llama3-8b", seeded_hits(28, 64, 16, K, 8 * K),
+         "turboquant_3bit_nc", "float16"),
+    ],
+    # decodes at head size 128: the 16-row tile's one-warp launch (NOTES.md §62)
+    "d128-decode": [
+        ("decode 64 x 1K-8K", "llama3-8b", seeded_hits(29, 64, 1, K, 8 * K),
+         "turboquant_3bit_nc", "float16"),
+        ("decode 256 x 2K-12K", "llama3-8b", seeded_hits(30, 256, 1, 2 * K, 12 * K),
+         "turboquant_3bit_nc", "float16"),
+        ("decode 128 x 8K-32K 4bit", "llama3-8b",
+         seeded_hits(31, 128, 1, 8 * K, 32 * K), "turboquant_4bit_nc", "float16"),
     ],
     "d256": [
         ("16 x q8 4K-16K d256 bf16", "d256", seeded_hits(25, 16, 8, 4 * K, 16 * K),
@@ -75,27 +89,32 @@ LAUNCHES = "64/4/4,128/4/4,64/8/4,64/16/4,64/16/2,64/32/2,128/8/4/p0,128/12/4"
 
 
 def parse_launch(text):
-    """The launch "64/16/4/p1/m64" as plan_paged's keywords: block_n 64,
-    programs_per_sm 16, num_warps 4, prefetch 1, block_m 64 (the last two optional,
-    in either order)."""
+    """The launch "64/16/4/p1/m64/r168" as plan_paged's keywords: block_n 64,
+    programs_per_sm 16, num_warps 4, prefetch 1, block_m 64, max_registers 168 (the
+    last three optional, in any order)."""
     parts = text.split("/")
     extra = dict((x[:1], x[1:]) for x in parts[3:])
+    regs = extra.get("r", "0")
     if (
         len(parts) < 3
         or not all(p.isdigit() and int(p) > 0 for p in parts[:3])
         or len(extra) != len(parts) - 3
-        or not set(extra) <= {"p", "m"}
+        or not set(extra) <= {"p", "m", "r"}
         or extra.get("p", "0") not in ("0", "1", "2")
         or extra.get("m", "16") not in ("16", "32", "64")
+        or not (regs.isdigit() and (regs == "0" or 32 <= int(regs) <= 255))
     ):
         sys.exit(
-            f"launch_sweep.py: --launches: {text!r} is not N/PER_SM/WARPS[/pK][/mROWS]"
+            f"launch_sweep.py: --launches: {text!r} is not "
+            "N/PER_SM/WARPS[/pK][/mROWS][/rREGS]"
         )
     launch = dict(zip(("block_n", "programs_per_sm", "num_warps"), map(int, parts)))
     if "p" in extra:
         launch["prefetch"] = int(extra["p"])
     if "m" in extra:
         launch["block_m"] = int(extra["m"])
+    if "r" in extra:
+        launch["max_registers"] = int(regs)
     return launch
 
 
@@ -107,11 +126,13 @@ def sweep(batch, launches):
     default = Paged(b, hq, hk, d, dtype)
     p = default.plan
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    # the default as the launches are written: block_n/programs an SM/warps/prefetch
+    # the default as the launches are written: block_n/programs an SM/warps/prefetch/
+    # registers
     # (programs an SM as planned: the work's programs over the SMs, rounded)
     row = dict(batch=name, rows=max(q for _, q in reqs) * hq // hk,
                default=f"{p.block_m} rows, {p.block_n}/{p.programs / sms:.0f}/"
-               f"{p.num_warps}/p{p.prefetch}", default_ms=kernel_ms(default.cached),
+               f"{p.num_warps}/p{p.prefetch}/r{p.max_registers}",
+               default_ms=kernel_ms(default.cached),
                ms={})  # fmt: skip
     want = default.cached().clone()
     for text in launches:
