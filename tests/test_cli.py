@@ -976,3 +976,44 @@ def test_launch_sweep_reads_its_launches_and_sweeps_17_to_64_rows(monkeypatch):
             assert group.split("-")[0] == f"d{d}"  # "d64", "d64-wide"
             rows = max(q for _, q in requests) * hq // hk
             assert rows <= 16 if group.endswith("-decode") else 17 <= rows <= 64
+
+
+# --- benchmarks/ncu_lines.py: a profile's stall samples per line ----------------------
+
+
+def test_ncu_lines_shares_each_stall_reason_over_the_lines(
+    tmp_path, capsys, monkeypatch
+):
+    """ncu_lines.py (NOTES.md §62): a line's share of the samples and of each reason
+    asked for is of the kernel's totals, counted over its SASS rows (a row without a
+    line counts in the totals only); thousands separators and "-" read as counts."""
+    head = ["Line No", "Source", "Warp Stall Sampling (All Samples)",
+            "Instructions Executed", "stall_long_sb", "stall_wait"]  # fmt: skip
+    rows = [
+        ["File Path", "/x/paged.py"],
+        head,
+        ["10", "h0 = tl.load(p)", "300", "1,000", "200", "100"],
+        ["11", "acc = tl.dot(a, b)", "100", "3,000", "0", "100"],
+        ["", "LDG", "300", "1,000", "200", "100"],
+        ["", "HMMA", "100", "3,000", "-", "100"],
+        ["", "STL", "400", "4,000", "200", "-"],  # a spill: no line
+    ]
+    path = tmp_path / "lines.csv"
+    path.write_text("\n".join(",".join(f'"{c}"' for c in r) for r in rows) + "\n")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    lines_mod = __import__("ncu_lines")
+    lines, samples, inst, totals = lines_mod.per_line(path, ("long_sb", "wait"))
+    assert (samples, inst) == (800, 8000)
+    assert totals == {"long_sb": 400, "wait": 200}
+    assert lines[("paged.py", 10)][:3] == [300, 1000, "h0 = tl.load(p)"]
+    assert lines[("paged.py", 10)][3] == {"long_sb": 200, "wait": 100}
+    monkeypatch.setattr(
+        sys, "argv", ["ncu_lines.py", str(path), "--reasons", "long_sb"]
+    )
+    lines_mod.main()
+    out = capsys.readouterr().out
+    assert "| 37.5 % | 12.5 % | paged.py:10 | `h0 = tl.load(p)` |" in out
+    assert "long_sb: 50.0 % of the stall samples" in out
+    assert "| 50.0 % | paged.py:10 |" in out
+    assert "paged.py:11 |" in out.split("long_sb:")[0]  # no long_sb: not listed
+    assert "paged.py:11" not in out.split("long_sb:")[1]
