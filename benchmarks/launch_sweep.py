@@ -7,15 +7,16 @@ over batches of 17-64 query rows per kv head, and decodes (GPU).
 Each launch is block_n/programs per SM/num_warps, then optionally /p0, /p1 or /p2 for
 the slots prefetched that many tiles ahead (default: the plan's choice for that launch),
 /m16, /m32 or /m64 for the tile's query rows (default: the plan's; /m64 puts a 64-row
-batch at head size 128 in one tile where the plan takes two of 32) and /rREGS for the
+batch at head size 128 in one tile where the plan takes two of 32), /rREGS for the
 kernel's registers a thread (32-255; r0: Triton's own count; default
-``paged.register_cap``'s), in any order. Each batch's answer at every launch is
-compared with the default's (the same plan but its launch: within 1e-3 relative, else
-the row says "differs"). GPU kernel time per call of ``paged_attention``'s cached part
-(the probe's ``Paged.cached``: torch.profiler, every kernel summed over 10 calls).
-Writes launch-sweep.json after each batch and prints launch / default per batch, last
-(NOTES.md §57); the default is written as the launches are, its programs an SM as
-planned (the work's programs over the SMs).
+``paged.register_cap``'s) and /l0 or /l1 for the values' bytes loaded where used or
+with the keys' (``PagedPlan.loads_first``; default the plan's), in any order. Each
+batch's answer at every launch is compared with the default's (the same plan but its
+launch: within 1e-3 relative, else the row says "differs"). GPU kernel time per call
+of ``paged_attention``'s cached part (the probe's ``Paged.cached``: torch.profiler,
+every kernel summed over 10 calls). Writes launch-sweep.json after each batch and
+prints launch / default per batch, last (NOTES.md §57); the default is written as the
+launches are, its programs an SM as planned (the work's programs over the SMs).
 """
 
 import argparse
@@ -89,9 +90,9 @@ LAUNCHES = "64/4/4,128/4/4,64/8/4,64/16/4,64/16/2,64/32/2,128/8/4/p0,128/12/4"
 
 
 def parse_launch(text):
-    """The launch "64/16/4/p1/m64/r168" as plan_paged's keywords: block_n 64,
-    programs_per_sm 16, num_warps 4, prefetch 1, block_m 64, max_registers 168 (the
-    last three optional, in any order)."""
+    """The launch "64/16/4/p1/m64/r168/l1" as plan_paged's keywords: block_n 64,
+    programs_per_sm 16, num_warps 4, prefetch 1, block_m 64, max_registers 168,
+    loads_first True (the last four optional, in any order)."""
     parts = text.split("/")
     extra = dict((x[:1], x[1:]) for x in parts[3:])
     regs = extra.get("r", "0")
@@ -99,14 +100,15 @@ def parse_launch(text):
         len(parts) < 3
         or not all(p.isdigit() and int(p) > 0 for p in parts[:3])
         or len(extra) != len(parts) - 3
-        or not set(extra) <= {"p", "m", "r"}
+        or not set(extra) <= {"p", "m", "r", "l"}
         or extra.get("p", "0") not in ("0", "1", "2")
         or extra.get("m", "16") not in ("16", "32", "64")
+        or extra.get("l", "0") not in ("0", "1")
         or not (regs.isdigit() and (regs == "0" or 32 <= int(regs) <= 255))
     ):
         sys.exit(
             f"launch_sweep.py: --launches: {text!r} is not "
-            "N/PER_SM/WARPS[/pK][/mROWS][/rREGS]"
+            "N/PER_SM/WARPS[/pK][/mROWS][/rREGS][/l0|/l1]"
         )
     launch = dict(zip(("block_n", "programs_per_sm", "num_warps"), map(int, parts)))
     if "p" in extra:
@@ -115,6 +117,8 @@ def parse_launch(text):
         launch["block_m"] = int(extra["m"])
     if "r" in extra:
         launch["max_registers"] = int(regs)
+    if "l" in extra:
+        launch["loads_first"] = extra["l"] == "1"
     return launch
 
 
@@ -127,11 +131,11 @@ def sweep(batch, launches):
     p = default.plan
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     # the default as the launches are written: block_n/programs an SM/warps/prefetch/
-    # registers
+    # registers/loads first
     # (programs an SM as planned: the work's programs over the SMs, rounded)
     row = dict(batch=name, rows=max(q for _, q in reqs) * hq // hk,
                default=f"{p.block_m} rows, {p.block_n}/{p.programs / sms:.0f}/"
-               f"{p.num_warps}/p{p.prefetch}/r{p.max_registers}",
+               f"{p.num_warps}/p{p.prefetch}/r{p.max_registers}/l{int(p.loads_first)}",
                default_ms=kernel_ms(default.cached),
                ms={})  # fmt: skip
     want = default.cached().clone()

@@ -948,10 +948,11 @@ def test_run_ab_loads_another_runtime_beside_this_one_and_both_answer_alike(
 
 def test_launch_sweep_reads_its_launches_and_sweeps_17_to_64_rows(monkeypatch):
     """launch_sweep.py (NOTES.md §57, §58, §62): a launch is block_n/programs an
-    SM/warps with an optional /p0-/p2 prefetch, /m16-/m64 tile rows and /r32-/r255
-    register cap (/r0: Triton's count), in any order, anything else one line naming
-    it; every batch it sweeps has 17-64 query rows a kv head (the 32- and 64-row
-    tiles), or is a decode in a "-decode" group, at the head size its group names."""
+    SM/warps with an optional /p0-/p2 prefetch, /m16-/m64 tile rows, /r32-/r255
+    register cap (/r0: Triton's count) and /l0 or /l1 loads first, in any order,
+    anything else one line naming it; every batch it sweeps has 17-64 query rows a
+    kv head (the 32- and 64-row tiles), or is a decode in a "-decode" group, at the
+    head size its group names."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     sweep = __import__("launch_sweep")
     assert sweep.parse_launch("64/32/2") == dict(
@@ -963,9 +964,10 @@ def test_launch_sweep_reads_its_launches_and_sweeps_17_to_64_rows(monkeypatch):
     )
     assert sweep.parse_launch("64/12/4/r168")["max_registers"] == 168
     assert sweep.parse_launch("32/32/1/r0/p0")["max_registers"] == 0
+    assert sweep.parse_launch("128/8/4/l0")["loads_first"] is False
     for bad in ("64/32", "64/32/2/p3", "64/32/2/0", "64/x/2", "0/8/4", "64/16/2/m48",
                 "64/16/2/m64/m32", "64/16/2/r16", "64/16/2/r256",
-                "64/16/2/r"):  # fmt: skip
+                "64/16/2/r", "64/16/2/l2"):  # fmt: skip
         with pytest.raises(SystemExit, match=f"--launches: '{bad}'"):
             sweep.parse_launch(bad)
     for text in sweep.LAUNCHES.split(","):

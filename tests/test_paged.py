@@ -263,6 +263,32 @@ def test_the_prefetch_changes_no_bit(launch):
         assert torch.equal(out.isnan(), outs[0].isnan()), f"prefetch {ahead}"
 
 
+@pytest.mark.parametrize(
+    "preset", ["turboquant_3bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4"]
+)
+@pytest.mark.parametrize("launch", [paged.TILE32_LAUNCH, paged.DECODE_LAUNCH])
+def test_loading_the_values_first_changes_no_bit(launch, preset):
+    """PagedPlan.loads_first (a tile's value bytes loaded with its keys', NOTES.md
+    §62) moves loads, not arithmetic: every bit of the answer, a bad block id's NaN
+    request included, is the same either way, with 3- and 4-bit values and fp8 keys,
+    and those loads stay inside their tensors."""
+    block_m, block_n, num_warps = launch
+    seed = 350 + sorted(PRESETS).index(preset)
+    batch = make_batch([(300, 8), (517, 1), (130, 8)], preset, num_q_heads=8,
+                       num_kv_heads=2, seed=seed)  # fmt: skip
+    batch.block_table[1, 3] = -2  # request 1's positions 48-63 (blocks of 16)
+    outs = []
+    for first in (False, True):
+        with reads_within_arguments():
+            outs.append(run(batch, poisoned(batch), block_m=block_m, block_n=block_n,
+                            num_warps=num_warps, split_len=2 * block_n,
+                            loads_first=first))  # fmt: skip
+    q = batch.query_start_loc
+    assert outs[0][q[1] : q[2]].isnan().all(), f"seed {seed}"
+    assert torch.equal(outs[1].nan_to_num(), outs[0].nan_to_num()), f"seed {seed}"
+    assert torch.equal(outs[1].isnan(), outs[0].isnan()), f"seed {seed}"
+
+
 @pytest.mark.parametrize("q_len", [1, 2, 16])
 def test_decode_and_short_continuations_in_one_tile(q_len):
     # rows per kv head 4 x q_len: one tile of up to 64 rows decodes each slot once
@@ -546,6 +572,8 @@ def test_the_register_cap_is_the_default_launchs_alone(q_len, head_dim, launch, 
     # TILE32_D64_LAUNCH not timed with it, §57)
     prefetching = [paged.DECODE_LAUNCH, paged.TILE32_LAUNCH, paged.TRANSPOSED_LAUNCH]
     assert plan.prefetch == (launched in prefetching)
+    # the values' bytes with the keys' at TILE32_LAUNCH alone (NOTES.md §62)
+    assert plan.loads_first == (launched == paged.TILE32_LAUNCH)
     interp = plan_paged(qsl, lens, 16, 4, head_dim, "turboquant_3bit_nc",
                         interpret=True)  # fmt: skip
     assert interp.max_registers == 0
@@ -832,17 +860,19 @@ def test_run_writes_only_the_planned_requests_rows(own_keys):
     prefetch=st.sampled_from([0, 1, 2]),
     block_m=st.sampled_from([None, 8]),
     own_keys=st.sampled_from([None, False]),
+    loads_first=st.booleans(),
     bad=st.integers(0, 2**31 - 1),
 )
 def test_the_kernels_stay_inside_their_tensors(
     requests, preset, group, block_size, layout, odd_cache, split_len, prefetch,
-    block_m, own_keys, bad,
+    block_m, own_keys, loads_first, bad,
 ):  # fmt: skip
     """Rotation, attention and combine, on a cache that ends at its last block in use,
     at an odd address or not, with a block size that is not a power of two, a bad
     block id in one request's cached part, a strided query, key and value, the slots
     of 0-2 tiles ahead prefetched (loads under the interpreter), 16-row or transposed
-    8-row tiles, the chunk's own keys in the combine or through a causal call."""
+    8-row tiles, the chunk's own keys in the combine or through a causal call, the
+    values' bytes loaded with the keys' or where they are used."""
     seed = bad % 1000
     batch = make_batch(requests, preset, head_dim=32 if preset != "turboquant_k8v4"
                        else 40, num_q_heads=2 * group, num_kv_heads=2,
@@ -861,7 +891,7 @@ def test_the_kernels_stay_inside_their_tensors(
         setattr(batch, name, t.transpose(0, 1).contiguous().transpose(0, 1))
     with reads_within_arguments() as seen:
         out = run(batch, split_len=split_len, prefetch=prefetch, block_m=block_m,
-                  own_keys=own_keys)  # fmt: skip
+                  own_keys=own_keys, loads_first=loads_first)  # fmt: skip
     assert {"_paged_kernel", "_combine_kernel"} <= seen.kernels or not any(
         c > 0 and q > 0 for c, q in requests
     )

@@ -149,6 +149,9 @@ class PagedPlan:
     # (_split_attention's PREFETCH; loads thrown away under the interpreter); 0: none
     # (plan_paged's default: 1 at PREFETCH_LAUNCHES but fp8 keys' DECODE_LAUNCH)
     prefetch: int = 0
+    # each tile's value bytes loaded with its keys', before the keys are decoded
+    # (_split_attention's LOADS_FIRST; plan_paged's default: at LOADS_FIRST_LAUNCHES)
+    loads_first: bool = False
 
     @property
     def programs(self) -> int:
@@ -284,6 +287,11 @@ TRANSPOSED_LAUNCH = (8, 32, 1)
 # nor the two head-size-64 tiles, where it was not timed (NOTES.md §46). Never for fp8
 # keys at DECODE_LAUNCH, where it cost time (§49, §55).
 PREFETCH_LAUNCHES = (DECODE_LAUNCH, TILE32_LAUNCH, TRANSPOSED_LAUNCH)
+# The launches whose tiles load their values' bytes with their keys' by default
+# (PagedPlan.loads_first): TILE32_LAUNCH, whose loads' waits then overlap; not the
+# one-warp DECODE_LAUNCH, where the registers they hold cost more (NOTES.md §62). Other
+# launches not timed either way.
+LOADS_FIRST_LAUNCHES = (TILE32_LAUNCH,)
 
 
 def transposed_by_default(rows: int, head_dim: int) -> bool:
@@ -393,6 +401,7 @@ def plan_paged(
     max_registers: int | None = None,
     prefetch: int | None = None,
     own_keys: bool | None = None,
+    loads_first: bool | None = None,
 ) -> PagedPlan:
     """The plan of the memory-bound path for the requests ``requests`` (default: all)
     of a batch, from host ints alone.
@@ -415,6 +424,7 @@ def plan_paged(
     served tokens' query, key and value for the chunk's own call (bf16 queries:
     PagedPlan.half_chunk; not with own_keys). max_registers: the attention kernel's
     registers per thread, 0 for Triton's own count (default ``register_cap``).
+    loads_first: PagedPlan.loads_first (default: at LOADS_FIRST_LAUNCHES).
     prefetch: PagedPlan.prefetch (default 1 at the PREFETCH_LAUNCHES but fp8 keys'
     DECODE_LAUNCH, else 0).
     """
@@ -499,6 +509,8 @@ def plan_paged(
         launch = (block_m, block_n, num_warps)
         fp8_decode = cfg.key_fp8 and launch == DECODE_LAUNCH
         prefetch = int(launch in PREFETCH_LAUNCHES and not fp8_decode)
+    if loads_first is None:
+        loads_first = (block_m, block_n, num_warps) in LOADS_FIRST_LAUNCHES
     if split_len is None:
         work = int((tiles * cached).sum()) * hk
         split_len = max(MIN_SPLIT, cdiv(work, max(sms * programs_per_sm, 1)))
@@ -510,6 +522,7 @@ def plan_paged(
         max_registers=max_registers,
         prefetch=prefetch,
         own_keys=own_keys,
+        loads_first=bool(loads_first),
     )
     while True:
         plan = _build(
@@ -535,7 +548,7 @@ def _build(
     served requests' int64 arrays (thousands of programs per step: a Python loop took
     milliseconds, benchmarks/NOTES.md §38). Request i's programs, in order: tile, kv
     head, split; its tokens: its query tokens in order. ``fields``: PagedPlan's
-    half_chunk, max_registers, prefetch and own_keys."""
+    half_chunk, max_registers, prefetch, own_keys and loads_first."""
     n = len(served)
     splits = np.where(tiles > 0, -(-cached // split_len), 0)
     part0 = np.cumsum(splits * q_len) - splits * q_len  # the request's first row
@@ -711,48 +724,54 @@ def _interleave(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14,
 
 
 @triton.jit
-def _indices(ptr, ok, D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr,
-             HALVES: tl.constexpr):  # fmt: skip
-    """(N, BLOCK_D) int32: the BITS-wide (3 or 4) little-endian indices of the streams
-    at byte pointers ``ptr`` (N,), rows outside ``ok`` reading nothing (0); columns
-    past D unspecified. With HALVES, from 16-bit loads: indices 16g .. 16g + 15 are
-    the BITS halfwords from halfword g * BITS, and two 32-bit words of them hold every
-    index of the group whole (halfwords 0-1 and, at 3 bits, 1-2; at 4 bits, 2-3), so
-    each index is one shift and one mask (a 64-bit word would take two of each). Byte
-    by byte otherwise (``dequant._unpack``)."""
-    N: tl.constexpr = ptr.shape[0]
-    ok2 = ok[:, None]
-    if HALVES:
-        base, m, e = _group_ptrs(ptr, ok, BITS, BLOCK_D, GROUPS_OUTER)
-        m = m & (e < D)
-        h0 = tl.load(base, mask=m, other=0).to(tl.int32)
-        h1 = tl.load(base + 1, mask=m, other=0).to(tl.int32)
-        h2 = tl.load(base + 2, mask=m, other=0).to(tl.int32)
-        K: tl.constexpr = (1 << BITS) - 1
-        if BITS == 4:
-            h3 = tl.load(base + 3, mask=m, other=0).to(tl.int32)
-            lo = h0 | (h1 << 16)  # indices 0-7
-            hi = h2 | (h3 << 16)  # indices 8-15
-            y = _interleave(
-                lo & K, (lo >> 4) & K, (lo >> 8) & K, (lo >> 12) & K,
-                (lo >> 16) & K, (lo >> 20) & K, (lo >> 24) & K, (lo >> 28) & K,
-                hi & K, (hi >> 4) & K, (hi >> 8) & K, (hi >> 12) & K,
-                (hi >> 16) & K, (hi >> 20) & K, (hi >> 24) & K, (hi >> 28) & K,
-            )  # fmt: skip
-        else:
-            lo = h0 | (h1 << 16)  # indices 0-9 whole (bits 0-29)
-            hi = h1 | (h2 << 16)  # indices 6-15 whole (bits 16-47)
-            y = _interleave(
-                lo & K, (lo >> 3) & K, (lo >> 6) & K, (lo >> 9) & K,
-                (lo >> 12) & K, (lo >> 15) & K, (lo >> 18) & K, (lo >> 21) & K,
-                (lo >> 24) & K, (lo >> 27) & K, (hi >> 14) & K, (hi >> 17) & K,
-                (hi >> 20) & K, (hi >> 23) & K, (hi >> 26) & K, (hi >> 29) & K,
-            )  # fmt: skip
-        if GROUPS_OUTER:
-            y = tl.permute(y, (1, 0, 2))
-        return tl.reshape(y, [N, BLOCK_D])
+def _halfwords(ptr, ok, D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The BITS-wide (3 or 4) index streams at byte pointers ``ptr`` (N,), as their
+    halfwords, int32: for each group of 16 indices (``_group_ptrs``' layout) the BITS
+    halfwords from halfword g * BITS (the fourth is the third's at 3 bits, unused);
+    rows outside ``ok`` and groups past D read nothing (0). Loaded apart from their
+    decode (``_indices_of``, ``_keys3``, ``_keys4``) so that a tile's loads all go
+    out before the first of them is waited for (NOTES.md §62)."""
+    base, m, e = _group_ptrs(ptr, ok, BITS, BLOCK_D, GROUPS_OUTER)
+    m = m & (e < D)
+    h0 = tl.load(base, mask=m, other=0).to(tl.int32)
+    h1 = tl.load(base + 1, mask=m, other=0).to(tl.int32)
+    h2 = tl.load(base + 2, mask=m, other=0).to(tl.int32)
+    if BITS == 4:  # noqa: SIM108 - a constexpr: one branch is compiled
+        h3 = tl.load(base + 3, mask=m, other=0).to(tl.int32)
     else:
-        return _unpack(ptr[:, None], ok2, D, BITS, BLOCK_D)
+        h3 = h2
+    return h0, h1, h2, h3
+
+
+@triton.jit
+def _indices_of(h0, h1, h2, h3, N: tl.constexpr, BITS: tl.constexpr,
+                BLOCK_D: tl.constexpr):  # fmt: skip
+    """(N, BLOCK_D) int32: the indices of ``_halfwords``' groups; columns past D
+    unspecified. Two 32-bit words of a group's halfwords hold every index of it whole
+    (halfwords 0-1 and, at 3 bits, 1-2; at 4 bits, 2-3), so each index is one shift
+    and one mask (a 64-bit word would take two of each)."""
+    K: tl.constexpr = (1 << BITS) - 1
+    if BITS == 4:
+        lo = h0 | (h1 << 16)  # indices 0-7
+        hi = h2 | (h3 << 16)  # indices 8-15
+        y = _interleave(
+            lo & K, (lo >> 4) & K, (lo >> 8) & K, (lo >> 12) & K,
+            (lo >> 16) & K, (lo >> 20) & K, (lo >> 24) & K, (lo >> 28) & K,
+            hi & K, (hi >> 4) & K, (hi >> 8) & K, (hi >> 12) & K,
+            (hi >> 16) & K, (hi >> 20) & K, (hi >> 24) & K, (hi >> 28) & K,
+        )  # fmt: skip
+    else:
+        lo = h0 | (h1 << 16)  # indices 0-9 whole (bits 0-29)
+        hi = h1 | (h2 << 16)  # indices 6-15 whole (bits 16-47)
+        y = _interleave(
+            lo & K, (lo >> 3) & K, (lo >> 6) & K, (lo >> 9) & K,
+            (lo >> 12) & K, (lo >> 15) & K, (lo >> 18) & K, (lo >> 21) & K,
+            (lo >> 24) & K, (lo >> 27) & K, (hi >> 14) & K, (hi >> 17) & K,
+            (hi >> 20) & K, (hi >> 23) & K, (hi >> 26) & K, (hi >> 29) & K,
+        )  # fmt: skip
+    if GROUPS_OUTER:
+        y = tl.permute(y, (1, 0, 2))
+    return tl.reshape(y, [N, BLOCK_D])
 
 
 @triton.jit
@@ -940,16 +959,10 @@ def _group_tile(p0, p1, p2, p3, p4, p5, p6, p7, N: tl.constexpr, BLOCK_D: tl.con
 
 
 @triton.jit
-def _keys3(ptr, ok, D: tl.constexpr, BLOCK_D: tl.constexpr, lo0, lo1, hi0, hi1):
-    """(N, BLOCK_D) fp16 centroids of the 3-bit key indices at byte pointers ``ptr``
-    (N,) (16-bit loads; rows outside ``ok`` read index 0, columns past D unspecified):
-    ``_indices``' words, each looked up whole by ``_lookup8w``. GPU only."""
-    N: tl.constexpr = ptr.shape[0]
-    base, m, e = _group_ptrs(ptr, ok, 3, BLOCK_D, GROUPS_OUTER)
-    m = m & (e < D)
-    h0 = tl.load(base, mask=m, other=0).to(tl.int32)
-    h1 = tl.load(base + 1, mask=m, other=0).to(tl.int32)
-    h2 = tl.load(base + 2, mask=m, other=0).to(tl.int32)
+def _keys3(h0, h1, h2, N: tl.constexpr, BLOCK_D: tl.constexpr, lo0, lo1, hi0, hi1):
+    """(N, BLOCK_D) fp16 table entries of the 3-bit indices of ``_halfwords``' groups
+    (columns past D unspecified): each word of 8 looked up whole by ``_lookup8w``.
+    GPU only."""
     p0, p1, p2, p3 = _lookup8w(h0 | (h1 << 16), lo0, lo1, hi0, hi1)  # indices 0-7
     # stream bits 24-47: indices 8-15
     p4, p5, p6, p7 = _lookup8w((h1 >> 8) | (h2 << 8), lo0, lo1, hi0, hi1)
@@ -957,18 +970,11 @@ def _keys3(ptr, ok, D: tl.constexpr, BLOCK_D: tl.constexpr, lo0, lo1, hi0, hi1):
 
 
 @triton.jit
-def _keys4(ptr, ok, D: tl.constexpr, BLOCK_D: tl.constexpr, lo0, lo1, lo2, lo3, hi0,
-           hi1, hi2, hi3):  # fmt: skip
-    """(N, BLOCK_D) fp16 centroids of the 4-bit key indices at byte pointers ``ptr``
-    (N,) (16-bit loads; rows outside ``ok`` read index 0, columns past D unspecified),
-    each word of 8 looked up whole by ``_lookup16w``. GPU only."""
-    N: tl.constexpr = ptr.shape[0]
-    base, m, e = _group_ptrs(ptr, ok, 4, BLOCK_D, GROUPS_OUTER)
-    m = m & (e < D)
-    h0 = tl.load(base, mask=m, other=0).to(tl.int32)
-    h1 = tl.load(base + 1, mask=m, other=0).to(tl.int32)
-    h2 = tl.load(base + 2, mask=m, other=0).to(tl.int32)
-    h3 = tl.load(base + 3, mask=m, other=0).to(tl.int32)
+def _keys4(h0, h1, h2, h3, N: tl.constexpr, BLOCK_D: tl.constexpr, lo0, lo1, lo2, lo3,
+           hi0, hi1, hi2, hi3):  # fmt: skip
+    """(N, BLOCK_D) fp16 table entries of the 4-bit indices of ``_halfwords``' groups
+    (columns past D unspecified), each word of 8 looked up whole by ``_lookup16w``.
+    GPU only."""
     p0, p1, p2, p3 = _lookup16w(
         h0 | (h1 << 16), lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3
     )  # indices 0-7
@@ -984,14 +990,13 @@ _C3 = tl.constexpr((0, 0, 0xBCC2C5C7 - (1 << 32), 0x4745423C))
 
 
 @triton.jit
-def _centred3(ptr, ok, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """(N, BLOCK_D) fp16: ``_centred`` of the 3-bit value indices at byte pointers
-    ``ptr`` (N,) (16-bit loads; rows outside ``ok`` read index 0, columns past D
-    unspecified), looked up in a table of the centred values by ``_keys3``'s byte
-    permutes, in fewer instructions than shifting, masking, packing and offsetting
-    them in pairs (about 0.45 fewer an index; 4-bit indices take more by lookup than
-    by arithmetic). GPU only."""
-    return _keys3(ptr, ok, D, BLOCK_D, _C3[0], _C3[1], _C3[2], _C3[3])
+def _centred3(h0, h1, h2, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(N, BLOCK_D) fp16: ``_centred`` of the 3-bit value indices of ``_halfwords``'
+    groups (columns past D unspecified), looked up in a table of the centred values by
+    ``_keys3``'s byte permutes, in fewer instructions than shifting, masking, packing
+    and offsetting them in pairs (about 0.45 fewer an index; 4-bit indices take more
+    by lookup than by arithmetic). GPU only."""
+    return _keys3(h0, h1, h2, N, BLOCK_D, _C3[0], _C3[1], _C3[2], _C3[3])
 
 
 @triton.jit
@@ -1003,7 +1008,7 @@ def _fp8_keys(cache_ptr, slot, ok, D: tl.constexpr, BLOCK_D: tl.constexpr,
     ok2 = ok[:, None]
     if HALVES:
         # eight loads of a group of 16 keys from one address (one per thread and
-        # group, not one per halfword), laid out as _indices' groups (NOTES.md §40)
+        # group, not one per halfword), laid out as _halfwords' groups (NOTES.md §40)
         base, m, e = _group_ptrs(cache_ptr + slot, ok, 8, BLOCK_D, GROUPS_OUTER)
         h0 = tl.load(base, mask=m & (e < D), other=0)
         h1 = tl.load(base + 1, mask=m & (e + 2 < D), other=0)
@@ -1213,6 +1218,7 @@ def _split_attention(
     LOOKUP: tl.constexpr,
     FENCE: tl.constexpr,
     PREFETCH: tl.constexpr,
+    LOADS_FIRST: tl.constexpr,
     TRANSPOSED: tl.constexpr,
 ):
     """The online softmax of the rows (q_hi, q_lo: the query's dot operands; row_scale
@@ -1224,6 +1230,9 @@ def _split_attention(
     such a tile only sets ``seen`` (the caller runs the split again, EXACT). PREFETCH:
     the slots of the tile that many ahead are asked of L2 while this one is read and
     decoded (``_prefetch_l2``), so that their loads wait for L2 instead of DRAM.
+    LOADS_FIRST: a tile's value bytes are loaded with its keys', before the keys are
+    decoded, so that their waits overlap (more registers held across the key step);
+    otherwise where they are used.
     TRANSPOSED: the tiles (positions, rows), the accumulator (D, rows) until the
     end (``_per_row``)."""
     BLOCK_M: tl.constexpr = q_hi.shape[0]
@@ -1302,6 +1311,18 @@ def _split_attention(
             # the interpreter: no offset of a bad block id formed, even unread (on a
             # GPU the masked lanes' addresses are never used)
             slot = tl.where(ok, slot, 0)
+        # -- the slots' bytes: the keys', and with LOADS_FIRST the rest ---------------
+        kslot = cache_ptr + slot
+        vslot = kslot + KEY_BYTES
+        if HALVES and KEY_BITS != 8:
+            k0, k1, k2, k3 = _halfwords(kslot, ok, D, KEY_BITS, BLOCK_D)
+        if LOADS_FIRST:
+            if KEY_BITS != 8:
+                a = _fp16_field(kslot + KEY_INDEX_BYTES, ok, HALVES)
+            if HALVES:
+                v0, v1, v2, v3 = _halfwords(vslot, ok, D, VALUE_BITS, BLOCK_D)
+            vs = _fp16_field(vslot + VALUE_INDEX_BYTES, ok, HALVES)
+            vz = _fp16_field(vslot + VALUE_INDEX_BYTES + 2, ok, HALVES)
         # -- scores: q . (a_n c_n), a_n applied to the score tile ---------------------
         if KEY_BITS == 8:
             k = _fp8_keys(cache_ptr, slot, ok, D, BLOCK_D, FP8_E4B15, HALVES)
@@ -1314,12 +1335,15 @@ def _split_attention(
             a = tl.where(bad, float("nan"), 1.0)
         else:
             if LOOKUP and HALVES and KEY_BITS == 3:
-                kc = _keys3(cache_ptr + slot, ok, D, BLOCK_D, lo0, lo1, hi0, hi1)
+                kc = _keys3(k0, k1, k2, BLOCK_N, BLOCK_D, lo0, lo1, hi0, hi1)
             elif LOOKUP and HALVES:
-                kc = _keys4(cache_ptr + slot, ok, D, BLOCK_D, lo0, lo1, lo2, lo3,
+                kc = _keys4(k0, k1, k2, k3, BLOCK_N, BLOCK_D, lo0, lo1, lo2, lo3,
                             hi0, hi1, hi2, hi3)  # fmt: skip
             else:
-                idx = _indices(cache_ptr + slot, ok, D, KEY_BITS, BLOCK_D, HALVES)
+                if HALVES:
+                    idx = _indices_of(k0, k1, k2, k3, BLOCK_N, KEY_BITS, BLOCK_D)
+                else:
+                    idx = _unpack(kslot[:, None], ok[:, None], D, KEY_BITS, BLOCK_D)
                 if LOOKUP and KEY_BITS == 3:
                     kc = _lookup8(idx, lo0, lo1, hi0, hi1)
                 else:
@@ -1331,7 +1355,8 @@ def _split_attention(
             )
             if Q_SPLIT:
                 s = _scores(q_lo, kt, s, TRANSPOSED, DOT_F32)
-            a = _fp16_field(cache_ptr + slot + KEY_INDEX_BYTES, ok, HALVES)
+            if not LOADS_FIRST:
+                a = _fp16_field(kslot + KEY_INDEX_BYTES, ok, HALVES)
             # a norm that is not finite: NaN (its key's infinities meet the query's
             # mixed signs in one softmax)
             a = tl.where((tl.abs(a) < float("inf")) & (~bad), a, float("nan"))
@@ -1353,12 +1378,17 @@ def _split_attention(
         l_i = l_i * alpha + tl.sum(p, POS)
         m_i = m_new
         # -- values: p . (i s + z) = (p s) . (i - h) + p . (z + h s) ------------------
-        vslot = cache_ptr + slot + KEY_BYTES
+        if not LOADS_FIRST:
+            if HALVES:
+                v0, v1, v2, v3 = _halfwords(vslot, ok, D, VALUE_BITS, BLOCK_D)
+            vs = _fp16_field(vslot + VALUE_INDEX_BYTES, ok, HALVES)
+            vz = _fp16_field(vslot + VALUE_INDEX_BYTES + 2, ok, HALVES)
         BY_LOOKUP: tl.constexpr = LOOKUP and HALVES and VALUE_BITS == 3
         if EXACT or not BY_LOOKUP:
-            vidx = _indices(vslot, ok, D, VALUE_BITS, BLOCK_D, HALVES)
-        vs = _fp16_field(vslot + VALUE_INDEX_BYTES, ok, HALVES)
-        vz = _fp16_field(vslot + VALUE_INDEX_BYTES + 2, ok, HALVES)
+            if HALVES:
+                vidx = _indices_of(v0, v1, v2, v3, BLOCK_N, VALUE_BITS, BLOCK_D)
+            else:
+                vidx = _unpack(vslot[:, None], ok[:, None], D, VALUE_BITS, BLOCK_D)
         finite = tl.abs(vs) + tl.abs(vz) < float("inf")  # NaN: not
         if EXACT:
             top = tl.max(tl.where(finite, tl.abs(vs), 0.0), 0)
@@ -1387,7 +1417,7 @@ def _split_attention(
             # float32 subnormal, and the multiplications keep subnormals)
             acc = acc * _per_row(alpha * ((unit * half) * 2.0), TRANSPOSED)
             if BY_LOOKUP:
-                vc = _centred3(vslot, ok, D, BLOCK_D)
+                vc = _centred3(v0, v1, v2, BLOCK_N, BLOCK_D)
             else:
                 vc = _centred(vidx, VALUE_BITS)
             if TRANSPOSED:
@@ -1444,6 +1474,7 @@ def _paged_kernel(
     LOOKUP: tl.constexpr,  # 3- and 4-bit keys, 3-bit values: byte permutes (GPU)
     FENCE: tl.constexpr,  # the dots' decoded operands behind _operand (GPU)
     PREFETCH: tl.constexpr,  # the slots this many tiles ahead into L2 (0: none)
+    LOADS_FIRST: tl.constexpr,  # values' bytes loaded with the keys' (PagedPlan)
     TRANSPOSED: tl.constexpr,  # tiles of (positions, rows) (PagedPlan.transposed)
     CHECK: tl.constexpr,  # record bad block ids at err_ptr
 ):
@@ -1508,7 +1539,7 @@ def _paged_kernel(
         num_blocks, max_blocks, s_cache_block, s_cache_pos, s_bt_col, D, BLOCK_D,
         BLOCK_SIZE, KEY_BITS, KEY_INDEX_BYTES, KEY_BYTES, VALUE_BITS,
         VALUE_INDEX_BYTES, NORM_CORRECTION, FP8_E4B15, Q_BF16, HALVES, Q_SPLIT,
-        BLOCK_N, DOT_F32, False, LOOKUP, FENCE, PREFETCH, TRANSPOSED,
+        BLOCK_N, DOT_F32, False, LOOKUP, FENCE, PREFETCH, LOADS_FIRST, TRANSPOSED,
     )  # fmt: skip
     if seen > 0:  # a value field that is not finite: the split again, exactly
         m_i, l_i, z_i, acc, unit, seen = _split_attention(
@@ -1516,7 +1547,7 @@ def _paged_kernel(
             end, num_blocks, max_blocks, s_cache_block, s_cache_pos, s_bt_col, D,
             BLOCK_D, BLOCK_SIZE, KEY_BITS, KEY_INDEX_BYTES, KEY_BYTES, VALUE_BITS,
             VALUE_INDEX_BYTES, NORM_CORRECTION, FP8_E4B15, Q_BF16, HALVES, Q_SPLIT,
-            BLOCK_N, DOT_F32, True, LOOKUP, FENCE, PREFETCH, TRANSPOSED,
+            BLOCK_N, DOT_F32, True, LOOKUP, FENCE, PREFETCH, LOADS_FIRST, TRANSPOSED,
         )  # fmt: skip
     acc = acc * unit + z_i[:, None]
     empty = l_i == 0  # no key in the split (a NaN sum stays NaN: out and lse)
@@ -1916,6 +1947,7 @@ def paged_launches(
             lookup and cfg.key_bits in (3, 4) and not interp,
             fence and not interp,
             plan.prefetch,
+            plan.loads_first,
             plan.transposed,
             err is not None,
         )
