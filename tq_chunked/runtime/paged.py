@@ -349,7 +349,8 @@ def register_cap(
     - (16, 64, 4): 128 at D 64, 168 at D 128 (Triton counts 128-191; NOTES.md §42).
     - DECODE_LAUNCH, whose one warp holds the whole (16, D) float32 accumulator and
       both query operands (Triton counts 248-255): 144 at D 64 (14 warps an SM), 216
-      at D 128 (9 warps, as many as its shared memory allows; NOTES.md §44, §46).
+      at D 128 (NOTES.md §44, §46; §62: on an H100 it holds no more warps an SM than
+      Triton's 255, which was not slower: to be timed again).
     - TRANSPOSED_LAUNCH: 144 at D 64. D 128 keeps Triton's 255 at MSE keys, where a
       cap for 9 warps spilled 23-41 instructions an iteration and was slower (NOTES.md
       §47, §49).
