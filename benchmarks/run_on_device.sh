@@ -216,8 +216,9 @@ for mode in "$@"; do
       carry .gpu-carry timeout 200 python3 benchmarks/breakdown.py --workloads "$WORKLOADS" 2>&1 \
         | tee "$OUT/breakdown.md" | tail -16 ;;
     launches)
-      # the 17-64-row batches at chosen launches beside the default (NOTES.md §57);
-      # LAUNCH_BATCHES (e.g. d64,d128) and LAUNCH_LIST (e.g. 64/32/2,64/16/2) where given
+      # the 17-64-row batches (and the decodes: d128-decode) at chosen launches beside
+      # the default (NOTES.md §57, §62); LAUNCH_BATCHES (e.g. d64,d128) and LAUNCH_LIST
+      # (e.g. 64/32/2,64/16/2/r168,128/8/4/l0) where given
       carry .gpu-carry timeout "${LAUNCH_TIMEOUT:-330}" python3 benchmarks/launch_sweep.py \
         "$OUT" ${LAUNCH_BATCHES:+--batches "$LAUNCH_BATCHES"} ${LAUNCH_LIST:+--launches \
         "$LAUNCH_LIST"} 2>"$OUT/launch-sweep.log" | tee "$OUT/launch-sweep.md" | tail -16 ;;
