@@ -36,6 +36,11 @@ def _count(cell: str) -> int:
     return int(cell) if cell.isdigit() else 0
 
 
+def _source_cell(text: str) -> str:
+    """A line's text as a Markdown cell: pipes escaped, at most 100 characters."""
+    return "`" + text.replace("|", "\\|")[:100] + "`"
+
+
 def per_line(path, reasons=()):
     """{(file, line): [stall samples, instructions, text, {reason: samples}]}, total
     samples, total instructions (every SASS row, with or without a line), and
@@ -86,10 +91,9 @@ def main():
     print("| stall samples | instructions | line | source |\n|---|---|---|---|")
     ranked = sorted(lines.items(), key=lambda kv: -kv[1][0])[: a.top]
     for (source, line), (s, i, text, _) in ranked:
-        text = text.replace("|", "\\|")[:100]
         print(
             f"| {100 * s / max(samples, 1):.1f} % | {100 * i / max(inst, 1):.1f} % "
-            f"| {source}:{line} | `{text}` |"
+            f"| {source}:{line} | {_source_cell(text)} |"
         )
     for r in reasons:
         share = 100 * totals[r] / max(samples, 1)
@@ -98,10 +102,9 @@ def main():
         ranked = sorted(lines.items(), key=lambda kv: -kv[1][3][r])[: a.top]
         for (source, line), (_, _, text, counts) in ranked:
             if counts[r]:
-                text = text.replace("|", "\\|")[:100]
                 print(
                     f"| {100 * counts[r] / max(totals[r], 1):.1f} % "
-                    f"| {source}:{line} | `{text}` |"
+                    f"| {source}:{line} | {_source_cell(text)} |"
                 )
 
 
