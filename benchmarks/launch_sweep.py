@@ -1,14 +1,14 @@
 """The memory-bound kernel's cached part at chosen launches, beside the plan's default,
-over batches of 17-64 query rows per kv head, and decodes (GPU).
+over batches of 17-64 query rows per kv head, decodes, and bf16 queries (GPU).
 
     python benchmarks/launch_sweep.py [OUT_DIR] [--batches "d64,d128"]
         [--launches "64/16/4,64/8/4,128/8/4/p0"]
 
 Each launch is block_n/programs per SM/num_warps, then optionally /p0, /p1 or /p2 for
 the slots prefetched that many tiles ahead (default: the plan's choice for that launch),
-/m16, /m32 or /m64 for the tile's query rows (default: the plan's; /m64 puts a 64-row
-batch at head size 128 in one tile where the plan takes two of 32), /rREGS for the
-kernel's registers a thread (32-255; r0: Triton's own count; default
+/m16, /m32 or /m64 for the tile's query rows (default: the plan's; /m32 puts a
+64-row batch at head size 128 in two tiles of 32 where the plan takes one of 64), /rREGS
+for the kernel's registers a thread (32-255; r0: Triton's own count; default
 ``paged.register_cap``'s) and /l0 or /l1 for the values' bytes loaded where used or
 with the keys' (``PagedPlan.loads_first``; default the plan's), in any order. Each
 batch's answer at every launch is compared with the default's (the same plan but its
@@ -67,7 +67,7 @@ BATCHES = {
          "float16"),
         ("64 x q6 1K-8K 3bit", "llama3-8b", seeded_hits(24, 64, 6, K, 8 * K),
          "turboquant_3bit_nc", "float16"),
-        # the engine's short-hits batch (benchmarks/engine.py): two 32-row tiles
+        # the engine's short-hits batch (benchmarks/engine.py): one 64-row tile
         ("64 x q16 1K-8K 3bit", "llama3-8b", seeded_hits(28, 64, 16, K, 8 * K),
          "turboquant_3bit_nc", "float16"),
     ],
@@ -79,6 +79,15 @@ BATCHES = {
          "turboquant_3bit_nc", "float16"),
         ("decode 128 x 8K-32K 4bit", "llama3-8b",
          seeded_hits(31, 128, 1, 8 * K, 32 * K), "turboquant_4bit_nc", "float16"),
+        ("decode 256 x 2K-12K bf16", "llama3-8b",
+         seeded_hits(30, 256, 1, 2 * K, 12 * K), "turboquant_3bit_nc", "bfloat16"),
+    ],
+    # bf16 queries at 64 rows, the engine's dtype: one key dot by default (NOTES.md §63)
+    "d128-bf16": [
+        ("64 x q16 1K-8K 3bit bf16", "llama3-8b", seeded_hits(28, 64, 16, K, 8 * K),
+         "turboquant_3bit_nc", "bfloat16"),
+        ("16 x q16 64K bf16", "llama3-8b", [(64 * K, 16)] * 16, "turboquant_3bit_nc",
+         "bfloat16"),
     ],
     "d256": [
         ("16 x q8 4K-16K d256 bf16", "d256", seeded_hits(25, 16, 8, 4 * K, 16 * K),

@@ -9,8 +9,8 @@ shared memory, and the SASS instructions per cache slot, by kind (no device time
         [--head-dim D] [--group G]
     python benchmarks/sass_report.py --paged ROWS,POSITIONS,WARPS [--preset P]
         [--head-dim D] [--group G] [--q-len Q] [--dtype float16|bfloat16]
-        [--no-q-split] [--prefetch TILES] [--gather] [--no-fence]
-        [--max-registers R] [--block-size B] [--sass FILE]
+        [--q-split 0|1] [--prefetch TILES] [--loads-first 0|1] [--gather]
+        [--no-fence] [--max-registers R] [--block-size B] [--sass FILE]
 
 With --fused, the fused kernel (tq_chunked/experimental/fused.py, one request of 16
 query tokens, G query heads per kv head) at that launch: registers, shared memory, and
@@ -44,6 +44,7 @@ be compared (benchmarks/NOTES.md §34); --dump writes each case's SASS.
 
 import argparse
 import collections
+import contextlib
 import hashlib
 import os
 import re
@@ -57,6 +58,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import tq_chunked.runtime.dequant as dq
+import tq_chunked.runtime.paged as pg
+from tq_chunked.runtime._utils import mma_sync_only
 from tq_chunked.runtime.format import PRESETS, TQConfig, hadamard, lloyd_max_centroids
 from tq_chunked.runtime.plan import windows
 from tq_chunked.tools.reference import cached_window
@@ -227,11 +230,11 @@ def record_paged(
     fence=True,
     max_registers=None,
     prefetch=None,
+    loads_first=None,
 ):
     """(kernel, args, options) of ``paged_attention``'s attention launch for one
     request of ``q_len`` query tokens over 600 cached, at launch (rows, positions,
     warps), with the arguments a CUDA call passes."""
-    import tq_chunked.runtime.paged as pg
     from tq_chunked.tools.testing import make_batch
 
     seen = {}
@@ -269,6 +272,7 @@ def record_paged(
         interpret=False,
         max_registers=max_registers,
         own_keys=False,  # the cached part's launches alone
+        loads_first=loads_first,
     )
     work, tokens = plan.upload("cpu")
     scratch = plan.carve(torch.zeros(plan.scratch_bytes, dtype=torch.uint8))
@@ -374,20 +378,24 @@ def main_paged(a):
         launch,
         a.q_len,
         a.dtype,
-        not a.no_q_split,
+        None if a.q_split is None else bool(a.q_split),
         a.block_size,
         not a.gather,
         not a.no_fence,
         a.max_registers,
         a.prefetch,
+        None if a.loads_first is None else bool(a.loads_first),
     )
-    ck = compile_sm90(kernel, args, options)
+    # as launch_paged compiles it: mma.sync where it asks for it (NOTES.md §63)
+    with mma_sync_only() if pg.launch_paged.mma_sync else contextlib.nullcontext():
+        ck = compile_sm90(kernel, args, options)
     sass, res = sass_of(ck.asm["cubin"])
     if a.sass:
         with open(a.sass, "w") as f:
             f.write(sass)
     regs = re.search(r"REG:(\d+)", res)
     stack = re.search(r"STACK:(\d+)", res)
+    arg = lambda name: args[[p.name for p in kernel.params].index(name)]
     found = [x for x in loops(sass) if len(x[2]) > 50]  # the two split loops
     hot = found[0][2]
     ops = collections.Counter(hot)
@@ -398,8 +406,8 @@ def main_paged(a):
     spills = ops["LDL"] + ops["STL"]
     print(
         f"paged {a.preset} D {a.head_dim} G {a.group} q {a.q_len} {a.dtype} "
-        f"q_split {not a.no_q_split} lookup {not a.gather} fence {not a.no_fence} "
-        f"prefetch {args[[p.name for p in kernel.params].index('PREFETCH')]} "
+        f"q_split {arg('Q_SPLIT')} lookup {not a.gather} fence {not a.no_fence} "
+        f"prefetch {arg('PREFETCH')} loads_first {arg('LOADS_FIRST')} "
         f"maxnreg {options.get('maxnreg')} block_size "
         f"{a.block_size} launch {launch}: "
         f"{regs.group(1) if regs else '?'} registers, "
@@ -482,7 +490,19 @@ def main():
     ap.add_argument("--paged", default=None, help="ROWS,POSITIONS,WARPS")
     ap.add_argument("--q-len", type=int, default=1, help="--paged: query tokens")
     ap.add_argument("--dtype", default="float16", help="--paged: the query's")
-    ap.add_argument("--no-q-split", action="store_true", help="--paged: one key dot")
+    ap.add_argument(
+        "--q-split",
+        type=int,
+        default=None,
+        help="--paged: 1 two key dots (hi + lo), 0 one (default: "
+        "paged.q_split_by_default)",
+    )
+    ap.add_argument(
+        "--loads-first",
+        type=int,
+        default=None,
+        help="--paged: PagedPlan.loads_first (default: the plan's)",
+    )
     ap.add_argument("--block-size", type=int, default=16, help="--paged")
     ap.add_argument(
         "--gather", action="store_true", help="--paged: 3- and 4-bit keys gathered"
@@ -523,7 +543,9 @@ def main():
     kernel, grid, args, options = record_fill(
         a.preset, a.head_dim, a.kv_heads, a.chunk, config
     )
-    ck = compile_sm90(kernel, args, options)
+    # as launch_paged compiles it: mma.sync where it asks for it (NOTES.md §63)
+    with mma_sync_only() if pg.launch_paged.mma_sync else contextlib.nullcontext():
+        ck = compile_sm90(kernel, args, options)
     sass, res = sass_of(ck.asm["cubin"])
     if a.sass:
         with open(a.sass, "w") as f:

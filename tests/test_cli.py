@@ -947,7 +947,7 @@ def test_run_ab_loads_another_runtime_beside_this_one_and_both_answer_alike(
 
 
 def test_launch_sweep_reads_its_launches_and_sweeps_17_to_64_rows(monkeypatch):
-    """launch_sweep.py (NOTES.md §57, §58, §62): a launch is block_n/programs an
+    """launch_sweep.py (NOTES.md §57, §58, §62, §63): a launch is block_n/programs an
     SM/warps with an optional /p0-/p2 prefetch, /m16-/m64 tile rows, /r32-/r255
     register cap (/r0: Triton's count) and /l0 or /l1 loads first, in any order,
     anything else one line naming it; every batch it sweeps has 17-64 query rows a

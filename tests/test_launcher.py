@@ -11,13 +11,19 @@ apart, so must the key. (A finer key only keeps a second copy of a compiled kern
 """
 
 import itertools
+import os
 
 import pytest
 import torch
 import triton
 
 from tq_chunked.runtime import dequant, merge
-from tq_chunked.runtime._utils import Launcher, layout
+from tq_chunked.runtime._utils import (
+    Launcher,
+    check_mma_sync,
+    layout,
+    mma_sync_only,
+)
 
 native = pytest.importorskip(
     "triton._C.libtriton",
@@ -227,3 +233,43 @@ def test_layout_tells_apart_dtype_shape_strides_and_alignment():
         base[1:33].view(4, 8),  # 2 bytes off the alignment class
     ]
     assert len({layout(x) for x in [t, *others]}) == 5
+
+
+@pytest.mark.parametrize("before", [None, "0", "1"])
+def test_a_mma_sync_launcher_compiles_under_tritons_switch_alone(before, monkeypatch):
+    """Launcher(mma_sync=True) compiles (Triton's own launch) with DISABLE_MMA_V3=1,
+    and leaves the environment as it found it (NOTES.md §63)."""
+    if before is None:
+        monkeypatch.delenv("DISABLE_MMA_V3", raising=False)
+    else:
+        monkeypatch.setenv("DISABLE_MMA_V3", before)
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *a, **o: seen.append(os.environ.get("DISABLE_MMA_V3"))
+
+    Launcher(Kernel(), mma_sync=True)._compile((1,), (), {})
+    Launcher(Kernel())._compile((1,), (), {})
+    assert seen == ["1", before]
+    assert os.environ.get("DISABLE_MMA_V3") == before
+
+
+def test_tritons_cache_key_holds_the_switch(monkeypatch):
+    """This Triton knows DISABLE_MMA_V3: set, it enters the compiled kernels' cache
+    key (so a kernel compiled under it is not mistaken for one compiled without)."""
+    monkeypatch.delenv("DISABLE_MMA_V3", raising=False)
+    with mma_sync_only():
+        assert native.get_cache_invalidating_env_vars().get("DISABLE_MMA_V3")
+    assert "DISABLE_MMA_V3" not in native.get_cache_invalidating_env_vars()
+
+
+class _Asm:
+    def __init__(self, ptx):
+        self.asm = {"ptx": ptx}
+
+
+def test_a_kernel_compiled_to_wgmma_is_refused_by_name():
+    check_mma_sync(_Asm("mma.sync.aligned.m16n8k16.row.col"), "_paged_kernel")
+    with pytest.raises(RuntimeError, match="_paged_kernel compiled to Hopper's wgmma"):
+        check_mma_sync(_Asm("wgmma.mma_async.sync.aligned.m64n64k16"), "_paged_kernel")

@@ -7,9 +7,11 @@ Triton's own launch path.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import os
+import threading
 from itertools import repeat
 
 import torch
@@ -178,6 +180,46 @@ def check_overlaps(written, read) -> None:
 # ---------------------------------------------------------------------------
 
 
+# Triton's switch that keeps tl.dot off Hopper's wgmma (MMA v3) while a kernel
+# compiles. Read from the environment during compilation; part of the on-disk cache
+# key, not of the in-memory one, so a kernel compiled under it launches later
+# without it.
+_MMA_V3_SWITCH = "DISABLE_MMA_V3"
+_switch_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def mma_sync_only():
+    """Inside, Triton compiles ``tl.dot`` to mma.sync, never to Hopper's wgmma
+    (Triton's ``DISABLE_MMA_V3``, set for the duration alone, under a lock). The
+    environment is the process's: another thread compiling a kernel meanwhile gets
+    mma.sync too (slower at most, never wrong)."""
+    with _switch_lock:
+        before = os.environ.get(_MMA_V3_SWITCH)
+        os.environ[_MMA_V3_SWITCH] = "1"
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ[_MMA_V3_SWITCH]
+            else:
+                os.environ[_MMA_V3_SWITCH] = before
+
+
+def check_mma_sync(compiled, name: str) -> None:
+    """A RuntimeError if the compiled kernel ``compiled`` (Triton's CompiledKernel)
+    holds a wgmma: a Triton that no longer reads ``DISABLE_MMA_V3`` (``mma_sync_only``),
+    or the kernel compiled elsewhere first without it."""
+    ptx = getattr(compiled, "asm", {}).get("ptx", "")
+    if "wgmma" in ptx:
+        raise RuntimeError(
+            f"{name} compiled to Hopper's wgmma although Triton {triton.__version__} "
+            f"was asked for mma.sync ({_MMA_V3_SWITCH}=1 while it compiled): its "
+            "64-row tiles gave wrong answers there (benchmarks/NOTES.md §33); plan "
+            "with block_m=32 on this Triton"
+        )
+
+
 def _passes_constexprs() -> bool | None:
     """Whether this Triton's CompiledKernel.run takes the constexpr arguments too (3.3
     on) or only the others (earlier); None if the launch path has another shape."""
@@ -294,14 +336,19 @@ class Launcher:
     launch path of the known shape; otherwise every call goes through
     ``kernel[grid]``. ``args`` are all of the kernel's parameters, in order, constexprs
     included. A call returns the compiled kernel it launched or kept (None where
-    Triton's own path ran), for ``BoundLaunch``.
+    Triton's own path ran), for ``BoundLaunch``. mma_sync: on CUDA the kernel compiles
+    under ``mma_sync_only`` and a compiled kernel holding a wgmma is refused
+    (``check_mma_sync``).
     """
 
     direct = None  # decided on first use: _passes_constexprs(), None if unusable
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, mma_sync: bool = False):
         self.kernel = kernel
+        # compiled under mma_sync_only and checked by check_mma_sync
+        self.mma_sync = mma_sync
         self.compiled: dict = {}
+        self._checked: set = set()  # ids of the compiled kernels checked (own path)
         self._keyers: dict = {}  # argument types -> _Keyer
         params = getattr(kernel, "params", None)
         self._kinds = None
@@ -333,19 +380,39 @@ class Launcher:
             or Launcher.direct is None
             or _hooks_set()
         ):
-            self.kernel[grid](*args, **options)
+            if self.mma_sync and args and getattr(args[0], "is_cuda", False):
+                compiled = self._compile(grid, args, options)
+                if id(compiled) not in self._checked:
+                    check_mma_sync(compiled, self._name())
+                    self._checked.add(id(compiled))
+            else:
+                self.kernel[grid](*args, **options)
             return None
         driver = triton.runtime.driver.active
         device = driver.get_current_device()
         key = self._key(args, tuple(sorted(options.items())), device)
         compiled = self.compiled.get(key)
         if compiled is None:
-            compiled = self.compiled[key] = self.kernel[grid](*args, **options)
+            compiled = self._compile(grid, args, options)
+            if self.mma_sync:
+                check_mma_sync(compiled, self._name())
+            self.compiled[key] = compiled
             return compiled
         if not Launcher.direct:
             args = tuple(a for i, a in enumerate(args) if i not in self._constexpr)
         _run(compiled, tuple(grid) + (1,) * (3 - len(grid)), driver, device, args)
         return compiled
+
+    def _compile(self, grid, args, options):
+        """Triton's own launch (compiling on a first call), under ``mma_sync_only``
+        where asked."""
+        if not self.mma_sync:
+            return self.kernel[grid](*args, **options)
+        with mma_sync_only():
+            return self.kernel[grid](*args, **options)
+
+    def _name(self) -> str:
+        return getattr(self.kernel, "__name__", None) or repr(self.kernel)
 
 
 def _run(compiled, grid3, driver, device, args) -> None:

@@ -241,11 +241,12 @@ class PagedScratch:
     chunk_v: torch.Tensor
 
 
-# The largest tile a GPU launch takes by default but at head size 64: 64-row tiles with
-# 4 warps compile to Hopper's wgmma, which gave wrong answers and an illegal address in
-# this kernel under Triton 3.6 on the H200 machine (NOTES.md §33, as the fused
-# prototype's did in §26). At head size 64 a 64-row tile on 2 warps
-# (TILE64_D64_LAUNCH) compiles to mma.sync; a launch given in part keeps to this.
+# The largest tile a GPU launch takes by default at head sizes other than 64 and 128
+# (at 256 a 64-row tile's accumulator alone is 128 registers a thread on 4 warps), and
+# the largest of a launch given in part. The attention kernel compiles its dots to
+# mma.sync everywhere (``launch_paged``: Triton's wgmma gave wrong answers and an
+# illegal address in this kernel's 64-row tiles under Triton 3.6 on the H200 machine,
+# NOTES.md §33, as the fused prototype's did in §26).
 MAX_GPU_TILE = 32
 
 
@@ -267,6 +268,10 @@ TILE32_D64_LAUNCH = (32, 64, 2)
 # slot once where two 32-row tiles decode it twice; 64 positions an iteration (NOTES.md
 # §58).
 TILE64_D64_LAUNCH = (64, 64, 2)
+# 33-64 rows at head size 128: one 64-row tile on 4 warps (16 rows each, mma.sync),
+# decoding each slot once where two 32-row tiles decode it twice: 107 warp
+# instructions a position against 2 x 62.4 (NOTES.md §63).
+TILE64_LAUNCH = (64, 64, 4)
 # The programs an SM the split aims at for these launches at these head sizes, the
 # fastest counts timed (NOTES.md §57, §58); other launches take the rule's
 # (plan_paged).
@@ -274,6 +279,7 @@ TILE32_PROGRAMS_PER_SM = {
     (TILE32_LAUNCH, 128): 8,
     (TILE32_D64_LAUNCH, 64): 32,
     (TILE64_D64_LAUNCH, 64): 16,
+    (TILE64_LAUNCH, 128): 8,
 }
 # The 8-row tile's launch: a transposed tile (``_per_row``: the positions on the
 # tensor cores' 16-row side, the rows on the 8-row side), one warp, 32 positions an
@@ -288,10 +294,10 @@ TRANSPOSED_LAUNCH = (8, 32, 1)
 # keys at DECODE_LAUNCH, where it cost time (§49, §55).
 PREFETCH_LAUNCHES = (DECODE_LAUNCH, TILE32_LAUNCH, TRANSPOSED_LAUNCH)
 # The launches whose tiles load their values' bytes with their keys' by default
-# (PagedPlan.loads_first): TILE32_LAUNCH, whose loads' waits then overlap; not the
-# one-warp DECODE_LAUNCH, where the registers they hold cost more (NOTES.md §62). Other
-# launches not timed either way.
-LOADS_FIRST_LAUNCHES = (TILE32_LAUNCH,)
+# (PagedPlan.loads_first): TILE32_LAUNCH and TILE64_LAUNCH, whose loads' waits then
+# overlap; not the one-warp DECODE_LAUNCH, where the registers they hold cost more
+# (NOTES.md §62, §63). Other launches not timed either way.
+LOADS_FIRST_LAUNCHES = (TILE32_LAUNCH, TILE64_LAUNCH)
 
 
 def transposed_by_default(rows: int, head_dim: int) -> bool:
@@ -309,27 +315,30 @@ def default_launch(
 ) -> tuple[int, int, int]:
     """(block_m, block_n, num_warps) for a batch whose largest request has ``rows``
     query rows per kv head: one tile of all of them up to MAX_GPU_TILE, 64 at head
-    size 64 (each slot decoded once per request and kv head), 16 at least (the
-    tensor cores' smallest tile), or the tile ``block_m`` where given; on a GPU,
+    sizes 64 and 128 (each slot decoded once per request and kv head), 16 at least
+    (the tensor cores' smallest tile), or the tile ``block_m`` where given; on a GPU,
     16-row tiles at DECODE_LAUNCH at head sizes 64 and 128, 32-row tiles at
     TILE32_LAUNCH at head size 128 and TILE32_D64_LAUNCH at 64, 64-row tiles at
-    TILE64_D64_LAUNCH at 64, other tiles 64 positions an iteration on 4 warps; 8-row
+    TILE64_LAUNCH at 128 and TILE64_D64_LAUNCH at 64, other tiles 64 positions an
+    iteration on 4 warps; 8-row
     tiles (``plan_paged``'s choice by ``transposed_by_default``, or asked
     for) at TRANSPOSED_LAUNCH up to head size 128, on 2 warps above (one spills 247
     instructions an iteration at D 256, two 50). Under the interpreter 16 positions an
     iteration, on 4 warps (one for 8-row tiles)."""
     if block_m == 8:
-        # never 4 warps: they compile the transposed tile's dots to wgmma (MAX_GPU_TILE)
+        # never 4 warps: the transposed tile was built and timed on one and two (§47)
         if interpret:
             return 8, 16, 1
         return TRANSPOSED_LAUNCH if head_dim <= 128 else (8, 32, 2)
     if interpret:
         return block_m or 16, 16, 4
     if block_m is None:
-        widest = 64 if head_dim == 64 else MAX_GPU_TILE
+        widest = 64 if head_dim in (64, 128) else MAX_GPU_TILE
         block_m = min(max(next_power_of_2(max(rows, 1)), 16), widest)
     if block_m == 64 and head_dim == 64:
         return TILE64_D64_LAUNCH
+    if block_m == 64 and head_dim == 128:
+        return TILE64_LAUNCH
     if block_m == 16 and head_dim in (64, 128):
         return DECODE_LAUNCH
     if block_m == 32 and head_dim == 128:
@@ -363,6 +372,15 @@ def register_cap(
         TRANSPOSED_LAUNCH: {64: 144},
     }.get((block_m, block_n, num_warps), {})
     return caps.get(head_dim, 0)
+
+
+def q_split_by_default(dtype: torch.dtype) -> bool:
+    """Whether the rotated query of MSE keys goes to the key dot as fp16 hi + lo (two
+    dots) by default: for fp16 queries, whose answer without the remainder came to
+    1.04x the full path's error on a CPU batch, too near 1.1 (NOTES.md §32); not for
+    bf16, where the full path rounds K and V to bf16 and the remainder bought nothing
+    (0.53 against 0.54 of its error on the H200 machine, §33; §63)."""
+    return dtype != torch.bfloat16
 
 
 def _host_array(name: str, ints) -> np.ndarray:
@@ -477,9 +495,9 @@ def plan_paged(
     else:
         # a launch given in part: the tuned launches are whole choices, so the rest is
         # 64 positions an iteration on 4 warps (0.6.3's, NOTES.md §46), on one warp
-        # for a transposed tile (never 4: wgmma); a launch that comes out as a tuned
-        # one takes its prefetch and programs an SM below
-        # (at most MAX_GPU_TILE rows: a 64-row tile on 4 warps is wgmma)
+        # for a transposed tile (never 4: default_launch); a launch that comes out as
+        # a tuned one takes its prefetch and programs an SM below (at most
+        # MAX_GPU_TILE rows, as 0.6.3's)
         block_m = block_m or min(
             default_launch(most, interpret, head_dim)[0], MAX_GPU_TILE
         )
@@ -489,8 +507,7 @@ def plan_paged(
         raise ValueError(f"block_m must be 8, 16, 32, 64 or 128, got {block_m}")
     if block_m == 8 and num_warps > 2:
         raise ValueError(
-            f"block_m 8 (a transposed tile) takes num_warps 1 or 2, got {num_warps}: "
-            "on 4 Triton compiles its dots to Hopper's wgmma (paged.MAX_GPU_TILE)"
+            f"block_m 8 (a transposed tile) takes num_warps 1 or 2, got {num_warps}"
         )
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
@@ -1760,7 +1777,8 @@ def _combine_kernel(
 
 
 launch_rotate = Launcher(_rotate_kernel)
-launch_paged = Launcher(_paged_kernel)
+# mma.sync for every tile (MAX_GPU_TILE; NOTES.md §33, §63)
+launch_paged = Launcher(_paged_kernel, mma_sync=True)
 launch_combine = Launcher(_combine_kernel)
 
 
@@ -1809,7 +1827,7 @@ def paged_launches(
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
     err: torch.Tensor | None = None,
-    q_split: bool = True,
+    q_split: bool | None = None,
     lookup: bool = True,
     fence: bool = True,
 ) -> list[tuple[Launcher, tuple, tuple, dict]]:
@@ -1833,7 +1851,8 @@ def paged_launches(
     value: (N, Hk, D) of the query's dtype, any strides (own_keys). err: int64
     (1,) on the device, or None: the smallest ``(request << 32) + column`` of a block id
     outside ``[0, num_blocks)`` among those read, by ``atomic_min``. q_split: the
-    rotated query as fp16 hi + lo (two key dots); off, one. lookup: 3- and 4-bit
+    rotated query as fp16 hi + lo (two key dots); off, its fp16 part alone (one);
+    default ``q_split_by_default``. lookup: 3- and 4-bit
     centroids and 3-bit values by byte permutes on a GPU (off: a gather and the
     arithmetic, as in the interpreter; the same bits). fence: on a GPU, the decoded
     operands of the tensor core dots behind ``_operand`` (off: Triton's own
@@ -1870,6 +1889,8 @@ def paged_launches(
         if new is not None:
             raise ValueError("new: a plan with own_keys takes key and value, not new")
     interp = interpreting() or not query.is_cuda
+    if q_split is None:
+        q_split = q_split_by_default(query.dtype)
     block_d = next_power_of_2(d)
     tokens_n, programs = plan.num_tokens, plan.programs  # len() of tensors: read once
     if tokens_n == 0:
@@ -2032,7 +2053,7 @@ def paged_continuation_prefill_varlen(
     out=None,
     return_lse=False,
     lse=None,
-    q_split=True,
+    q_split=None,
     lookup=True,
     fence=True,
     info=None,

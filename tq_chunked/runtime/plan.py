@@ -97,8 +97,9 @@ FIT_ROWS = 256  # a window fitted to the budget is a multiple of this (fit_windo
 PAGED_MAX_ROWS = 32
 PAGED_MIN_CACHED = 256 * 1024
 # Up to PAGED_MAX_ROWS_LONG rows where the request itself holds PAGED_LONG_CACHED[head
-# size] cached tokens, over MSE keys: at head size 128 (two 32-row tiles, each decoding
-# every slot) from 1K, the least measured, about even with the windows there, so that a
+# size] cached tokens, over MSE keys: at head size 128 from 1K, the least measured,
+# about even with the windows there when two 32-row tiles each decoded every slot (one
+# 64-row tile since, 0.76-0.86x their time: the band not measured again, §63), so that a
 # request between 1K and 2K does not break its run below PAGED_MIN_CACHED
 # (benchmarks/NOTES.md §41, §57); at head size 64 (one 64-row tile) from 4K, the least
 # measured there (§58, §59). Head size 256 and fp8 keys not measured.
