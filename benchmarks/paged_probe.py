@@ -21,7 +21,8 @@ Compute (``bash benchmarks/run_on_device.sh ncu-paged``).
    reported); the default register cap's bits against Triton's own count's
    (reported); one request of 32K positions in one split (the tensor cores'
    truncating accumulation, NOTES.md §27); and, reported, the error without the
-   query's fp16 remainder (``q_split=False``).
+   query's fp16 remainder and with it (``q_split=False``, ``True``: the default
+   takes it for fp16 queries alone, ``paged.q_split_by_default``).
 2. Timings, per workload (GPU kernel time per call: torch.profiler, every kernel's
    time summed over 10 calls): the floor (one FlashAttention-3 varlen call over fp16
    K/V of the same lengths), the window path (``continuation_prefill_varlen`` as the
@@ -217,6 +218,9 @@ def exactness(rows_out):
             row["ratio"] = worst_ratio(b, out, cached, label, failures)
             row["ratio_no_q_split"] = worst_ratio(
                 b, run(q_split=False), cached, label + " no q split", []
+            )
+            row["ratio_q_split"] = worst_ratio(
+                b, run(q_split=True), cached, label + " q split", []
             )
             # the operands behind _operand against Triton's own fragments: the same
             # products, summed by the tensor cores in another grouping (equal bits

@@ -543,9 +543,7 @@ def main():
     kernel, grid, args, options = record_fill(
         a.preset, a.head_dim, a.kv_heads, a.chunk, config
     )
-    # as launch_paged compiles it: mma.sync where it asks for it (NOTES.md §63)
-    with mma_sync_only() if pg.launch_paged.mma_sync else contextlib.nullcontext():
-        ck = compile_sm90(kernel, args, options)
+    ck = compile_sm90(kernel, args, options)
     sass, res = sass_of(ck.asm["cubin"])
     if a.sass:
         with open(a.sass, "w") as f:

@@ -346,8 +346,10 @@ def test_a_step_is_planned_without_a_sync_and_run_per_layer_without_sync_or_mall
         other = plan([s + 1 if s > 64 else s for s in b["seq_lens"]])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    paged = any(isinstance(u, PagedRun) for u in step.plan.units)
-    assert paged == requests.startswith("memory-bound")
+    runs = [u for u in step.plan.units if isinstance(u, PagedRun)]
+    assert bool(runs) == requests.startswith("memory-bound")
+    if requests == "memory-bound-64":
+        assert {u.paged.block_m for u in runs} == {64}
     ref = continuation_prefill_varlen(
         *layer,
         b["block_table"],

@@ -22,6 +22,7 @@ from tq_chunked.runtime._utils import (
     Launcher,
     check_mma_sync,
     layout,
+    mma_switch_read,
     mma_sync_only,
 )
 
@@ -235,41 +236,79 @@ def test_layout_tells_apart_dtype_shape_strides_and_alignment():
     assert len({layout(x) for x in [t, *others]}) == 5
 
 
-@pytest.mark.parametrize("before", [None, "0", "1"])
-def test_a_mma_sync_launcher_compiles_under_tritons_switch_alone(before, monkeypatch):
-    """Launcher(mma_sync=True) compiles (Triton's own launch) with DISABLE_MMA_V3=1,
-    and leaves the environment as it found it (NOTES.md §63)."""
-    if before is None:
-        monkeypatch.delenv("DISABLE_MMA_V3", raising=False)
-    else:
-        monkeypatch.setenv("DISABLE_MMA_V3", before)
-    seen = []
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *a, **o: seen.append(os.environ.get("DISABLE_MMA_V3"))
-
-    Launcher(Kernel(), mma_sync=True)._compile((1,), (), {})
-    Launcher(Kernel())._compile((1,), (), {})
-    assert seen == ["1", before]
-    assert os.environ.get("DISABLE_MMA_V3") == before
-
-
-def test_tritons_cache_key_holds_the_switch(monkeypatch):
-    """This Triton knows DISABLE_MMA_V3: set, it enters the compiled kernels' cache
-    key (so a kernel compiled under it is not mistaken for one compiled without)."""
-    monkeypatch.delenv("DISABLE_MMA_V3", raising=False)
-    with mma_sync_only():
-        assert native.get_cache_invalidating_env_vars().get("DISABLE_MMA_V3")
-    assert "DISABLE_MMA_V3" not in native.get_cache_invalidating_env_vars()
-
-
 class _Asm:
+    """A compiled kernel's stand-in with its PTX."""
+
     def __init__(self, ptx):
         self.asm = {"ptx": ptx}
 
 
-def test_a_kernel_compiled_to_wgmma_is_refused_by_name():
+class _CudaArg:
+    """A first argument that says it is on CUDA (not a tensor: Triton's own path)."""
+
+    is_cuda = True
+
+
+class _Kernel:
+    """A kernel's stand-in: ``warmup`` compiles (to ``ptx``), a launch runs; each
+    records the switch as it saw it."""
+
+    def __init__(self, ptx="mma.sync.aligned.m16n8k16"):
+        self.compiled = _Asm(ptx)
+        self.seen = []
+
+    def warmup(self, *args, grid, **options):
+        self.seen.append(("compile", os.environ.get("DISABLE_MMA_V3")))
+        return self.compiled
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            self.seen.append(("launch", os.environ.get("DISABLE_MMA_V3")))
+            return self.compiled
+
+        return launch
+
+
+@pytest.mark.parametrize("before", [None, "0", "1"])
+def test_a_mma_sync_launcher_compiles_under_tritons_switch_alone(before, monkeypatch):
+    """Launcher(mma_sync=True) on CUDA arguments compiles the kernel alone under
+    DISABLE_MMA_V3=1 before launching it, and leaves the environment as it found it;
+    without mma_sync, or on other arguments, it launches as Triton does (NOTES.md §63).
+    """
+    if before is None:
+        monkeypatch.delenv("DISABLE_MMA_V3", raising=False)
+    else:
+        monkeypatch.setenv("DISABLE_MMA_V3", before)
+    kernel = _Kernel()
+    Launcher(kernel, mma_sync=True)((1,), _CudaArg(), 3)
+    assert kernel.seen == [("compile", "1"), ("launch", "1")]
+    assert os.environ.get("DISABLE_MMA_V3") == before
+    kernel.seen.clear()
+    Launcher(kernel)((1,), _CudaArg(), 3)
+    Launcher(kernel, mma_sync=True)((1,), torch.zeros(2), 3)  # CPU: the interpreter's
+    assert kernel.seen == [("launch", before)] * 2
+
+
+def test_a_kernel_compiled_to_wgmma_is_refused_by_name_before_it_runs(monkeypatch):
+    monkeypatch.delenv("DISABLE_MMA_V3", raising=False)
     check_mma_sync(_Asm("mma.sync.aligned.m16n8k16.row.col"), "_paged_kernel")
+    check_mma_sync(object(), "_paged_kernel")  # no PTX to read
     with pytest.raises(RuntimeError, match="_paged_kernel compiled to Hopper's wgmma"):
         check_mma_sync(_Asm("wgmma.mma_async.sync.aligned.m64n64k16"), "_paged_kernel")
+    kernel = _Kernel("wgmma.mma_async.sync.aligned.m64n64k16")
+    with pytest.raises(RuntimeError, match="wgmma"):
+        Launcher(kernel, mma_sync=True)((1,), _CudaArg(), 3)
+    assert kernel.seen == [("compile", "1")]  # never launched
+    assert "DISABLE_MMA_V3" not in os.environ
+
+
+def test_tritons_cache_key_holds_the_switch(monkeypatch):
+    """This Triton reads DISABLE_MMA_V3 (``mma_switch_read``): set, it enters the
+    compiled kernels' on-disk cache key, so that a kernel compiled under it is kept
+    apart from one compiled without (the in-memory cache keys on the arguments
+    alone)."""
+    monkeypatch.delenv("DISABLE_MMA_V3", raising=False)
+    with mma_sync_only():
+        assert native.get_cache_invalidating_env_vars().get("DISABLE_MMA_V3")
+    assert "DISABLE_MMA_V3" not in native.get_cache_invalidating_env_vars()
+    assert mma_switch_read()

@@ -5,6 +5,8 @@ short continuations, splits that cut through blocks), every served row written,
 non-finite values and bad block ids as docs/design.md promises, the plan's work list and
 scratch, and no access outside the kernels' tensors."""
 
+import inspect
+
 import pytest
 import torch
 import triton.language as tl
@@ -676,6 +678,46 @@ def test_the_rotation_takes_tf32x3_only_where_triton_compiles_it(
     device = None if device is None else torch.device(device)
     # the function itself, not its cache of earlier answers
     assert paged.rotation_precision.__wrapped__(device) == want
+
+
+def test_a_triton_that_does_not_read_the_switch_keeps_two_32_row_tiles(monkeypatch):
+    """The 64-row tile at head size 128 needs Triton's DISABLE_MMA_V3 (its 4 warps are
+    wgmma otherwise, NOTES.md §33, §63): without it the default keeps 0.6.16's two
+    32-row tiles; head size 64's 2-warp tile is mma.sync either way."""
+    monkeypatch.setattr(paged, "mma_switch_read", lambda: False)
+    plan = lambda d: plan_paged([0, 16], [4096 + 16], 16, 4, d, "turboquant_3bit_nc",
+                                interpret=False)  # fmt: skip
+    assert (plan(128).block_m, plan(128).num_warps) == (32, 4)
+    assert (plan(64).block_m, plan(64).num_warps) == (64, 2)
+    monkeypatch.setattr(paged, "mma_switch_read", lambda: True)
+    assert (plan(128).block_m, plan(128).num_warps) == (64, 4)
+
+
+@pytest.mark.parametrize(
+    "dtype, q_split, want",
+    [(torch.float16, None, True), (torch.bfloat16, None, False),
+     (torch.bfloat16, True, True), (torch.float16, False, False)],
+)  # fmt: skip
+def test_bf16_queries_take_one_key_dot_by_default(dtype, q_split, want):
+    """paged.q_split_by_default (NOTES.md §63): the rotated query as fp16 hi + lo (two
+    key dots) for fp16 queries, its fp16 part alone for bf16; an explicit q_split is
+    taken as given."""
+    batch = make_batch([(40, 2)], dtype=dtype, seed=362)
+    cfg = TQConfig.from_preset(batch.kwargs["preset"], 64)
+    plan = plan_paged(batch.query_start_loc, batch.seq_lens, 4, 2, 64, cfg)
+    work, tokens = plan.upload(DEVICE)
+    scratch = plan.carve(torch.empty(plan.scratch_bytes, dtype=torch.uint8,
+                                     device=DEVICE))  # fmt: skip
+    launches = paged.paged_launches(
+        batch.query, batch.kv_cache, batch.block_table, plan, work, tokens, scratch,
+        torch.empty_like(batch.query), cfg=cfg, centroids=batch.kwargs["centroids"],
+        rotation=batch.kwargs["rotation"], scale=batch.kwargs["scale"],
+        key=batch.key, value=batch.value, q_split=q_split,
+    )  # fmt: skip
+    kernel = paged._paged_kernel
+    names = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
+    (args,) = [a for launcher, _, a, _ in launches if launcher is paged.launch_paged]
+    assert args[names.index("Q_SPLIT")] is want
 
 
 @pytest.mark.parametrize(

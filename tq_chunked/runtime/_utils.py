@@ -8,6 +8,7 @@ Triton's own launch path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import operator
 import os
@@ -185,15 +186,16 @@ def check_overlaps(written, read) -> None:
 # key, not of the in-memory one, so a kernel compiled under it launches later
 # without it.
 _MMA_V3_SWITCH = "DISABLE_MMA_V3"
-_switch_lock = threading.Lock()
+_switch_lock = threading.RLock()
 
 
 @contextlib.contextmanager
 def mma_sync_only():
     """Inside, Triton compiles ``tl.dot`` to mma.sync, never to Hopper's wgmma
     (Triton's ``DISABLE_MMA_V3``, set for the duration alone, under a lock). The
-    environment is the process's: another thread compiling a kernel meanwhile gets
-    mma.sync too (slower at most, never wrong)."""
+    environment is the process's: a kernel another thread compiles meanwhile gets
+    mma.sync too (slower at most, never wrong), and may be kept in Triton's on-disk
+    cache under the key of one compiled without the switch."""
     with _switch_lock:
         before = os.environ.get(_MMA_V3_SWITCH)
         os.environ[_MMA_V3_SWITCH] = "1"
@@ -201,16 +203,28 @@ def mma_sync_only():
             yield
         finally:
             if before is None:
-                del os.environ[_MMA_V3_SWITCH]
+                os.environ.pop(_MMA_V3_SWITCH, None)
             else:
                 os.environ[_MMA_V3_SWITCH] = before
+
+
+@functools.cache
+def mma_switch_read() -> bool:
+    """Whether this Triton reads ``DISABLE_MMA_V3`` (``mma_sync_only``): it names it
+    among the variables of its compiled kernels' cache key when it is set."""
+    try:
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+    except ImportError:
+        return False
+    with mma_sync_only():
+        return _MMA_V3_SWITCH in get_cache_invalidating_env_vars()
 
 
 def check_mma_sync(compiled, name: str) -> None:
     """A RuntimeError if the compiled kernel ``compiled`` (Triton's CompiledKernel)
     holds a wgmma: a Triton that no longer reads ``DISABLE_MMA_V3`` (``mma_sync_only``),
     or the kernel compiled elsewhere first without it."""
-    ptx = getattr(compiled, "asm", {}).get("ptx", "")
+    ptx = (getattr(compiled, "asm", None) or {}).get("ptx", "")
     if "wgmma" in ptx:
         raise RuntimeError(
             f"{name} compiled to Hopper's wgmma although Triton {triton.__version__} "
@@ -345,10 +359,10 @@ class Launcher:
 
     def __init__(self, kernel, mma_sync: bool = False):
         self.kernel = kernel
-        # compiled under mma_sync_only and checked by check_mma_sync
+        # compiled under mma_sync_only and checked by check_mma_sync before it runs
         self.mma_sync = mma_sync
         self.compiled: dict = {}
-        self._checked: set = set()  # ids of the compiled kernels checked (own path)
+        self._checked: dict = {}  # id -> the compiled kernels checked (kept alive)
         self._keyers: dict = {}  # argument types -> _Keyer
         params = getattr(kernel, "params", None)
         self._kinds = None
@@ -381,10 +395,7 @@ class Launcher:
             or _hooks_set()
         ):
             if self.mma_sync and args and getattr(args[0], "is_cuda", False):
-                compiled = self._compile(grid, args, options)
-                if id(compiled) not in self._checked:
-                    check_mma_sync(compiled, self._name())
-                    self._checked.add(id(compiled))
+                self._launch(grid, args, options)
             else:
                 self.kernel[grid](*args, **options)
             return None
@@ -393,23 +404,31 @@ class Launcher:
         key = self._key(args, tuple(sorted(options.items())), device)
         compiled = self.compiled.get(key)
         if compiled is None:
-            compiled = self._compile(grid, args, options)
-            if self.mma_sync:
-                check_mma_sync(compiled, self._name())
-            self.compiled[key] = compiled
+            compiled = self.compiled[key] = self._launch(grid, args, options)
             return compiled
         if not Launcher.direct:
             args = tuple(a for i, a in enumerate(args) if i not in self._constexpr)
         _run(compiled, tuple(grid) + (1,) * (3 - len(grid)), driver, device, args)
         return compiled
 
-    def _compile(self, grid, args, options):
-        """Triton's own launch (compiling on a first call), under ``mma_sync_only``
-        where asked."""
+    def _launch(self, grid, args, options):
+        """Triton's own launch (compiling on a first call); with ``mma_sync`` under
+        ``mma_sync_only``, the kernel first compiled alone (``warmup``) and checked
+        (``check_mma_sync``), so that a wgmma kernel never runs."""
         if not self.mma_sync:
             return self.kernel[grid](*args, **options)
         with mma_sync_only():
-            return self.kernel[grid](*args, **options)
+            self._check(self.kernel.warmup(*args, grid=grid, **options))
+            launched = self.kernel[grid](*args, **options)
+        self._check(launched)  # the one checked, from Triton's in-memory cache
+        return launched
+
+    def _check(self, compiled) -> None:
+        if hasattr(compiled, "result"):  # an asynchronous compile's future
+            compiled = compiled.result()
+        if compiled is not None and id(compiled) not in self._checked:
+            check_mma_sync(compiled, self._name())
+            self._checked[id(compiled)] = compiled
 
     def _name(self) -> str:
         return getattr(self.kernel, "__name__", None) or repr(self.kernel)

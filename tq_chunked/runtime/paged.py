@@ -27,14 +27,15 @@ dot's operand as loaded), ``a_n = norm / |c_n|`` applied to the scores; the sum 
 squares is one more dot (the squares in fp16 against a tile of ones: exact products,
 float32 sums). The rotated query is scaled per row by a power of two and split into an
 fp16 part and an fp16 remainder, so each score is two dots of exact products (22
-significant bits of the query). fp8 keys are exact in the query's dtype: one dot with
-the query as it is. A value is ``i s + z``: ``p . v = (p s) . (i - h) + p . (z + h s)``,
-h the middle of the index range, so the centred indices ``2i - (2^bits - 1)`` (odd
-integers, exact in fp16; the middle, not 2^(bits-1), so that the dot's sum is about
-the answer's size, which the tensor cores' truncating accumulation needs: NOTES.md
-§27) are the dot's operand, ``p s`` is rounded once to fp16 (where FlashAttention
-rounds p and the value), in units of a power of two at the largest scale seen (fp16's
-normal range), and the zero term is float32.
+significant bits of the query); bf16 queries by default take the fp16 part alone, one
+dot, since their full path rounds K and V to bf16 (``q_split_by_default``). fp8 keys are
+exact in the query's dtype: one dot with the query as it is. A value is ``i s + z``:
+``p . v = (p s) . (i - h) + p . (z + h s)``, h the middle of the index range, so the
+centred indices ``2i - (2^bits - 1)`` (odd integers, exact in fp16; the middle, not
+2^(bits-1), so that the dot's sum is about the answer's size, which the tensor cores'
+truncating accumulation needs: NOTES.md §27) are the dot's operand, ``p s`` is rounded
+once to fp16 (where FlashAttention rounds p and the value), in units of a power of two
+at the largest scale seen (fp16's normal range), and the zero term is float32.
 
 Non-finite values as in one softmax over the keys (docs/design.md): a NaN or inf key
 norm makes its score NaN (a key of infinities meets a query of mixed signs); a value
@@ -71,6 +72,7 @@ from ._utils import (
     cdiv,
     interpreter_rounds_bf16,
     interpreting,
+    mma_switch_read,
     next_power_of_2,
     round_bf16,
 )
@@ -315,7 +317,8 @@ def default_launch(
 ) -> tuple[int, int, int]:
     """(block_m, block_n, num_warps) for a batch whose largest request has ``rows``
     query rows per kv head: one tile of all of them up to MAX_GPU_TILE, 64 at head
-    sizes 64 and 128 (each slot decoded once per request and kv head), 16 at least
+    sizes 64 and 128 (each slot decoded once per request and kv head; at 128 where
+    Triton reads ``DISABLE_MMA_V3``, ``_utils.mma_switch_read``), 16 at least
     (the tensor cores' smallest tile), or the tile ``block_m`` where given; on a GPU,
     16-row tiles at DECODE_LAUNCH at head sizes 64 and 128, 32-row tiles at
     TILE32_LAUNCH at head size 128 and TILE32_D64_LAUNCH at 64, 64-row tiles at
@@ -333,7 +336,10 @@ def default_launch(
     if interpret:
         return block_m or 16, 16, 4
     if block_m is None:
-        widest = 64 if head_dim in (64, 128) else MAX_GPU_TILE
+        # at 128 the 64-row tile's 4 warps need Triton's switch to mma.sync (a Triton
+        # that does not read it keeps two 32-row tiles); at 64 its 2 warps are mma.sync
+        wide = head_dim == 64 or (head_dim == 128 and mma_switch_read())
+        widest = 64 if wide else MAX_GPU_TILE
         block_m = min(max(next_power_of_2(max(rows, 1)), 16), widest)
     if block_m == 64 and head_dim == 64:
         return TILE64_D64_LAUNCH
@@ -497,7 +503,7 @@ def plan_paged(
         # 64 positions an iteration on 4 warps (0.6.3's, NOTES.md §46), on one warp
         # for a transposed tile (never 4: default_launch); a launch that comes out as
         # a tuned one takes its prefetch and programs an SM below (at most
-        # MAX_GPU_TILE rows, as 0.6.3's)
+        # MAX_GPU_TILE rows, as 0.6.3's: 64-row tiles on other launches not timed)
         block_m = block_m or min(
             default_launch(most, interpret, head_dim)[0], MAX_GPU_TILE
         )

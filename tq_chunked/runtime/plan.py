@@ -89,8 +89,8 @@ from .workspace import (
 GAP = 256
 FIT_ROWS = 256  # a window fitted to the budget is a multiple of this (fit_window)
 # "auto" sends a request to the memory-bound path where it has cached tokens and at
-# most PAGED_MAX_ROWS query rows per kv head (q_r x Hq / Hk: one tile of the paged
-# kernel, paged.MAX_GPU_TILE) and the consecutive such requests hold at least
+# most PAGED_MAX_ROWS query rows per kv head (q_r x Hq / Hk: one 32-row tile of the
+# paged kernel, paged.MAX_GPU_TILE) and the consecutive such requests hold at least
 # PAGED_MIN_CACHED cached tokens together: where it measured faster than the windows
 # for every head shape, preset and dtype tried (0.27-0.73x). Below that the launches'
 # fixed cost weighs against it (benchmarks/NOTES.md §35, §37, §39).
@@ -99,7 +99,7 @@ PAGED_MIN_CACHED = 256 * 1024
 # Up to PAGED_MAX_ROWS_LONG rows where the request itself holds PAGED_LONG_CACHED[head
 # size] cached tokens, over MSE keys: at head size 128 from 1K, the least measured,
 # about even with the windows there when two 32-row tiles each decoded every slot (one
-# 64-row tile since, 0.76-0.86x their time: the band not measured again, §63), so that a
+# 64-row tile since, 0.70-0.86x their time: the band not measured again, §63), so that a
 # request between 1K and 2K does not break its run below PAGED_MIN_CACHED
 # (benchmarks/NOTES.md §41, §57); at head size 64 (one 64-row tile) from 4K, the least
 # measured there (§58, §59). Head size 256 and fp8 keys not measured.
