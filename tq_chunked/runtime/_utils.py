@@ -212,12 +212,13 @@ def mma_sync_only():
 def mma_switch_read() -> bool:
     """Whether this Triton reads ``DISABLE_MMA_V3`` (``mma_sync_only``): it names it
     among the variables of its compiled kernels' cache key when it is set."""
-    try:
-        from triton._C.libtriton import get_cache_invalidating_env_vars
-    except ImportError:
+    # through the module Triton's own import loads (no import of a private module)
+    native = getattr(getattr(triton, "_C", None), "libtriton", None)
+    listed = getattr(native, "get_cache_invalidating_env_vars", None)
+    if listed is None:
         return False
     with mma_sync_only():
-        return _MMA_V3_SWITCH in get_cache_invalidating_env_vars()
+        return _MMA_V3_SWITCH in listed()
 
 
 def check_mma_sync(compiled, name: str) -> None:
