@@ -4,7 +4,7 @@ path (``path="paged"``), over query rows per kv head x cached tokens per request
 the floor beside them (GPU).
 
     python benchmarks/dispatch_sweep.py [OUT_DIR] [--long-band | --short-runs |
-        --short-band | --d64-band | --mixed]
+        --short-band | --d64-band | --low-edge | --d64-low-edge | --mixed]
 
 Batches of B requests of q_len query tokens over ``cached`` tokens each (Hq/Hk/D
 32/8/128, turboquant_3bit_nc, fp16, and Hq/Hk/D 16/16/64, 4bit_nc, bf16; with
@@ -15,7 +15,9 @@ the four presets; with --short-band, the second band over short prefixes: 42-64 
 over 1K-8K, 64 requests a batch, as the serving grid's "64 hits q16 1K-8K", at Hq / Hk
 28 / 4, 32 / 8 and 64 / 8, NOTES.md §57; with --d64-band, the band's head size 64
 side, where the rule sends 33-64 rows to the windows: 40 and 64 rows over 4K-64K at
-Hq / Hk 16 / 16, NOTES.md §58), each path
+Hq / Hk 16 / 16, NOTES.md §58; with --low-edge and --d64-low-edge, where the second
+band starts, plan.PAGED_LONG_CACHED: 48 and 64 rows over 64-1K cached tokens at head
+size 128, 40 and 64 rows over 1K-2K at head size 64, NOTES.md §64), each path
 through ``continuation_prefill_varlen`` with a workspace of workspace_bytes(N) as the
 plugin calls it. Writes dispatch-sweep.json (after each point) and prints a table of
 paged / windows per point, last.
@@ -100,6 +102,12 @@ D64_BAND = (
     [40, 64],
     [4 * K, 16 * K, 64 * K],
 )
+
+# --low-edge, --d64-low-edge: the second band's lower edge (plan.PAGED_LONG_CACHED)
+# once the 64-row tile ran at head size 128 (NOTES.md §63, §64): the band's shapes
+# above under 1K cached tokens (head size 128) and under 4K (head size 64)
+LOW_EDGE = (SHORT_BAND[0][1:4], [48, 64], [64, 128, 256, 512, 1 * K])
+D64_LOW_EDGE = (D64_BAND[0], [40, 64], [1 * K, 2 * K])
 
 
 # --mixed: (shape, [(requests, cached, query tokens), ...]) batches, decodes first
@@ -191,6 +199,11 @@ def batch_call(b, hq, hk, d, dtype):
     return call
 
 
+def _tokens(cached: int) -> str:
+    """A table's cached tokens: whole K as such, others as tokens (512, not 0K)."""
+    return f"{cached // K}K" if cached % K == 0 else str(cached)
+
+
 def point(shape, rows, cached):
     name, hq, hk, d, preset, dtype, b_n = shape
     q_len = max(1, rows * hk // hq)
@@ -257,8 +270,12 @@ def main():
         "--short-runs": SHORT_RUNS,
         "--short-band": SHORT_BAND,
         "--d64-band": D64_BAND,
+        "--low-edge": LOW_EDGE,
+        "--d64-low-edge": D64_LOW_EDGE,
     }
     args = [a for a in sys.argv[1:] if a not in bands and a != "--mixed"]
+    if args[1:] or any(a.startswith("-") for a in args):  # --help among them
+        sys.exit(__doc__.split("\n\n")[1])  # the usage line
     if "--mixed" in sys.argv[1:]:
         out_dir = args[0] if args else os.environ.get("OUT", ".")
         os.makedirs(out_dir, exist_ok=True)
@@ -279,7 +296,7 @@ def main():
             )
     for shape in shapes:
         print(f"\n{shape[0]}, B {shape[6]}: paged / windows, GPU kernel time per call")
-        print("| rows/kv head | " + " | ".join(f"{c // K}K" for c in cached) + " |")
+        print("| rows/kv head | " + " | ".join(map(_tokens, cached)) + " |")
         print("|---" * (len(cached) + 1) + "|")
         for r in rows_per_kvh:
             mine = [x for x in rows if x["shape"] == shape[0] and x["rows_asked"] == r]

@@ -90,14 +90,17 @@ WORKLOADS=${WORKLOADS:-24 hits,16 hits q256 1K-8K,1 long hit,1 hit q2048 8K,16 h
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
+# pytest's workers where pytest-xdist's wheels are in the carry (pip download --no-deps
+# pytest-xdist execnet -d .gpu-carry/whl): the GPU suite in 3 minutes, not 7 (NOTES.md §64)
+workers() { ! ls .gpu-carry/whl/pytest_xdist-*.whl >/dev/null 2>&1 || echo "-n ${PYTEST_WORKERS:-6}"; }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
 [ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|launches|ncu-paged|dispatch|rotate|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|host-calls|before|host-before|launcher|run-ab|checks|serving|serving-before|stack|stack-before|memory-bound|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
-      # every gpu-marked test but the 1M and 128K cases, which would not fit the call
-      # (4 minutes without them); test_docs.py needs Sybil, which the image lacks
-      carry .gpu-carry timeout "${SUITE_TIMEOUT:-420}" python3 -m pytest -q -m gpu tests -p no:cacheprovider \
+      # every gpu-marked test but the 1M and 128K cases (-k "one_million or 131072":
+      # 1 minute alone); test_docs.py needs Sybil, which the image lacks
+      carry .gpu-carry timeout "${SUITE_TIMEOUT:-420}" python3 -m pytest -q $(workers) -m gpu tests -p no:cacheprovider \
         --ignore=tests/test_docs.py -k "not one_million and not 131072" -rfEs 2>&1 \
         | tee "$OUT/gpu-tests.log" | grep -E "MiB|1M|passed|failed|Error|assert|cuda" | tail -25 ;;
     check|dequant)
@@ -134,7 +137,7 @@ for mode in "$@"; do
       # the memory-bound path (NOTES.md §32, §35): its tests and the dispatch's on the
       # GPU, then the probe (PAGED_ARGS: e.g. --skip-exactness --no-configs; seconds
       # for each part: PAGED_TEST_TIMEOUT, PAGED_TIMEOUT)
-      carry .gpu-carry timeout "${PAGED_TEST_TIMEOUT:-260}" python3 -m pytest -q tests/test_paged.py tests/test_dispatch.py \
+      carry .gpu-carry timeout "${PAGED_TEST_TIMEOUT:-260}" python3 -m pytest -q $(workers) tests/test_paged.py tests/test_dispatch.py \
         -p no:cacheprovider 2>&1 | tee "$OUT/paged-gpu.log" | tail -3
       carry .gpu-carry timeout "${PAGED_TIMEOUT:-360}" python3 benchmarks/paged_probe.py "$OUT" \
         ${PAGED_WORKLOADS:+--workloads "$PAGED_WORKLOADS"} ${PAGED_ARGS:-} 2>&1 \

@@ -154,16 +154,18 @@ LONG64 = plan.PAGED_LONG_CACHED[64]
         (PAGED_MAX_ROWS + 1, LONG64, "turboquant_k3v4_nc", 64, True),
         (plan.PAGED_MAX_ROWS_LONG, LONG64, "turboquant_k8v4", 64, False),
         (plan.PAGED_MAX_ROWS_LONG, LONG, "turboquant_k8v4", 128, False),
-        (plan.PAGED_MAX_ROWS_LONG, 1024, "turboquant_3bit_nc", 128, True),  # §57's bar
-        (plan.PAGED_MAX_ROWS_LONG, 1023, "turboquant_3bit_nc", 128, False),
+        (plan.PAGED_MAX_ROWS_LONG, 256, "turboquant_3bit_nc", 128, True),  # §64's bar
+        (plan.PAGED_MAX_ROWS_LONG, 255, "turboquant_3bit_nc", 128, False),
+        (plan.PAGED_MAX_ROWS_LONG, 2048, "turboquant_4bit_nc", 64, True),  # §64's bar
+        (plan.PAGED_MAX_ROWS_LONG, 2047, "turboquant_4bit_nc", 64, False),
     ],
 )
 def test_more_rows_take_the_memory_bound_path_only_over_a_long_prefix(
     rows, cached, preset, head_dim, takes
 ):
-    """The rule's second band (NOTES.md §41, §57, §59): 33-64 rows a kv head where the
-    request holds 1K cached tokens or more at head size 128, 4K or more at 64 (the
-    head sizes measured), over MSE keys."""
+    """The rule's second band (NOTES.md §41, §57, §59, §64): 33-64 rows a kv head
+    where the request holds 256 cached tokens or more at head size 128, 2K or more at
+    64 (the head sizes measured), over MSE keys."""
     cfg = plan.TQConfig.from_preset(preset, head_dim)
     assert plan.paged_eligible(rows, cached, cfg) is takes
 
@@ -189,12 +191,14 @@ def test_the_grids_56_row_batch_over_1k_16k_is_one_memory_bound_run():
 
 def test_a_run_of_long_prefixes_with_64_rows_takes_the_memory_bound_path(monkeypatch):
     """Speculative verification's shape: 16 tokens of Hq / Hk = 4 over long prefixes;
-    the same requests at head size 64 stay in windows (under its bar of 4K)."""
+    the same requests at head size 64 stay in windows (under its bar of 2K)."""
     monkeypatch.undo()
-    reqs = [(LONG, 16)] * (plan.PAGED_MIN_CACHED // LONG)
+    cached = LONG64 // 2  # over head size 128's bar, under 64's
+    assert LONG <= cached < LONG64
+    reqs = [(cached, 16)] * (plan.PAGED_MIN_CACHED // cached)
     qsl = [16 * i for i in range(len(reqs) + 1)]
     lens = [c + q for c, q in reqs]
-    table = torch.zeros(len(reqs), LONG // 16 + 2, dtype=torch.int32, device=DEVICE)
+    table = torch.zeros(len(reqs), cached // 16 + 2, dtype=torch.int32, device=DEVICE)
 
     def units(head_dim):
         prefill = ContinuationPrefill(
@@ -222,7 +226,7 @@ def test_requests_either_side_of_32_rows_never_share_a_run(path, head_dim):
     """A run's tile follows its largest request, so decodes and 33-64-row requests
     form runs of their own (NOTES.md §59): Hq / Hk = 4, decodes (4 rows), then 10 and
     16 tokens (40 and 64 rows), a decode, a request without query tokens (in neither),
-    and 8 tokens (32 rows), over 4K each (the fixture's PAGED_MIN_PART: any part
+    and 8 tokens (32 rows), over 2K each (the fixture's PAGED_MIN_PART: any part
     stands alone); a first chunk ends the span."""
     c = LONG64
     reqs = [(c, 1), (c, 1), (c, 10), (c, 16), (c, 1), (c, 0), (c, 8), (0, 9), (c, 1)]

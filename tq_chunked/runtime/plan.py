@@ -97,14 +97,14 @@ FIT_ROWS = 256  # a window fitted to the budget is a multiple of this (fit_windo
 PAGED_MAX_ROWS = 32
 PAGED_MIN_CACHED = 256 * 1024
 # Up to PAGED_MAX_ROWS_LONG rows where the request itself holds PAGED_LONG_CACHED[head
-# size] cached tokens, over MSE keys: at head size 128 from 1K, the least measured,
-# about even with the windows there when two 32-row tiles each decoded every slot (one
-# 64-row tile since, 0.70-0.86x their time: the band not measured again, §63), so that a
-# request between 1K and 2K does not break its run below PAGED_MIN_CACHED
-# (benchmarks/NOTES.md §41, §57); at head size 64 (one 64-row tile) from 4K, the least
-# measured there (§58, §59). Head size 256 and fp8 keys not measured.
+# size] cached tokens, over MSE keys: the least cached tokens where the memory-bound
+# path measured faster than the windows at both 48 and 64 rows a kv head (head size
+# 128: 0.83-0.86x at 256, 64 rows 1.05x at 128; head size 64: 0.85-0.97x at 2K, 64
+# rows 1.03-1.04x at 1K), so that such a request does not break its run below
+# PAGED_MIN_CACHED (benchmarks/NOTES.md §41, §57, §64). Head size 256 and fp8 keys not
+# measured.
 PAGED_MAX_ROWS_LONG = 64
-PAGED_LONG_CACHED = {128: 1024, 64: 4096}
+PAGED_LONG_CACHED = {128: 256, 64: 2048}
 # A run's tile follows its largest request (paged.default_launch), so a run is cut into
 # parts where its requests cross PAGED_MAX_ROWS rows a kv head, each part a run of its
 # own; a part needs PAGED_MIN_PART cached tokens to stand alone (one more plan a step
