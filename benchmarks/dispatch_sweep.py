@@ -105,7 +105,7 @@ D64_BAND = (
 
 # --low-edge, --d64-low-edge: the second band's lower edge (plan.PAGED_LONG_CACHED)
 # once the 64-row tile ran at head size 128 (NOTES.md §63, §64): the band's shapes
-# above under 1K cached tokens (head size 128) and under 4K (head size 64)
+# above under 0.6.17's edges (1K cached tokens at head size 128, 4K at head size 64)
 LOW_EDGE = (SHORT_BAND[0][1:4], [48, 64], [64, 128, 256, 512, 1 * K])
 D64_LOW_EDGE = (D64_BAND[0], [40, 64], [1 * K, 2 * K])
 
@@ -274,8 +274,12 @@ def main():
         "--d64-low-edge": D64_LOW_EDGE,
     }
     args = [a for a in sys.argv[1:] if a not in bands and a != "--mixed"]
-    if args[1:] or any(a.startswith("-") for a in args):  # --help among them
-        sys.exit(__doc__.split("\n\n")[1])  # the usage line
+    usage = __doc__.split("\n\n")[1]
+    if args in (["-h"], ["--help"]):
+        print(usage)
+        return
+    if args[1:] or any(a.startswith("-") for a in args):
+        sys.exit(usage)
     if "--mixed" in sys.argv[1:]:
         out_dir = args[0] if args else os.environ.get("OUT", ".")
         os.makedirs(out_dir, exist_ok=True)

@@ -91,7 +91,8 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 # pytest's workers where pytest-xdist's wheels are in the carry (pip download --no-deps
-# pytest-xdist execnet -d .gpu-carry/whl): the GPU suite in 3 minutes, not 7 (NOTES.md §64)
+# pytest-xdist execnet -d .gpu-carry/whl): the GPU suite in 3 minutes, where one process
+# ran out of a 7-minute call (NOTES.md §64)
 workers() { ! ls .gpu-carry/whl/pytest_xdist-*.whl >/dev/null 2>&1 || echo "-n ${PYTEST_WORKERS:-6}"; }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
 [ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|launches|ncu-paged|dispatch|rotate|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|host-calls|before|host-before|launcher|run-ab|checks|serving|serving-before|stack|stack-before|memory-bound|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
@@ -146,7 +147,8 @@ for mode in "$@"; do
       # the plan's crossover: windows against the memory-bound path (NOTES.md §35)
       # (DISPATCH_ARGS=--long-band: the rule's second band, NOTES.md §41; --short-runs: its
       # run minimum at head size 128, NOTES.md §42; --short-band: the second band's 48-64
-      # rows over 1K-8K prefixes, NOTES.md §46)
+      # rows over 1K-8K prefixes, NOTES.md §46; --d64-band: its head size 64 side, §58;
+      # --low-edge, --d64-low-edge: where it starts, §64; --mixed: mixed batches, §59)
       carry .gpu-carry timeout 420 python3 benchmarks/dispatch_sweep.py "$OUT" ${DISPATCH_ARGS:-} 2>&1 \
         | grep -v "points:" | tail -20 ;;
     fused-nov3)

@@ -149,7 +149,7 @@ LONG64 = plan.PAGED_LONG_CACHED[64]
         (plan.PAGED_MAX_ROWS_LONG + 1, LONG, "turboquant_3bit_nc", 128, False),
         (plan.PAGED_MAX_ROWS_LONG, LONG - 1, "turboquant_3bit_nc", 128, False),
         (plan.PAGED_MAX_ROWS_LONG, LONG, "turboquant_3bit_nc", 64, False),
-        (plan.PAGED_MAX_ROWS_LONG, LONG64, "turboquant_3bit_nc", 64, True),  # §59
+        (plan.PAGED_MAX_ROWS_LONG, LONG64, "turboquant_3bit_nc", 64, True),  # §64
         (plan.PAGED_MAX_ROWS_LONG, LONG64 - 1, "turboquant_4bit_nc", 64, False),
         (PAGED_MAX_ROWS + 1, LONG64, "turboquant_k3v4_nc", 64, True),
         (plan.PAGED_MAX_ROWS_LONG, LONG64, "turboquant_k8v4", 64, False),

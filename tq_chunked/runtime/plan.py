@@ -92,17 +92,16 @@ FIT_ROWS = 256  # a window fitted to the budget is a multiple of this (fit_windo
 # most PAGED_MAX_ROWS query rows per kv head (q_r x Hq / Hk: one 32-row tile of the
 # paged kernel, paged.MAX_GPU_TILE) and the consecutive such requests hold at least
 # PAGED_MIN_CACHED cached tokens together: where it measured faster than the windows
-# for every head shape, preset and dtype tried (0.27-0.73x). Below that the launches'
+# for every head shape, preset and dtype tried. Below that the launches'
 # fixed cost weighs against it (benchmarks/NOTES.md §35, §37, §39).
 PAGED_MAX_ROWS = 32
 PAGED_MIN_CACHED = 256 * 1024
 # Up to PAGED_MAX_ROWS_LONG rows where the request itself holds PAGED_LONG_CACHED[head
-# size] cached tokens, over MSE keys: the least cached tokens where the memory-bound
-# path measured faster than the windows at both 48 and 64 rows a kv head (head size
-# 128: 0.83-0.86x at 256, 64 rows 1.05x at 128; head size 64: 0.85-0.97x at 2K, 64
-# rows 1.03-1.04x at 1K), so that such a request does not break its run below
-# PAGED_MIN_CACHED (benchmarks/NOTES.md §41, §57, §64). Head size 256 and fp8 keys not
-# measured.
+# size] cached tokens, over MSE keys: the least prefix where the memory-bound path
+# measured faster than the windows at both 48 and 64 rows a kv head (Hq / Hk 32 / 8 at
+# head size 128, 16 / 16 at 64; benchmarks/NOTES.md §41, §57, §64), so that such a
+# request does not break its run below PAGED_MIN_CACHED. Head size 256 and fp8 keys
+# not measured.
 PAGED_MAX_ROWS_LONG = 64
 PAGED_LONG_CACHED = {128: 256, 64: 2048}
 # A run's tile follows its largest request (paged.default_launch), so a run is cut into
