@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from tq_chunked import continuation_prefill_varlen, default_window, workspace_bytes
 from tq_chunked.runtime import plan
+from tq_chunked.tools.bench import tokens
 from tq_chunked.tools.testing import build_batch
 
 K = 1024
@@ -199,11 +200,6 @@ def batch_call(b, hq, hk, d, dtype):
     return call
 
 
-def _tokens(cached: int) -> str:
-    """A table's cached tokens: whole K as such, others as tokens (512, not 0K)."""
-    return f"{cached // K}K" if cached % K == 0 else str(cached)
-
-
 def point(shape, rows, cached):
     name, hq, hk, d, preset, dtype, b_n = shape
     q_len = max(1, rows * hk // hq)
@@ -300,7 +296,7 @@ def main():
             )
     for shape in shapes:
         print(f"\n{shape[0]}, B {shape[6]}: paged / windows, GPU kernel time per call")
-        print("| rows/kv head | " + " | ".join(map(_tokens, cached)) + " |")
+        print("| rows/kv head | " + " | ".join(map(tokens, cached)) + " |")
         print("|---" * (len(cached) + 1) + "|")
         for r in rows_per_kvh:
             mine = [x for x in rows if x["shape"] == shape[0] and x["rows_asked"] == r]
