@@ -39,6 +39,7 @@
 #                                              #   .vllm-envs/vllm-$VLLM_TESTS_VERSION/src: vLLM's own
 #                                              #   TurboQuant tests on the vendored tree
 #   bash benchmarks/run_on_device.sh kernels   # carry .gpu-carry: stage breakdown
+#   bash benchmarks/run_on_device.sh spread    # carry .gpu-carry: a window's attention in pieces (§65)
 #   bash benchmarks/run_on_device.sh host      # carry .gpu-carry: host profile (HOST_ARGS)
 #   bash benchmarks/run_on_device.sh host-calls # carry .gpu-carry: the bench's host time call by
 #                                              #   call, with the collector's passes (HOST_CALLS_ARGS)
@@ -95,7 +96,7 @@ carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 # ran out of a 7-minute call (NOTES.md §64)
 workers() { ! ls .gpu-carry/whl/pytest_xdist-*.whl >/dev/null 2>&1 || echo "-n ${PYTEST_WORKERS:-6}"; }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|launches|ncu-paged|dispatch|rotate|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|host|host-calls|before|host-before|launcher|run-ab|checks|serving|serving-before|stack|stack-before|memory-bound|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|launches|ncu-paged|dispatch|rotate|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|spread|host|host-calls|before|host-before|launcher|run-ab|checks|serving|serving-before|stack|stack-before|memory-bound|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -217,6 +218,11 @@ for mode in "$@"; do
     upstream)
       VLLM_TESTS_VERSION=${VLLM_TESTS_VERSION:-0.20.0} CARRY=${CARRY:-.gpu-carry} \
         bash benchmarks/vllm_tests_gpu.sh ;;
+    spread)
+      # a batch window's attention in pieces side by side against its one call (NOTES.md
+      # §65); SPREAD_ARGS e.g. --pieces 4,8 --workloads "8 hits q64-128"
+      carry .gpu-carry timeout 300 python3 benchmarks/spread_probe.py "$OUT" ${SPREAD_ARGS:-} 2>&1 \
+        | grep -v -E "UserWarning|capture_end" | tee "$OUT/spread-probe.md" | tail -12 ;;
     kernels)
       carry .gpu-carry timeout 200 python3 benchmarks/breakdown.py --workloads "$WORKLOADS" 2>&1 \
         | tee "$OUT/breakdown.md" | tail -16 ;;

@@ -1,9 +1,9 @@
 """No kernel reads or writes outside the tensors it was given (CPU, Triton's
 interpreter; tests/bounds.py checks every address): the window path's kernels (the
-fill, the rotation's split, the Triton attention, the merge) and the fused prototype,
-at shapes that exercise every mask: a head size that is not a power of two, requests
-cut into windows, an empty request, a block id outside the cache, a strided query, a
-cache at an odd address."""
+fill, the rotation's split, the Triton attention, the merges, a spread window's) and
+the fused prototype, at shapes that exercise every mask: a head size that is not a
+power of two, requests cut into windows, an empty request, a block id outside the
+cache, a strided query, a cache at an odd address."""
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ from conftest import TRITON_OK
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tq_chunked import continuation_prefill_varlen
+from tq_chunked import ContinuationPrefill, continuation_prefill_varlen
 from tq_chunked.experimental.fused import fused_continuation_prefill_varlen
 from tq_chunked.runtime.dequant import fill_window
 from tq_chunked.runtime.format import PRESETS, TQConfig
@@ -139,6 +139,38 @@ def test_the_window_path_stays_inside_its_tensors(preset, d, dtype, odd_cache):
     assert seen.kernels >= kernels - (
         {"_split_kernel"} if preset.endswith("k8v4") else set()
     )
+    q = b["query_start_loc"]
+    assert out[q[3] : q[4]].isnan().all(), f"seed {d}"
+    assert torch.isfinite(out[: q[3]]).all(), f"seed {d}"
+
+
+@pytest.mark.parametrize(
+    "preset, d, dtype, odd_cache",
+    [
+        ("turboquant_3bit_nc", 128, torch.float16, False),
+        ("turboquant_k8v4", 80, torch.bfloat16, True),
+    ],
+)
+def test_a_spread_window_stays_inside_its_tensors(preset, d, dtype, odd_cache):
+    """Every request in one window of 3 pieces (plan.spread_pieces): the pieces' and
+    the own keys' calls, and the merge of the pieces, whose rows for the request
+    without cached keys lie outside the pieces (never read)."""
+    b = batch_with_a_bad_block(preset, d, dtype, odd_cache)
+    n, hq, _ = b["query"].shape
+    prefill = ContinuationPrefill(
+        hq, b["key"].shape[1], d, preset=preset, dtype=dtype, block_size=16,
+        path="window", backend="triton", spread=3, check_block_table=False,
+    )  # fmt: skip
+    step = prefill.plan(
+        b["block_table"],
+        query_start_loc_cpu=b["query_start_loc"],
+        seq_lens_cpu=b["seq_lens"],
+    )
+    assert [u.pieces for u in step.plan.units] == [3]
+    kw = {k: v for k, v in b["kwargs"].items() if k != "preset"}
+    with reads_within_arguments() as seen:
+        out = step.run(b["query"], b["key"], b["value"], b["kv_cache"], **kw)
+    assert seen.kernels >= {"_fill_kernel", "_attention_kernel", "_merge_pieces_kernel"}
     q = b["query_start_loc"]
     assert out[q[3] : q[4]].isnan().all(), f"seed {d}"
     assert torch.isfinite(out[: q[3]]).all(), f"seed {d}"

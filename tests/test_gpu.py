@@ -284,6 +284,8 @@ STEPS = {
     # 48-64 rows a kv head: the 64-row tile (paged.TILE64_LAUNCH, NOTES.md §63)
     # (two parts of PAGED_MIN_PART cached tokens or more, so "auto" keeps them paged)
     "memory-bound-64": [(30000, 16), (20000, 12), (0, 6), (40000, 16)],
+    # 24 blocks a window: spread (plan.spread_pieces), its copy and merge in the run
+    "spread": [(6000, 96), (3000, 70)],
 }
 
 
@@ -350,6 +352,8 @@ def test_a_step_is_planned_without_a_sync_and_run_per_layer_without_sync_or_mall
     assert bool(runs) == requests.startswith("memory-bound")
     if requests == "memory-bound-64":
         assert {u.paged.block_m for u in runs} == {64}
+    spread = [u for u in step.plan.units if getattr(u, "pieces", 1) > 1]
+    assert bool(spread) == (requests == "spread")
     ref = continuation_prefill_varlen(
         *layer,
         b["block_table"],

@@ -1,12 +1,12 @@
 """The log-sum-exp merge against float64, in place and across dtypes, and its rules
-for empty and non-finite sides (merge.py's docstring); each implementation named
-explicitly."""
+for empty and non-finite sides (merge.py's docstring); the merge of a row's pieces
+against the two-way merges it folds; each implementation named explicitly."""
 
 import pytest
 import torch
 from conftest import DEVICE, TRITON_OK
 
-from tq_chunked.runtime.merge import merge_attn_states
+from tq_chunked.runtime.merge import merge_attn_states, merge_pieces
 from tq_chunked.tools.testing import rel_err
 
 IMPLS = ["torch"] + (["triton"] if TRITON_OK else [])
@@ -149,3 +149,102 @@ def test_unknown_impl_and_half_a_prefix_are_refused():
         merge_attn_states(x, x, lse, x, lse, impl="cuda")
     with pytest.raises(ValueError, match="prefix_output and prefix_lse"):
         merge_attn_states(x, x, None, x, lse)
+
+
+def _pieces(seed, q_lens=(3, 5, 2), pieces=3, h=3, d=64):
+    """A spread window's partials (plan.py): requests of ``q_lens`` rows, each with
+    ``pieces`` pieces laid out request-major (piece i of request r's row t at
+    pieces * start_r + i * q_r + t), and the tail's partial. Some piece rows are
+    marked as FlashAttention marks them: no keys (a zero row, lse -inf) and a sum
+    that is not a number (a NaN row, lse +inf)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(q_lens)
+    m = n * pieces
+    po = torch.randn(m, h, d, generator=gen).half()
+    pl = torch.randn(h, m, generator=gen) * 5
+    po[4, 1], pl[1, 4] = 0.0, -INF  # no keys
+    po[7, 2, 5], pl[2, 7] = NAN, INF  # not a number
+    to = torch.randn(n, h, d, generator=gen).half()
+    tl_ = torch.randn(h, n, generator=gen) * 5
+    first, step, start = [], [], 0
+    for q in q_lens:
+        first += [pieces * start + t for t in range(q)]
+        step += [q] * q
+        start += q
+    ints = [torch.tensor(x, dtype=torch.int32, device=DEVICE) for x in (first, step)]
+    return [x.to(DEVICE) for x in (po, pl, to, tl_)] + ints
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("pieces", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_merge_pieces_is_its_two_way_merges_in_a_float32_state(impl, pieces, dtype):
+    """Bit for bit: the pieces folded in order into a float32 state, then the tail
+    (read from the output's own bytes, as a spread window keeps it)."""
+    po, pl, to, tl_, first, step = _pieces(pieces, pieces=pieces)
+    n, h, d = to.shape
+    out = to.to(dtype)
+    tail = out.clone()
+    lse = torch.full((h, n), NAN, device=DEVICE)
+    merge_pieces(out, lse, out, tl_, po, pl, first, step, pieces, impl=impl)
+
+    state = torch.full((n, h, d), NAN, device=DEVICE)
+    state_lse = torch.full((h, n), NAN, device=DEVICE)
+    for i in range(pieces):
+        at = (first + i * step).long()
+        prefix = (None, None) if i == 0 else (state, state_lse)
+        merge_attn_states(state, *prefix, po[at], pl[:, at], state_lse, impl=impl)
+    want = torch.empty_like(tail)
+    want_lse = torch.empty_like(lse)
+    merge_attn_states(want, state, state_lse, tail, tl_, want_lse, impl=impl)
+    torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0, equal_nan=True)
+    # the one piece whose sum is not a number makes its row NaN, and only it
+    nan_rows = out.isnan().all(-1)
+    assert nan_rows[:, 2].sum() == 1 and nan_rows.sum() == 1, f"seed {pieces}"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_merge_pieces_matches_float64(impl):
+    po, pl, to, tl_, first, step = _pieces(7, q_lens=(4, 9), pieces=4)
+    po, pl = po.float().normal_(), pl.clamp(-6, 6)  # finite sides only
+    n, h, d = to.shape
+    out = torch.full((n, h, d), NAN, device=DEVICE)
+    lse = torch.full((h, n), NAN, device=DEVICE)
+    merge_pieces(out, lse, to, tl_, po, pl, first, step, 4, impl=impl)
+    o_ref, l_ref = to.double(), tl_.double()
+    for i in range(4):
+        at = (first + i * step).long()
+        o_ref, l_ref = _ref(o_ref, l_ref, po[at], pl[:, at])
+    assert rel_err(out, o_ref) < 1e-6, "seed 7"
+    assert rel_err(lse, l_ref) < 1e-6, "seed 7"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_piece_row_outside_the_pieces_is_an_empty_side(impl):
+    po, pl, to, tl_, first, step = _pieces(3, q_lens=(4,), pieces=2)
+    n = to.shape[0]
+    out, lse = torch.empty_like(to), torch.empty(tl_.shape, device=DEVICE)
+    merge_pieces(out, lse, to, tl_, po, pl, first, step, 2, impl=impl)
+    # a third piece past the end of the pieces (and one before their start) adds
+    # nothing, and is not read
+    far = torch.full((n,), -5, dtype=torch.int32, device=DEVICE)
+    out2, lse2 = torch.empty_like(out), torch.empty_like(lse)
+    merge_pieces(out2, lse2, to, tl_, po, pl, first, step, 3, impl=impl)
+    merge_pieces(out, lse, to, tl_, po, pl, far, step, 1, impl=impl)
+    torch.testing.assert_close(out, to, rtol=0, atol=0)
+    out3 = torch.empty_like(out)
+    merge_pieces(out3, None, to, tl_, po, pl, first, step, 2, impl=impl)
+    torch.testing.assert_close(out2, out3, rtol=0, atol=0, equal_nan=True)
+
+
+def test_merge_pieces_refuses_bad_counts_and_rows():
+    po, pl, to, tl_, first, step = _pieces(0)
+    out = torch.empty_like(to)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="pieces must be an int >= 1"):
+            merge_pieces(out, None, to, tl_, po, pl, first, step, bad)
+    with pytest.raises(ValueError, match="piece_first must be int32 of shape"):
+        merge_pieces(out, None, to, tl_, po, pl, first.long(), step, 1)
+    with pytest.raises(ValueError, match="piece_step must be int32 of shape"):
+        merge_pieces(out, None, to, tl_, po, pl, first, step[1:], 1)

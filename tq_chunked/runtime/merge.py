@@ -22,7 +22,8 @@ What each side's log-sum-exp means, and so what the merge does with it:
 
 So non-finite values propagate as in one softmax over all keys, and "no keys" is never
 confused with "not a number". One function, a Triton kernel and a PyTorch fallback
-behind it.
+behind it; ``merge_pieces`` folds a row's several partial results by the same rules in
+one launch (a spread window's pieces, plan.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,32 @@ def _term(w, o):
     elements."""
     finite = (o == o) & (tl.abs(o) < float("inf"))
     return tl.where(w == 0.0, tl.where(finite, 0.0, o), w * o)
+
+
+@triton.jit
+def _side(o, lse):
+    """A partial result's lse as the merge reads it: FlashAttention's +-inf mark told
+    apart by its row (a NaN row: a sum that is not a number, NaN; else no keys)."""
+    nan_row = tl.max(tl.where(o != o, 1, 0), axis=1) > 0
+    mark = (lse == float("inf")) | (lse == float("-inf"))
+    return tl.where(mark, tl.where(nan_row, float("nan"), float("-inf")), lse)
+
+
+@triton.jit
+def _fold(o_p, l_p, o_s, l_s):
+    """(out, lse) of the prefix (o_p, l_p) merged with the suffix (o_s, l_s), both
+    float32 and read as the module docstring says (an empty prefix's row is 0)."""
+    nan = (l_p != l_p) | (l_s != l_s)
+    m = tl.maximum(l_p, l_s)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w_p = tl.exp(l_p - m)  # 0 for an empty side
+    w_s = tl.exp(l_s - m)
+    total = w_p + w_s
+    inv = tl.where(total > 0, 1.0 / total, 0.0)
+    o = (_term(w_p[:, None], o_p) + _term(w_s[:, None], o_s)) * inv[:, None]
+    o = tl.where(nan[:, None], float("nan"), o)
+    lse = tl.where(total > 0, m + tl.log(total), float("-inf"))
+    return o, tl.where(nan, float("nan"), lse)
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -83,9 +110,7 @@ def _merge_kernel(
     o_s = tl.load(s_ptr + r64 * s_s_tok + head * s_s_head + d, mask=dm, other=0.0)
     o_s = o_s.to(tl.float32)
     l_s = tl.load(ls_ptr + head * s_ls_head + r, mask=mask, other=float("-inf"))
-    s_nan_row = tl.max(tl.where(o_s != o_s, 1, 0), axis=1) > 0
-    s_inf = (l_s == float("inf")) | (l_s == float("-inf"))
-    l_s = tl.where(s_inf, tl.where(s_nan_row, float("nan"), float("-inf")), l_s)
+    l_s = _side(o_s, l_s)
     if HAS_PREFIX:
         l_p = tl.load(lp_ptr + head * s_lp_head + r, mask=mask, other=float("-inf"))
         read_p = mask & (l_p != float("-inf"))  # an empty prefix is never read
@@ -97,25 +122,76 @@ def _merge_kernel(
     else:
         l_p = tl.full([BLOCK_L], float("-inf"), tl.float32)
         o_p = tl.zeros([BLOCK_L, BLOCK_D], tl.float32)
-    nan = (l_p != l_p) | (l_s != l_s)
-    m = tl.maximum(l_p, l_s)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w_p = tl.exp(l_p - m)  # 0 for an empty side
-    w_s = tl.exp(l_s - m)
-    total = w_p + w_s
-    inv = tl.where(total > 0, 1.0 / total, 0.0)
-    o = (_term(w_p[:, None], o_p) + _term(w_s[:, None], o_s)) * inv[:, None]
-    o = tl.where(nan[:, None], float("nan"), o)
+    o, lse = _fold(o_p, l_p, o_s, l_s)
     o = round_bf16(o, ROUND_BF16).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + r64 * s_o_tok + head * s_o_head + d, o, mask=dm)
     if WRITE_LSE:
-        lse = tl.where(total > 0, m + tl.log(total), float("-inf"))
-        tl.store(
-            lo_ptr + head * s_lo_head + r, tl.where(nan, float("nan"), lse), mask=mask
-        )
+        tl.store(lo_ptr + head * s_lo_head + r, lse, mask=mask)
 
 
 launch_merge = Launcher(_merge_kernel)
+
+
+@triton.jit(do_not_specialize=["rows", "piece_rows", "pieces"])
+def _merge_pieces_kernel(
+    out_ptr,
+    lo_ptr,
+    t_ptr,
+    lt_ptr,
+    p_ptr,
+    lp_ptr,
+    first_ptr,
+    step_ptr,
+    rows,
+    piece_rows,
+    pieces,
+    s_o_tok,
+    s_o_head,
+    s_lo_head,
+    s_lo_row,
+    s_t_tok,
+    s_t_head,
+    s_lt_head,
+    s_p_tok,
+    s_p_head,
+    s_lp_head,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    ROUND_BF16: tl.constexpr,  # see _utils.round_bf16
+):
+    head = tl.program_id(1).to(tl.int64)
+    r = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)  # (BLOCK_L,) row
+    mask = r < rows
+    d = tl.arange(0, BLOCK_D)[None, :]
+    first = tl.load(first_ptr + r, mask=mask, other=0).to(tl.int64)
+    step = tl.load(step_ptr + r, mask=mask, other=0).to(tl.int64)
+    o = tl.zeros([BLOCK_L, BLOCK_D], tl.float32)  # the state: empty
+    lse = tl.full([BLOCK_L], float("-inf"), tl.float32)
+    for i in range(pieces):
+        at = first + i * step
+        read = mask & (at >= 0) & (at < piece_rows)  # else an empty side
+        o_s = tl.load(
+            p_ptr + at[:, None] * s_p_tok + head * s_p_head + d,
+            mask=read[:, None] & (d < D),
+            other=0.0,
+        ).to(tl.float32)
+        l_s = tl.load(lp_ptr + head * s_lp_head + at, mask=read, other=float("-inf"))
+        o, lse = _fold(o, lse, o_s, _side(o_s, l_s))
+    r64 = r.to(tl.int64)[:, None]
+    dm = mask[:, None] & (d < D)
+    o_t = tl.load(t_ptr + r64 * s_t_tok + head * s_t_head + d, mask=dm, other=0.0)
+    o_t = o_t.to(tl.float32)
+    l_t = tl.load(lt_ptr + head * s_lt_head + r, mask=mask, other=float("-inf"))
+    o, lse = _fold(o, lse, o_t, _side(o_t, l_t))
+    o = round_bf16(o, ROUND_BF16).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + r64 * s_o_tok + head * s_o_head + d, o, mask=dm)
+    if WRITE_LSE:
+        tl.store(lo_ptr + head * s_lo_head + r * s_lo_row, lse, mask=mask)
+
+
+launch_merge_pieces = Launcher(_merge_pieces_kernel)
 
 
 def merge_attn_states(
@@ -204,26 +280,119 @@ def merge_launch(
     return launch_merge, (cdiv(rows, block_l), h), args, {"num_warps": 4}
 
 
+def merge_pieces(
+    output: torch.Tensor,
+    output_lse: torch.Tensor | None,
+    tail_output: torch.Tensor,
+    tail_lse: torch.Tensor,
+    piece_output: torch.Tensor,
+    piece_lse: torch.Tensor,
+    piece_first: torch.Tensor,
+    piece_step: torch.Tensor,
+    pieces: int,
+    *,
+    impl: str | None = None,
+) -> None:
+    """output, output_lse <- for each row j, its ``pieces`` partial results (rows
+    ``piece_first[j] + i * piece_step[j]`` of piece_output and piece_lse, i in
+    [0, pieces)) merged in order, then its tail's (row j of tail_output and tail_lse).
+
+    The same arithmetic as ``pieces`` + 1 two-way merges into a float32 state (each
+    side read as the module docstring says; a state that is empty or not a number
+    stays so), in one launch: the pieces of a spread window (plan.py). A piece row
+    outside ``[0, len(piece_output))`` is an empty side, never read.
+
+    output, tail_output: (N, H, D); piece_output (M, H, D); unit stride over D, any
+    float dtypes (the merge runs in float32); tail_output may be output itself.
+    tail_lse (H, N), piece_lse (H, M): float32, unit stride over rows. output_lse
+    (H, N) float32 or None (not written). piece_first, piece_step: (N,) int32 on
+    output's device. pieces >= 1. impl: "triton" or "torch"; default: Triton where
+    it runs.
+    """
+    if impl is None:
+        impl = "triton" if use_triton(output) else "torch"
+    if impl not in ("triton", "torch"):
+        raise ValueError(f"impl must be 'triton' or 'torch', got {impl!r}")
+    if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
+        raise ValueError(f"pieces must be an int >= 1, got {pieces!r}")
+    n = output.shape[0]
+    for name, t in (("piece_first", piece_first), ("piece_step", piece_step)):
+        if t.dtype != torch.int32 or t.shape != (n,) or t.device != output.device:
+            raise ValueError(
+                f"{name} must be int32 of shape ({n},) on {output.device}, got "
+                f"{t.dtype} {tuple(t.shape)} on {t.device}"
+            )
+    if n == 0:
+        return
+    if impl == "torch":
+        _merge_pieces_torch(
+            output, output_lse, tail_output, tail_lse, piece_output, piece_lse,
+            piece_first, piece_step, pieces,
+        )  # fmt: skip
+        return
+    launcher, grid, args, options = merge_pieces_launch(
+        output, output_lse, tail_output, tail_lse, piece_output, piece_lse,
+        piece_first, piece_step, pieces,
+    )  # fmt: skip
+    launcher(grid, *args, **options)
+
+
+def merge_pieces_launch(
+    output, output_lse, tail_output, tail_lse, piece_output, piece_lse, piece_first,
+    piece_step, pieces,
+):  # fmt: skip
+    """``merge_pieces``'s Triton launch, as (launcher, grid, arguments, options); the
+    caller has done its checks (at least one row)."""
+    rows, h, d = output.shape
+    block_d = next_power_of_2(d)
+    block_l = 16 if block_d <= 128 else 8
+    lo = output_lse if output_lse is not None else tail_lse  # not written without
+    args = (
+        output, lo, tail_output, tail_lse, piece_output, piece_lse, piece_first,
+        piece_step, rows, piece_output.shape[0], pieces, output.stride(0),
+        output.stride(1), lo.stride(0), lo.stride(1), tail_output.stride(0),
+        tail_output.stride(1), tail_lse.stride(0), piece_output.stride(0),
+        piece_output.stride(1), piece_lse.stride(0), d, block_d, block_l,
+        output_lse is not None, interpreter_rounds_bf16(output.dtype),
+    )  # fmt: skip
+    return launch_merge_pieces, (cdiv(rows, block_l), h), args, {"num_warps": 4}
+
+
+def _merge_pieces_torch(
+    output, output_lse, tail_output, tail_lse, piece_output, piece_lse, piece_first,
+    piece_step, pieces,
+):  # fmt: skip
+    m = piece_output.shape[0]
+    o = torch.zeros(output.shape, dtype=torch.float32, device=output.device)
+    lse = torch.full(o.shape[:2], float("-inf"), device=output.device)
+    for i in range(pieces):
+        at = piece_first.long() + i * piece_step.long()
+        read = (at >= 0) & (at < m)
+        at = torch.where(read, at, 0)
+        o_s = torch.where(read[:, None, None], piece_output[at].float(), 0.0)
+        l_s = torch.where(read[:, None], piece_lse[:, at].T, float("-inf"))
+        o, lse = _fold_torch(o, lse, o_s, _side_torch(o_s, l_s))
+    o_t = tail_output.float()
+    o, lse = _fold_torch(o, lse, o_t, _side_torch(o_t, tail_lse.T))
+    if output_lse is not None:
+        output_lse.copy_(lse.T)
+    output.copy_(o)
+
+
 def _weighted(w, o):
     finite = torch.isfinite(o)
     return torch.where(w[..., None] == 0, torch.where(finite, 0.0, o), w[..., None] * o)
 
 
-def _merge_torch(
-    output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse
-):
-    o_s = suffix_output.float()
-    l_s = suffix_lse.T  # (rows, H)
-    s_nan_row = o_s.isnan().any(-1)
-    l_s = torch.where(
-        l_s.isinf(), torch.where(s_nan_row, float("nan"), float("-inf")), l_s
-    )
-    if prefix_output is None:
-        l_p = torch.full_like(l_s, float("-inf"))
-        o_p = torch.zeros_like(o_s)
-    else:
-        l_p = prefix_lse.T
-        o_p = torch.where((l_p == float("-inf"))[..., None], 0.0, prefix_output.float())
+def _side_torch(o, lse):
+    """``_side``: o (rows, H, D) float32, lse (rows, H)."""
+    nan_row = o.isnan().any(-1)
+    mark = torch.where(nan_row, float("nan"), float("-inf"))
+    return torch.where(lse.isinf(), mark, lse)
+
+
+def _fold_torch(o_p, l_p, o_s, l_s):
+    """``_fold``: o (rows, H, D) float32, lse (rows, H)."""
     nan = l_p.isnan() | l_s.isnan()
     m = torch.maximum(l_p, l_s)
     m = torch.where(m == float("-inf"), 0.0, m)
@@ -232,7 +401,22 @@ def _merge_torch(
     inv = torch.where(total > 0, 1.0 / total, 0.0)
     o = (_weighted(w_p, o_p) + _weighted(w_s, o_s)) * inv[..., None]
     o = torch.where(nan[..., None], float("nan"), o)
+    lse = torch.where(total > 0, m + torch.log(total), float("-inf"))
+    return o, torch.where(nan, float("nan"), lse)
+
+
+def _merge_torch(
+    output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse
+):
+    o_s = suffix_output.float()
+    l_s = _side_torch(o_s, suffix_lse.T)  # (rows, H)
+    if prefix_output is None:
+        l_p = torch.full_like(l_s, float("-inf"))
+        o_p = torch.zeros_like(o_s)
+    else:
+        l_p = prefix_lse.T
+        o_p = torch.where((l_p == float("-inf"))[..., None], 0.0, prefix_output.float())
+    o, lse = _fold_torch(o_p, l_p, o_s, l_s)
     if output_lse is not None:
-        lse = torch.where(total > 0, m + torch.log(total), float("-inf"))
-        output_lse.copy_(torch.where(nan, float("nan"), lse).T)
+        output_lse.copy_(lse.T)
     output.copy_(o)

@@ -110,6 +110,16 @@ PAGED_LONG_CACHED = {128: 256, 64: 2048}
 # and three launches a layer), the least measured to gain (benchmarks/NOTES.md §59).
 PAGED_MIN_PART = 32 * 1024
 PATHS = ("auto", "window", "paged")
+# A batch window whose attention call would form at most SPREAD_MAX_BLOCKS thread
+# blocks (FlashAttention-3's: ceil(q_r x G / SPREAD_TILE) query tiles a kv head and
+# request) leaves most SMs idle for its whole length: with spread="auto" (fp16 queries,
+# the "flash" back end) its cached keys run in pieces side by side (``spread_pieces``),
+# about SPREAD_WAVES blocks an SM, pieces of at least SPREAD_MIN_PIECE keys. Measured:
+# 24-64 blocks gained, 96 did not (benchmarks/NOTES.md §65).
+SPREAD_MAX_BLOCKS = 64
+SPREAD_TILE = 128
+SPREAD_WAVES = 2
+SPREAD_MIN_PIECE = 1024
 
 
 @dataclass(frozen=True)
@@ -131,6 +141,16 @@ class Window(Call):
     segs_host: tuple[int, ...]
     has_chunk: bool  # some rows are the chunk's new tokens
     requests: tuple[int, ...]  # the requests whose queries it answers, in order
+    # a spread window (``spread_pieces``): each request's cached keys in ``pieces``
+    # pieces, each followed by GAP rows, then its own keys; this call attends to the
+    # own keys (causal) and ``heads`` to the pieces (not causal), each piece with a
+    # copy of its request's query rows: piece row k copies query row ``copy[k]``, and
+    # query row j's pieces are rows piece_first[j] + i * piece_step[j] (int32 device)
+    pieces: int = 1
+    heads: Call | None = None
+    copy: torch.Tensor | None = None
+    piece_first: torch.Tensor | None = None
+    piece_step: torch.Tensor | None = None
 
     def segment(self, s):
         """(start row, request, first cached position, cached rows, first new row in
@@ -225,6 +245,69 @@ def long_layout(rows, num_q_heads, num_kv_heads, kv_heads, head_dim, cap, dtype)
     kv heads at a time, in windows of ``cap`` rows."""
     g = num_q_heads // num_kv_heads
     return ("long", rows, g * kv_heads, kv_heads, head_dim, cap, dtype)
+
+
+def spread_layout(num_q_heads, num_kv_heads, head_dim, rows, piece_rows, dtype):
+    """The workspace.layout key of a spread window of ``rows`` key rows whose pieces
+    hold ``piece_rows`` query rows."""
+    return ("spread", piece_rows, num_q_heads, num_kv_heads, head_dim, rows, dtype)
+
+
+def spread_rows(reqs, pieces: int) -> tuple[int, int]:
+    """(key rows, pieces' query rows) of a spread window of these requests ((query
+    rows, cached keys) each): their keys, a GAP after each piece and after each
+    request's own keys but the last; a request without cached keys has no pieces."""
+    cached = [q for q, c in reqs if c]
+    gaps = pieces * len(cached) + len(reqs) - 1
+    return sum(q + c for q, c in reqs) + GAP * gaps, pieces * sum(cached)
+
+
+def spread_pieces(
+    reqs, num_q_heads, num_kv_heads, head_dim, dtype, limit: int, sms: int, spread
+) -> int:
+    """How many pieces a batch window of these requests ((query rows, cached keys)
+    each) cuts each request's cached keys into: 1 (one call, not spread) or at least
+    2. ``spread``: "auto" (where its call would form at most SPREAD_MAX_BLOCKS blocks:
+    about SPREAD_WAVES blocks an SM over ``sms`` SMs, pieces of at least
+    SPREAD_MIN_PIECE keys) or a count (1: never). Fewer where its layout would take
+    more than ``limit`` bytes (a batch window's); 1 where 2 would, or where no request
+    has cached keys."""
+    if spread == 1 or not any(c for _, c in reqs):
+        return 1
+    if spread == "auto":
+        g = num_q_heads // num_kv_heads
+        blocks = sum(-(-q * g // SPREAD_TILE) for q, _ in reqs) * num_kv_heads
+        if blocks > SPREAD_MAX_BLOCKS:
+            return 1
+        longest = max(c for _, c in reqs)
+        spread = min(-(-SPREAD_WAVES * sms // blocks), longest // SPREAD_MIN_PIECE)
+    for pieces in range(spread, 1, -1):
+        rows = spread_rows(reqs, pieces)
+        key = spread_layout(num_q_heads, num_kv_heads, head_dim, *rows, dtype)
+        if layout_bytes(*key) <= limit:
+            return pieces
+    return 1
+
+
+def _spread_segments(segs, pieces: int):
+    """A batch window's segments (its requests, each followed by a gap) spread: each
+    request's cached keys in ``pieces`` pieces, each followed by a gap, then its own
+    keys and a gap (but the last); and the query rows each segment has in the pieces'
+    call."""
+    out, heads_q = [], []
+    for r, _, c, new0, new, q in segs:
+        if q == 0:
+            continue  # a gap: made again below
+        cuts = [c * i // pieces for i in range(pieces + 1)]
+        for i in range(pieces if c else 0):
+            out += [
+                (r, cuts[i], cuts[i + 1] - cuts[i], new0, 0, 0),
+                (r, 0, 0, GAP_ROW, GAP, 0),
+            ]
+            heads_q += [q, 0]
+        out += [(r, c, 0, new0, new, q), (r, 0, 0, GAP_ROW, GAP, 0)]
+        heads_q += [0, 0]
+    return out[:-1], heads_q[:-1]
 
 
 def _most_rows(need, least: int, most: int, budget: int) -> int:
@@ -387,6 +470,7 @@ def make_plan(
     cfg: TQConfig | None = None,
     path: str = "window",
     sms: int = DEFAULT_SMS,
+    spread="auto",
 ) -> Plan:
     """The plan of a step from its host lengths (validated): each request's path
     (``paths``), the batch window fitted to the budget and shortened to the rows the
@@ -396,7 +480,9 @@ def make_plan(
     tokens (so that ``workspace_bytes`` still bounds the step), the windows
     (``windows``) and the bytes of workspace their layouts take. ``cfg`` (the cache's
     format) is needed where a request may take the memory-bound path; ``sms``: the
-    device's multiprocessors, which its splits are spread over."""
+    device's multiprocessors, which its splits and spread windows are spread over;
+    ``spread``: which batch windows run their cached keys in pieces (``spread_pieces``:
+    "auto", or a count, 1 for none), each within a batch window's bytes."""
     n = qsl[-1]
     window = fit_window(window, n, num_q_heads, num_kv_heads, head_dim, dtype, budget)
     runs: list[tuple[tuple[int, ...], PagedPlan]] = []
@@ -445,6 +531,18 @@ def make_plan(
                 qsl[r + 1] - qsl[r], num_q_heads, num_kv_heads, head_dim, cap, dtype,
                 budget,
             )  # fmt: skip
+    batch_key = batch_layout(num_q_heads, num_kv_heads, head_dim, cap, dtype)
+    # a spread window's pieces and gaps take at most a batch window's bytes before it
+    # is shortened to the step's rows: what workspace_bytes promises
+    limit = layout_bytes(
+        *batch_layout(num_q_heads, num_kv_heads, head_dim, capacity(window, n), dtype)
+    )
+
+    def pieces_of(reqs):
+        return spread_pieces(
+            reqs, num_q_heads, num_kv_heads, head_dim, dtype, limit, sms, spread
+        )
+
     units, ints = _units(
         qsl,
         seq_lens,
@@ -455,6 +553,7 @@ def make_plan(
         if longs
         else None,
         runs,
+        None if spread == 1 else pieces_of,
     )
     out, keys = [], []
     for unit in units:
@@ -475,8 +574,13 @@ def make_plan(
             )
         elif isinstance(unit, PagedRun):
             key = unit.paged
+        elif unit.pieces > 1:
+            rows = unit.heads.cu_q_host[-1]  # the pieces' query rows
+            key = spread_layout(
+                num_q_heads, num_kv_heads, head_dim, unit.rows, rows, dtype
+            )
         else:
-            key = batch_layout(num_q_heads, num_kv_heads, head_dim, cap, dtype)
+            key = batch_key
         out.append(unit)
         keys.append(key)
     return Plan(
@@ -594,6 +698,32 @@ def windows(
     return _units(qsl, seq_lens, capacity, device, stream, long_capacity, [])[0]
 
 
+def _spread_ints(segs, pieces: int, heads_q) -> list[int]:
+    """A spread window's ints after its cu_q: the pieces' call's query starts, then
+    ``copy``, ``piece_first`` and ``piece_step`` (``Window``). The pieces' rows follow
+    their requests: piece i of a request of q query rows whose pieces start at row p
+    holds rows p + i * q + [0, q). A request without cached keys has none: its rows'
+    pieces lie outside the pieces' rows (first -1, step 0), which the merge leaves
+    empty."""
+    starts = [0, *itertools.accumulate(heads_q)]
+    copy, first, step = [], [], []
+    o = 0
+    p = 0
+    for _, cached, _, _, _, q in segs:
+        if q == 0:
+            continue  # a piece or a gap; a request's own keys start at its cached
+        if cached:
+            copy += list(range(o, o + q)) * pieces
+            first += range(p, p + q)
+            step += [q] * q
+            p += pieces * q
+        else:
+            first += [-1] * q
+            step += [0] * q
+        o += q
+    return starts + copy + first + step
+
+
 def _units(
     qsl: tuple[int, ...],
     seq_lens: tuple[int, ...],
@@ -602,13 +732,16 @@ def _units(
     stream,
     long_capacity: tuple[int, ...] | None,
     runs: list[tuple[tuple[int, ...], PagedPlan]],
+    pieces_of=None,
 ) -> tuple[tuple, torch.Tensor]:
     """The units for these lengths (host ints, already validated), in order of their
     query rows, and the one device tensor of their integers: a ``Window`` per batch
     window of ``capacity`` key rows (more than the batch's query tokens), for each
     request longer than that a ``LongRequest`` whose windows hold ``long_capacity[r]``
     rows (more than its query tokens, at most ``capacity``; default ``capacity``), and
-    a ``PagedRun`` per ``runs`` entry (its requests, their ``PagedPlan``). Their device
+    a ``PagedRun`` per ``runs`` entry (its requests, their ``PagedPlan``); a batch
+    window is spread where ``pieces_of`` (its requests' (query rows, cached keys) ->
+    pieces, ``spread_pieces``) gives it 2 pieces or more. Their device
     integers go up in one asynchronous copy on ``stream`` (default: the current one),
     the stream that reads them."""
     b = len(seq_lens)
@@ -616,12 +749,13 @@ def _units(
     if capacity <= n_tok:
         raise AssertionError("capacity must exceed the query tokens (capacity())")
     packed: list[int] = []  # every device int32 array of the plan, uploaded in one copy
-    # each window before the upload: (kind, segments, causal), a segment being
-    # (request, first cached position, cached rows, first new row, new rows, query rows)
-    specs: list[tuple[str, list, bool]] = []
+    # each window before the upload: (kind, segments, causal, pieces, the query rows
+    # of each segment in the pieces' call or None), a segment being (request, first
+    # cached position, cached rows, first new row, new rows, query rows)
+    specs: list[tuple[str, list, bool, int, list | None]] = []
 
-    def window(kind, segs, causal):
-        specs.append((kind, segs, causal))
+    def window(kind, segs, causal, pieces=1, heads_q=None):
+        specs.append((kind, segs, causal, pieces, heads_q))
         return len(specs) - 1
 
     # each run's first request -> (the run's index, the request after its last): a run
@@ -635,9 +769,19 @@ def _units(
     def flush():
         nonlocal batch, batch_rows
         if batch:
-            # the last request's gap is not needed
-            units.append(window("batch", batch[:-1], True))
+            segs = batch[:-1]  # the last request's gap is not needed
+            pieces = 1
+            if pieces_of is not None:
+                pieces = pieces_of([(s[5], s[2]) for s in segs if s[5]])
+            if pieces > 1:
+                units.append(window("batch", *_spread(segs, pieces)))
+            else:
+                units.append(window("batch", segs, True))
         batch, batch_rows = [], 0
+
+    def _spread(segs, pieces):
+        spread, heads_q = _spread_segments(segs, pieces)
+        return spread, True, pieces, heads_q
 
     past_run = 0  # the request after the last paged run met
     for r in range(b):
@@ -679,7 +823,7 @@ def _units(
     flush()
 
     spans = []
-    for _, segs, _ in specs:
+    for _, segs, _, pieces, heads_q in specs:
         starts = [0]
         for _, _, c, _, new, _ in segs:
             starts.append(starts[-1] + c + new)
@@ -697,6 +841,8 @@ def _units(
         spans.append((len(packed), len(fields), len(packed) + len(fields), len(cu_q)))
         packed.extend(fields)
         packed.extend(cu_q)
+        if heads_q is not None:
+            packed.extend(_spread_ints(segs, pieces, heads_q))
     # the paged runs' ints after the windows' (their work lists run to thousands of
     # programs: joined as arrays, not as Python ints)
     paged_spans: list[tuple[int, int, int, int, tuple[int, ...]]] = []
@@ -726,11 +872,34 @@ def _units(
         dev = torch.from_numpy(np.concatenate(pieces)).to(device)
 
     made = []
-    for (kind, segs, causal), (s0, ns, c0, nc) in zip(specs, spans):
+    for (kind, segs, causal, pieces, heads_q), (s0, ns, c0, nc) in zip(specs, spans):
         nseg = len(segs)
         segs_host = tuple(packed[s0 : s0 + ns])
         cu_k_host = segs_host[: nseg + 1]
         cu_q_host = tuple(packed[c0 : c0 + nc])
+        spread = {}
+        if heads_q is not None:
+            # after cu_q: the pieces' call's query starts, then copy, first, step
+            h0 = c0 + nc
+            n = cu_q_host[-1]
+            heads = packed[h0 : h0 + nc]
+            m = heads[-1]  # the pieces' query rows
+            m0 = h0 + nc
+            spread = dict(
+                pieces=pieces,
+                heads=Call(
+                    dev[h0 : h0 + nc],
+                    dev[s0 : s0 + nseg + 1],
+                    tuple(heads),
+                    cu_k_host,
+                    max(heads_q),
+                    max(seg[2] for seg in segs),
+                    False,
+                ),  # fmt: skip
+                copy=dev[m0 : m0 + m],
+                piece_first=dev[m0 + m : m0 + m + n],
+                piece_step=dev[m0 + m + n : m0 + m + 2 * n],
+            )
         made.append(
             Window(
                 kind=kind,
@@ -750,6 +919,7 @@ def _units(
                 causal=causal,
                 has_chunk=any(seg[4] > 0 for seg in segs),
                 requests=tuple(seg[0] for seg in segs if seg[5]),
+                **spread,
             )
         )
     out: list[Window | LongRequest | PagedRun] = []

@@ -14,6 +14,8 @@ What ``Step.run`` does with the step's units (plan.py draws them):
         fill it: cached keys dequantized and un-rotated,    k_buf, v_buf (rows, Hk, D)
             then the chunk's own keys after them (dequant.py)
         one causal varlen attention call                    -> out rows, final
+        (spread, plan.spread_pieces: the cached keys in      pieces' partials,
+        pieces, attended side by side, then the own keys;   merged -> out rows)
     for each long request, for each group of its kv heads:
         for each part window: fill, attend (not causal)     a partial, merged into
                                                             the state
@@ -56,7 +58,7 @@ from ._utils import (
 from .attention import resolve_backend, varlen_attention
 from .dequant import fill_launch, fill_window, split_launch
 from .format import TQConfig, resolve_config
-from .merge import merge_attn_states, merge_launch
+from .merge import merge_attn_states, merge_launch, merge_pieces
 from .paged import DEFAULT_SMS, PagedPlan, paged_launches
 from .plan import PATHS, LongRequest, PagedRun, Plan, default_window, make_plan
 from .workspace import ALIGN, DEFAULT_WORKSPACE_BYTES, carve, rotation_bytes
@@ -318,6 +320,11 @@ class ContinuationPrefill:
             "window" (none) or "paged" (every request with cached tokens, for
             measurements; a run whose query rows need more scratch than a batch
             window of the step raises: plan.py).
+        spread: which batch windows run their cached keys in pieces side by side
+            (plan.spread_pieces): "auto" (those whose attention call would leave most
+            SMs idle, with fp16 queries and the "flash" back end), or a count of
+            pieces for every batch window with cached keys where it fits (1: none;
+            for measurements and tests).
         check_block_table: record block ids outside [0, num_blocks) among those read
             and raise a ValueError naming the first one at the next call on the device
             (or at ``check_block_tables()``), without synchronizing (on a CPU: before
@@ -339,6 +346,7 @@ class ContinuationPrefill:
         max_workspace_bytes: int | None = None,
         backend: str = "auto",
         path: str = "auto",
+        spread: str | int = "auto",
         check_block_table: bool = True,
     ):
         self.num_q_heads = as_int("num_q_heads", num_q_heads, 1)
@@ -383,6 +391,11 @@ class ContinuationPrefill:
                 f"path must be one of {', '.join(map(repr, PATHS))}, got {path!r}"
             )
         self.path = path
+        if spread != "auto" and (
+            isinstance(spread, bool) or not isinstance(spread, int) or spread < 1
+        ):
+            raise ValueError(f"spread must be 'auto' or an int >= 1, got {spread!r}")
+        self.spread = spread
         if not isinstance(check_block_table, bool):
             raise ValueError(
                 f"check_block_table must be a bool, got {check_block_table!r}"
@@ -498,6 +511,7 @@ class ContinuationPrefill:
             cfg=self.cfg,
             path=self.path,
             sms=sms,
+            spread=self._spread(backend),
         )
         if workspace is not None:
             _check_workspace_size(workspace, plan.workspace_bytes)
@@ -510,6 +524,14 @@ class ContinuationPrefill:
             self, plan, block_table, qsl, lens, workspace, backend, lengths,
             stream, uploaded,
         )  # fmt: skip
+
+    def _spread(self, backend):
+        """``spread`` as the plan takes it: "auto" spreads only where FlashAttention-3
+        leaves SMs idle, and fp16 partials keep the bound (a bf16 partial rounds 8x
+        coarser; benchmarks/NOTES.md §65)."""
+        if self.spread != "auto":
+            return self.spread
+        return "auto" if backend == "flash" and self.dtype == torch.float16 else 1
 
     def workspace_bytes(self, max_query_tokens: int) -> int:
         """The bytes of workspace that serve every step of up to ``max_query_tokens``
@@ -931,14 +953,26 @@ class _Layer:
         bound(self.fill_layer)
 
     def batch_window(self, w, bufs):
-        """Requests that fit one window: one causal call, the answer written to out."""
+        """Requests that fit one window: one causal call, the answer written to out.
+        Spread (w.pieces > 1): the pieces' call over copies of the query rows, the
+        own keys' causal call into out, then both merged into out (plan.py)."""
         rows = slice(w.q0, w.q1)
         self._fill(w, 0, bufs)
         # the filled rows only: attention reads zeros past them (plan.GAP)
         k, v = bufs.k_buf[: w.rows], bufs.v_buf[: w.rows]
-        lse = varlen_attention(
-            w, self.query[rows], k, v, self.scale, self.out[rows], self.step.backend
-        )
+        q, out, backend = self.query[rows], self.out[rows], self.step.backend
+        if w.pieces > 1:
+            torch.index_select(q, 0, w.copy, out=bufs.piece_q)
+            piece_lse = varlen_attention(
+                w.heads, bufs.piece_q, k, v, self.scale, bufs.piece_out, backend
+            )
+            lse = varlen_attention(w, q, k, v, self.scale, out, backend)
+            merge_pieces(
+                out, None if self.lse is None else self.lse[:, rows], out, lse,
+                bufs.piece_out, piece_lse, w.piece_first, w.piece_step, w.pieces,
+            )  # fmt: skip
+            return
+        lse = varlen_attention(w, q, k, v, self.scale, out, backend)
         if self.lse is not None:
             self.lse[:, rows].copy_(lse)
 

@@ -19,6 +19,13 @@ once per call and read by every window's fill:
     batch windows (requests that fit a window; the answer is written to ``out``):
         k_buf, v_buf  (C, Hk, D)      query dtype  the window's keys and values
 
+    a spread batch window (plan.spread_pieces) of C key rows whose P pieces hold
+    M = P x its query rows, within a batch window's bytes:
+        k_buf, v_buf  (C, Hk, D)      query dtype  its keys and values, pieces and gaps
+        piece_q       (M, Hq, D)      query dtype  each piece's copy of its query rows
+        piece_out     (M, Hq, D)      query dtype  each piece's partial
+        piece_lse     (Hq, M)         float32      its log-sum-exp
+
     a long request of R query rows, Hk_g kv heads at a time with their Hq_g query heads:
         k_buf, v_buf  (C, Hk_g, D)    fp16         the window's keys and values
         state_out     (R, Hq_g, D)    float32      merged output of the windows so far
@@ -58,9 +65,9 @@ def _aligned(n):
 
 def layout(kind, rows, group_q_heads, group_kv_heads, head_dim, cap, dtype):
     """{region: (byte offset, shape, dtype)} and the total bytes (with room to align
-    the first region in any buffer), for a "batch" or a "long" step (see the module
-    docstring)."""
-    kv_dtype = dtype if kind == "batch" else torch.float16
+    the first region in any buffer), for a "batch", "spread" or "long" step (see the
+    module docstring)."""
+    kv_dtype = torch.float16 if kind == "long" else dtype
     regions = {
         # first in every layout, so that one split per call serves all its steps
         "rot_parts": ((3, head_dim, head_dim), torch.float16),
@@ -68,6 +75,10 @@ def layout(kind, rows, group_q_heads, group_kv_heads, head_dim, cap, dtype):
         "k_buf": ((cap, group_kv_heads, head_dim), kv_dtype),
         "v_buf": ((cap, group_kv_heads, head_dim), kv_dtype),
     }
+    if kind == "spread":
+        regions["piece_q"] = ((rows, group_q_heads, head_dim), dtype)
+        regions["piece_out"] = ((rows, group_q_heads, head_dim), dtype)
+        regions["piece_lse"] = ((group_q_heads, rows), torch.float32)
     if kind == "long":
         regions["state_out"] = ((rows, group_q_heads, head_dim), torch.float32)
         regions["state_lse"] = ((group_q_heads, rows), torch.float32)
@@ -104,6 +115,9 @@ class Buffers:
     state_out: torch.Tensor | None = None
     state_lse: torch.Tensor | None = None
     q16: torch.Tensor | None = None
+    piece_q: torch.Tensor | None = None
+    piece_out: torch.Tensor | None = None
+    piece_lse: torch.Tensor | None = None
 
 
 def carve(buffer: torch.Tensor, key: tuple) -> Buffers:

@@ -1,0 +1,219 @@
+"""A spread batch window (plan.spread_pieces): which windows the plan spreads and into
+how many pieces, and their answers against the float64 oracle and the one call,
+non-finite values and the log-sum-exp included (docs/design.md, "What the call
+promises")."""
+
+import pytest
+import torch
+from conftest import TRITON_OK
+from test_promises import NONFINITE_CASES, check_against_oracle, poison
+
+from tq_chunked import ContinuationPrefill, workspace_bytes
+from tq_chunked.runtime.plan import (
+    GAP,
+    batch_layout,
+    make_plan,
+    spread_layout,
+    spread_pieces,
+)
+from tq_chunked.runtime.workspace import layout_bytes
+from tq_chunked.tools.reference import (
+    full_buffer_continuation_prefill,
+    oracle_continuation_prefill,
+)
+from tq_chunked.tools.testing import build_batch, make_batch, rel_err
+
+BACKEND = "triton" if TRITON_OK else "torch"
+# three requests in one batch window (window 4096): a long prefix, a short one and a
+# first chunk without cached keys
+REQUESTS = [(220, 12), (30, 6), (0, 5)]
+MiB = 1 << 20
+
+
+def _run(batch, spread, return_lse=False, backend=BACKEND, pieces=None):
+    """The batch through one batch window of ``pieces`` pieces (default: spread)."""
+    n, hq, d = batch.query.shape
+    prefill = ContinuationPrefill(
+        hq, batch.key.shape[1], d, preset=batch.kwargs["preset"],
+        dtype=batch.query.dtype, block_size=batch.kv_cache.shape[1], window=32768,
+        path="window", backend=backend, spread=spread,
+    )  # fmt: skip
+    step = prefill.plan(
+        batch.block_table,
+        query_start_loc_cpu=batch.query_start_loc,
+        seq_lens_cpu=batch.seq_lens,
+    )
+    (window,) = step.plan.units
+    assert window.pieces == (pieces or spread), f"seed {batch.seed}"
+    tables = {k: v for k, v in batch.kwargs.items() if k != "preset"}
+    out = torch.full_like(batch.query, float("nan"))  # every row must be written
+    res = step.run(batch.query, batch.key, batch.value, batch.kv_cache, **tables,
+                   out=out, return_lse=return_lse)  # fmt: skip
+    return res
+
+
+def test_the_plan_spreads_windows_that_leave_most_sms_idle():
+    """With "auto", 24-64 blocks spread into about two blocks an SM's worth of pieces
+    of at least 1K keys; 96 blocks, or no cached keys, stay one call; fewer pieces
+    where the layout would not fit."""
+    big = 1 << 40
+    # two requests of "8 hits q64-128": (3 + 4) x 8 = 56 blocks -> ceil(264 / 56)
+    reqs = [(85, 12048), (106, 4624)]
+    assert spread_pieces(reqs, 32, 8, 128, torch.float16, big, 132, "auto") == 5
+    # one request of 4K: its pieces no shorter than 1K keys
+    assert spread_pieces([(85, 4096)], 32, 8, 128, torch.float16, big, 132, "auto") == 4
+    # "16 x q128 8K": three requests of 4 tiles, 96 blocks
+    assert spread_pieces([(128, 8192)] * 3, 32, 8, 128, torch.float16, big, 132,
+                         "auto") == 1  # fmt: skip
+    assert spread_pieces([(85, 0)], 32, 8, 128, torch.float16, big, 132, 4) == 1
+    assert spread_pieces(reqs, 32, 8, 128, torch.float16, big, 132, 1) == 1
+    # the layout of 5 pieces against a limit one byte short of it: 4 pieces
+    rows = sum(q + c for q, c in reqs) + GAP * (6 * 2 - 1)
+    five = layout_bytes(*spread_layout(32, 8, 128, rows, 5 * 191, torch.float16))
+    assert spread_pieces(reqs, 32, 8, 128, torch.float16, five, 132, "auto") == 5
+    assert spread_pieces(reqs, 32, 8, 128, torch.float16, five - 1, 132, "auto") == 4
+    assert spread_pieces(reqs, 32, 8, 128, torch.float16, 1 << 20, 132, "auto") == 1
+
+
+def test_a_spread_windows_calls_share_its_keys_and_copy_its_query_rows():
+    """The plan's two calls over one spread window: the pieces (each with its
+    request's query rows, not causal) and the own keys (causal), with the same key
+    starts; each piece's row copies its request's rows; a gap after every piece; the
+    layout within a batch window's bytes."""
+    qsl, lens = (0, 12, 18, 23), (232, 36, 5)
+    plan = make_plan(
+        qsl, lens, window=4096, num_q_heads=4, num_kv_heads=2, head_dim=64,
+        dtype=torch.float16, budget=128 * MiB, device=torch.device("cpu"), spread=3,
+    )  # fmt: skip
+    (w,) = plan.units
+    assert w.pieces == 3 and w.causal and not w.heads.causal
+    assert w.heads.cu_k_host == w.cu_k_host
+    q_lens = [b - a for a, b in zip(w.cu_q_host, w.cu_q_host[1:])]
+    heads_q = [b - a for a, b in zip(w.heads.cu_q_host, w.heads.cu_q_host[1:])]
+    k_lens = [b - a for a, b in zip(w.cu_k_host, w.cu_k_host[1:])]
+    # request 0: pieces of 73, 73, 74 keys, each with a gap; its own 12 keys; a gap ...
+    assert k_lens[:8] == [73, GAP, 73, GAP, 74, GAP, 12, GAP]
+    assert heads_q[:8] == [12, 0, 12, 0, 12, 0, 0, 0]
+    assert q_lens[:8] == [0, 0, 0, 0, 0, 0, 12, 0]
+    # the first chunk has no pieces: its own keys alone, after request 1's gap
+    assert k_lens[-2:] == [GAP, 5] and q_lens[-1] == heads_q[-1] + 5 == 5
+    assert sum(q_lens) == 23 and sum(heads_q) == 3 * 18
+    copy = w.copy.tolist()
+    assert copy == list(range(12)) * 3 + list(range(12, 18)) * 3
+    first, step = w.piece_first.tolist(), w.piece_step.tolist()
+    assert all(copy[first[j] + i * step[j]] == j for j in range(18) for i in range(3))
+    assert first[18:] == [-1] * 5 and step[18:] == [0] * 5  # the merge's empty sides
+    # more than the step's shortened batch window, within what workspace_bytes gives
+    assert plan.workspace_bytes > layout_bytes(
+        *batch_layout(4, 2, 64, plan.capacity, torch.float16)
+    )
+    assert plan.workspace_bytes <= workspace_bytes(23, 4, 2, 64, 4096)
+    assert plan.unit_layouts[0][0] == "spread"
+
+
+@pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("pieces", [2, 5])
+def test_a_spread_window_answers_as_the_one_call_does(preset, dtype, pieces):
+    """Every row written, within the bound of the oracle; fp16 within the project's
+    bound of the one call's error (1.1x + 1e-4), request by request; the lse within
+    float32 rounding of it."""
+    # and a request of fewer cached tokens than pieces: a piece of no keys
+    requests = REQUESTS + [(3, 4)]
+    batch = make_batch(requests, preset, dtype, seed=pieces)
+    out, lse = _run(batch, pieces, return_lse=True)
+    assert not out.isnan().any(), f"seed {batch.seed}"
+    check_against_oracle(batch, out)
+    one, one_lse = _run(batch, 1, return_lse=True)
+    torch.testing.assert_close(lse, one_lse, rtol=1e-5, atol=1e-5)
+    if dtype == torch.bfloat16:
+        return  # "auto" spreads fp16 only (plan.py): bf16 partials round 8x coarser
+    for r in range(len(requests)):
+        q0, q1 = batch.query_start_loc[r], batch.query_start_loc[r + 1]
+        oracle = oracle_continuation_prefill(*batch.request(r), **batch.kwargs)
+        err = [(o[q0:q1].double() - oracle).norm() / oracle.norm() for o in (out, one)]
+        assert err[0] <= 1.1 * err[1] + 1e-4, (batch.seed, r, err)  # the bound
+
+
+@pytest.mark.parametrize("where,value,token", NONFINITE_CASES, ids=lambda x: str(x))
+def test_non_finite_values_in_a_spread_window(where, value, token):
+    """As in one softmax over all keys (test_promises.py's cases, the requests in
+    one spread window instead of part windows)."""
+    seed = 31 + len(where) + token
+    batch = make_batch(REQUESTS[:2], "turboquant_3bit_nc", torch.float16, seed=seed)
+    batch.query.mul_(0.2)
+    allowed = poison(batch, where, value, token)
+    out = _run(batch, 3)
+    assert not torch.isfinite(out).all(), f"seed {seed}: the non-finite value vanished"
+    check_against_oracle(batch, out, allowed)
+
+
+def test_spread_is_auto_or_a_count():
+    for bad in (0, -1, True, 2.5, "all"):
+        with pytest.raises(ValueError, match="spread must be 'auto' or an int >= 1"):
+            ContinuationPrefill(
+                4, 2, 64, preset="turboquant_3bit_nc", block_size=16, spread=bad
+            )
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("where,value,token", NONFINITE_CASES, ids=lambda x: str(x))
+def test_non_finite_values_in_a_spread_window_with_flash_attention(where, value, token):
+    """The same cases with FlashAttention-3 on the GPU, whose tiles read past a
+    sequence's end (the gaps after the pieces keep a cached inf value from turning
+    into NaN in the piece before it)."""
+    seed = 31 + len(where) + token
+    batch = make_batch(
+        REQUESTS[:2], "turboquant_3bit_nc", torch.float16, seed=seed, device="cuda"
+    )
+    batch.query.mul_(0.2)
+    allowed = poison(batch, where, value, token)
+    out = _run(batch, 3, backend="flash")
+    assert not torch.isfinite(out).all(), f"seed {seed}: the non-finite value vanished"
+    check_against_oracle(batch, out, allowed)
+
+
+# two requests of "8 hits q64-128" in one window: (3 + 3) x 8 = 48 blocks
+SPREAD_BATCH = [(9000, 96), (4000, 70)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
+def test_auto_spreads_a_window_of_few_blocks_within_the_bound(preset):
+    """With "auto" and FlashAttention-3 the window is spread (6 pieces on 132 SMs);
+    each request within 1.1x the full-buffer path's error + 1e-4; the lse finite."""
+    b = build_batch(preset, SPREAD_BATCH, 32, 8, 128, 16, torch.float16, "cuda",
+                    seed=48)  # fmt: skip
+    prefill = ContinuationPrefill(
+        32, 8, 128, preset=preset, block_size=16, backend="flash", path="window"
+    )
+    step = prefill.plan(
+        b["block_table"],
+        query_start_loc_cpu=b["query_start_loc"],
+        seq_lens_cpu=b["seq_lens"],
+    )
+    (window,) = step.plan.units
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert window.pieces == min(-(-2 * sms // 48), 9000 // 1024)
+    kw = {k: v for k, v in b["kwargs"].items() if k != "preset"}
+    out, lse = step.run(b["query"], b["key"], b["value"], b["kv_cache"], **kw,
+                        return_lse=True)  # fmt: skip
+    assert torch.isfinite(lse).all()
+    qsl = b["query_start_loc"]
+    for r, (cached, _) in enumerate(SPREAD_BATCH):
+        rows = slice(qsl[r], qsl[r + 1])
+        args = (b["query"][rows], b["key"][rows], b["value"][rows], b["kv_cache"],
+                b["block_table"][r], cached)  # fmt: skip
+        oracle = oracle_continuation_prefill(*args, **b["kwargs"])
+        e_full = rel_err(
+            full_buffer_continuation_prefill(*args, **b["kwargs"], backend="flash"),
+            oracle,
+        )
+        e = rel_err(out[rows], oracle)
+        print(f"{preset} request {r}: spread {e:.3e}, full {e_full:.3e}")
+        assert e <= 1.1 * e_full + 1e-4, (preset, r, e, e_full)
