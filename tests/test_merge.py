@@ -185,8 +185,10 @@ def test_merge_pieces_is_its_two_way_merges_in_a_float32_state(impl, pieces, dty
     n, h, d = to.shape
     out = to.to(dtype)
     tail = out.clone()
-    lse = torch.full((h, n), NAN, device=DEVICE)
-    merge_pieces(out, lse, out, tl_, po, pl, first, step, pieces, impl=impl)
+    # the lse tensors read and written through their strides
+    lse = torch.full((n, h), NAN, device=DEVICE).T
+    merge_pieces(out, lse, out, tl_, po, pl.T.contiguous().T, first, step, pieces,
+                 impl=impl)  # fmt: skip
 
     state = torch.full((n, h, d), NAN, device=DEVICE)
     state_lse = torch.full((h, n), NAN, device=DEVICE)
@@ -195,7 +197,7 @@ def test_merge_pieces_is_its_two_way_merges_in_a_float32_state(impl, pieces, dty
         prefix = (None, None) if i == 0 else (state, state_lse)
         merge_attn_states(state, *prefix, po[at], pl[:, at], state_lse, impl=impl)
     want = torch.empty_like(tail)
-    want_lse = torch.empty_like(lse)
+    want_lse = torch.empty(h, n, device=DEVICE)  # merge_attn_states: unit stride
     merge_attn_states(want, state, state_lse, tail, tl_, want_lse, impl=impl)
     torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=0, equal_nan=True)
@@ -248,3 +250,5 @@ def test_merge_pieces_refuses_bad_counts_and_rows():
         merge_pieces(out, None, to, tl_, po, pl, first.long(), step, 1)
     with pytest.raises(ValueError, match="piece_step must be int32 of shape"):
         merge_pieces(out, None, to, tl_, po, pl, first, step[1:], 1)
+    with pytest.raises(ValueError, match="piece_output must be .* unit stride over D"):
+        merge_pieces(out, None, to, tl_, po.transpose(1, 2), pl, first, step, 1)

@@ -152,9 +152,11 @@ def _merge_pieces_kernel(
     s_t_tok,
     s_t_head,
     s_lt_head,
+    s_lt_row,
     s_p_tok,
     s_p_head,
     s_lp_head,
+    s_lp_row,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -177,13 +179,17 @@ def _merge_pieces_kernel(
             mask=read[:, None] & (d < D),
             other=0.0,
         ).to(tl.float32)
-        l_s = tl.load(lp_ptr + head * s_lp_head + at, mask=read, other=float("-inf"))
+        l_s = tl.load(
+            lp_ptr + head * s_lp_head + at * s_lp_row, mask=read, other=float("-inf")
+        )
         o, lse = _fold(o, lse, o_s, _side(o_s, l_s))
     r64 = r.to(tl.int64)[:, None]
     dm = mask[:, None] & (d < D)
     o_t = tl.load(t_ptr + r64 * s_t_tok + head * s_t_head + d, mask=dm, other=0.0)
     o_t = o_t.to(tl.float32)
-    l_t = tl.load(lt_ptr + head * s_lt_head + r, mask=mask, other=float("-inf"))
+    l_t = tl.load(
+        lt_ptr + head * s_lt_head + r * s_lt_row, mask=mask, other=float("-inf")
+    )
     o, lse = _fold(o, lse, o_t, _side(o_t, l_t))
     o = round_bf16(o, ROUND_BF16).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + r64 * s_o_tok + head * s_o_head + d, o, mask=dm)
@@ -304,8 +310,8 @@ def merge_pieces(
 
     output, tail_output: (N, H, D); piece_output (M, H, D); unit stride over D, any
     float dtypes (the merge runs in float32); tail_output may be output itself.
-    tail_lse (H, N), piece_lse (H, M): float32, unit stride over rows. output_lse
-    (H, N) float32 or None (not written). piece_first, piece_step: (N,) int32 on
+    tail_lse (H, N), piece_lse (H, M), output_lse (H, N) or None (not written):
+    float32, any strides. piece_first, piece_step: (N,) int32 on
     output's device. pieces >= 1. impl: "triton" or "torch"; default: Triton where
     it runs.
     """
@@ -316,6 +322,14 @@ def merge_pieces(
     if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
         raise ValueError(f"pieces must be an int >= 1, got {pieces!r}")
     n = output.shape[0]
+    for name, t in (
+        ("output", output), ("tail_output", tail_output), ("piece_output", piece_output)
+    ):  # fmt: skip
+        if t.dim() != 3 or t.stride(2) != 1:
+            raise ValueError(
+                f"{name} must be (rows, H, D) with unit stride over D, got shape "
+                f"{tuple(t.shape)} strides {t.stride()}"
+            )
     for name, t in (("piece_first", piece_first), ("piece_step", piece_step)):
         if t.dtype != torch.int32 or t.shape != (n,) or t.device != output.device:
             raise ValueError(
@@ -351,8 +365,9 @@ def merge_pieces_launch(
         output, lo, tail_output, tail_lse, piece_output, piece_lse, piece_first,
         piece_step, rows, piece_output.shape[0], pieces, output.stride(0),
         output.stride(1), lo.stride(0), lo.stride(1), tail_output.stride(0),
-        tail_output.stride(1), tail_lse.stride(0), piece_output.stride(0),
-        piece_output.stride(1), piece_lse.stride(0), d, block_d, block_l,
+        tail_output.stride(1), tail_lse.stride(0), tail_lse.stride(1),
+        piece_output.stride(0), piece_output.stride(1), piece_lse.stride(0),
+        piece_lse.stride(1), d, block_d, block_l,
         output_lse is not None, interpreter_rounds_bf16(output.dtype),
     )  # fmt: skip
     return launch_merge_pieces, (cdiv(rows, block_l), h), args, {"num_warps": 4}

@@ -711,7 +711,8 @@ def _spread_ints(segs, pieces: int, heads_q) -> list[int]:
     p = 0
     for _, cached, _, _, _, q in segs:
         if q == 0:
-            continue  # a piece or a gap; a request's own keys start at its cached
+            continue  # a piece or a gap
+        # a request's own keys: their first cached position is its cached tokens
         if cached:
             copy += list(range(o, o + q)) * pieces
             first += range(p, p + q)
@@ -774,14 +775,11 @@ def _units(
             if pieces_of is not None:
                 pieces = pieces_of([(s[5], s[2]) for s in segs if s[5]])
             if pieces > 1:
-                units.append(window("batch", *_spread(segs, pieces)))
+                spread, heads_q = _spread_segments(segs, pieces)
+                units.append(window("batch", spread, True, pieces, heads_q))
             else:
                 units.append(window("batch", segs, True))
         batch, batch_rows = [], 0
-
-    def _spread(segs, pieces):
-        spread, heads_q = _spread_segments(segs, pieces)
-        return spread, True, pieces, heads_q
 
     past_run = 0  # the request after the last paged run met
     for r in range(b):
@@ -889,13 +887,13 @@ def _units(
                 pieces=pieces,
                 heads=Call(
                     dev[h0 : h0 + nc],
-                    dev[s0 : s0 + nseg + 1],
+                    dev[s0 : s0 + nseg + 1],  # the window's key starts
                     tuple(heads),
                     cu_k_host,
                     max(heads_q),
-                    max(seg[2] for seg in segs),
+                    max(seg[2] for seg in segs),  # the longest piece
                     False,
-                ),  # fmt: skip
+                ),
                 copy=dev[m0 : m0 + m],
                 piece_first=dev[m0 + m : m0 + m + n],
                 piece_step=dev[m0 + m + n : m0 + m + 2 * n],
