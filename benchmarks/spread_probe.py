@@ -92,12 +92,12 @@ def spread(window, k, v, pieces, device):
     rows = []  # source rows of the new buffer, -1 for a gap row
     head_q, head_k, tail_q, tail_k = [], [], [], []
     copy = []  # the query row each row of the pieces' query copies
-    where = []  # per request: (its first query row, rows, first piece row)
+    where = []  # per request: (its first query row, rows, first piece row or -1)
     q_at = 0
     for q, c, k0 in reqs:
         cuts = [c * i // pieces for i in range(pieces + 1)]
-        where.append((q_at, q, len(copy)))
-        for i in range(pieces):
+        where.append((q_at, q, len(copy) if c else -1))
+        for i in range(pieces if c else 0):  # a first chunk has no pieces
             n = cuts[i + 1] - cuts[i]
             rows += list(range(k0 + cuts[i], k0 + cuts[i + 1])) + [-1] * GAP
             head_q += [q, 0]
@@ -111,6 +111,14 @@ def spread(window, k, v, pieces, device):
         tail_q += [q, 0]
         tail_k += [q, GAP]
         q_at += q
+    # as the plan lays it out: no gap after the last request
+    rows, head_q, head_k, tail_q, tail_k = (
+        rows[:-GAP],
+        head_q[:-1],
+        head_k[:-1],
+        tail_q[:-1],
+        tail_k[:-1],
+    )
     src = torch.tensor(rows, device=device)
     ks = torch.where((src >= 0)[:, None, None], k[src.clamp(min=0)], 0)
     vs = torch.where((src >= 0)[:, None, None], v[src.clamp(min=0)], 0)
@@ -156,12 +164,13 @@ def time_spread(window, q, k, v, scale, pieces, device):
         lse["tail"] = _flash_attention(tail, q, ks, vs, scale, got, 1)
 
     first = torch.tensor(
-        [p0 + t for _, n, p0 in where for t in range(n)], dtype=torch.int32,
-        device=device,
+        [p0 + t if p0 >= 0 else -1 for _, n, p0 in where for t in range(n)],
+        dtype=torch.int32, device=device,
     )  # fmt: skip
     step = torch.tensor(
-        [n for _, n, _ in where for _ in range(n)], dtype=torch.int32, device=device
-    )
+        [n if p0 >= 0 else 0 for _, n, p0 in where for _ in range(n)],
+        dtype=torch.int32, device=device,
+    )  # fmt: skip
 
     def merges():
         merge_pieces(got, None, got, lse["tail"], oh, lse["heads"], first, step, pieces)

@@ -252,3 +252,9 @@ def test_merge_pieces_refuses_bad_counts_and_rows():
         merge_pieces(out, None, to, tl_, po, pl, first, step[1:], 1)
     with pytest.raises(ValueError, match="piece_output must be .* unit stride over D"):
         merge_pieces(out, None, to, tl_, po.transpose(1, 2), pl, first, step, 1)
+    with pytest.raises(ValueError, match="tail_output must be"):
+        merge_pieces(out, None, to[:, :2], tl_, po, pl, first, step, 1)
+    with pytest.raises(ValueError, match="piece_lse must be float32 of shape"):
+        merge_pieces(out, None, to, tl_, po, pl[:, 1:], first, step, 1)
+    with pytest.raises(ValueError, match="output_lse must be float32 of shape"):
+        merge_pieces(out, tl_.double(), to, tl_, po, pl, first, step, 1)

@@ -62,6 +62,9 @@ def test_the_plan_spreads_windows_that_leave_most_sms_idle():
     assert spread_pieces(reqs, 32, 8, 128, torch.float16, big, 132, "auto") == 5
     # one request of 4K: its pieces no shorter than 1K keys
     assert spread_pieces([(85, 4096)], 32, 8, 128, torch.float16, big, 132, "auto") == 4
+    # beside one of 3 cached keys: no piece empty
+    assert spread_pieces(reqs + [(10, 3)], 32, 8, 128, torch.float16, big, 132,
+                         "auto") == 3  # fmt: skip
     # "16 x q128 8K": three requests of 4 tiles, 96 blocks
     assert spread_pieces([(128, 8192)] * 3, 32, 8, 128, torch.float16, big, 132,
                          "auto") == 1  # fmt: skip
@@ -86,18 +89,20 @@ def test_a_spread_windows_calls_share_its_keys_and_copy_its_query_rows():
         dtype=torch.float16, budget=128 * MiB, device=torch.device("cpu"), spread=3,
     )  # fmt: skip
     (w,) = plan.units
-    assert w.pieces == 3 and w.causal and not w.heads.causal
-    assert w.heads.cu_k_host == w.cu_k_host
+    assert w.pieces == 3 and w.causal and not w.pieces_call.causal
+    assert w.pieces_call.cu_k_host == w.cu_k_host
     q_lens = [b - a for a, b in zip(w.cu_q_host, w.cu_q_host[1:])]
-    heads_q = [b - a for a, b in zip(w.heads.cu_q_host, w.heads.cu_q_host[1:])]
+    pieces_q = [
+        b - a for a, b in zip(w.pieces_call.cu_q_host, w.pieces_call.cu_q_host[1:])
+    ]
     k_lens = [b - a for a, b in zip(w.cu_k_host, w.cu_k_host[1:])]
     # request 0: pieces of 73, 73, 74 keys, each with a gap; its own 12 keys; a gap ...
     assert k_lens[:8] == [73, GAP, 73, GAP, 74, GAP, 12, GAP]
-    assert heads_q[:8] == [12, 0, 12, 0, 12, 0, 0, 0]
+    assert pieces_q[:8] == [12, 0, 12, 0, 12, 0, 0, 0]
     assert q_lens[:8] == [0, 0, 0, 0, 0, 0, 12, 0]
     # the first chunk has no pieces: its own keys alone, after request 1's gap
-    assert k_lens[-2:] == [GAP, 5] and q_lens[-1] == heads_q[-1] + 5 == 5
-    assert sum(q_lens) == 23 and sum(heads_q) == 3 * 18
+    assert k_lens[-2:] == [GAP, 5] and q_lens[-1] == pieces_q[-1] + 5 == 5
+    assert sum(q_lens) == 23 and sum(pieces_q) == 3 * 18
     copy = w.copy.tolist()
     assert copy == list(range(12)) * 3 + list(range(12, 18)) * 3
     first, step = w.piece_first.tolist(), w.piece_step.tolist()

@@ -330,6 +330,23 @@ def merge_pieces(
                 f"{name} must be (rows, H, D) with unit stride over D, got shape "
                 f"{tuple(t.shape)} strides {t.stride()}"
             )
+    rows_h_d = output.shape
+    if tail_output.shape != rows_h_d or piece_output.shape[1:] != rows_h_d[1:]:
+        raise ValueError(
+            f"tail_output must be {tuple(rows_h_d)} and piece_output (M, "
+            f"{rows_h_d[1]}, {rows_h_d[2]}) as output, got {tuple(tail_output.shape)} "
+            f"and {tuple(piece_output.shape)}"
+        )
+    h, m = rows_h_d[1], piece_output.shape[0]
+    lses = [("tail_lse", tail_lse, n), ("piece_lse", piece_lse, m)]
+    if output_lse is not None:
+        lses.append(("output_lse", output_lse, n))
+    for name, t, rows in lses:
+        if t.dtype != torch.float32 or t.shape != (h, rows):
+            raise ValueError(
+                f"{name} must be float32 of shape ({h}, {rows}), got {t.dtype} "
+                f"{tuple(t.shape)}"
+            )
     for name, t in (("piece_first", piece_first), ("piece_step", piece_step)):
         if t.dtype != torch.int32 or t.shape != (n,) or t.device != output.device:
             raise ValueError(

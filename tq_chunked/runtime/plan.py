@@ -11,7 +11,10 @@ dequantized, new tokens copied after them.
 * A request that fits a window (``L_r <= capacity``) is one segment of a **batch
   window**: consecutive such requests share windows (``GAP`` zero rows apart), and each
   batch window is one causal attention call whose answer is final (no log-sum-exp, no
-  merge). First chunks are copied in like any other request.
+  merge). First chunks are copied in like any other request. A batch window whose call
+  would leave most SMs idle is **spread** (``spread_pieces``): each request's cached
+  keys in pieces, ``GAP`` rows after each, attended side by side in a second call and
+  merged with the causal call's answer over the own keys.
 * A **long request** (``L_r > capacity``) runs alone: its first cached tokens in
   **part windows** (one attention call each, not causal, every query sees every key),
   then a **last window** with the rest of its cached tokens and all its new ones
@@ -111,11 +114,12 @@ PAGED_LONG_CACHED = {128: 256, 64: 2048}
 PAGED_MIN_PART = 32 * 1024
 PATHS = ("auto", "window", "paged")
 # A batch window whose attention call would form at most SPREAD_MAX_BLOCKS thread
-# blocks (FlashAttention-3's: ceil(q_r x G / SPREAD_TILE) query tiles a kv head and
-# request) leaves most SMs idle for its whole length: with spread="auto" (fp16 queries,
-# the "flash" back end) its cached keys run in pieces side by side (``spread_pieces``),
-# about SPREAD_WAVES blocks an SM, pieces of at least SPREAD_MIN_PIECE keys. Measured:
-# 24-64 blocks gained, 96 did not (benchmarks/NOTES.md §65).
+# blocks (FlashAttention-3's at head size 128: ceil(q_r x G / SPREAD_TILE) query tiles
+# a kv head and request) leaves most SMs idle for its whole length: with
+# spread="auto" (fp16 queries, FlashAttention-3, head size 128: where it was measured)
+# its cached keys run in pieces side by side (``spread_pieces``), about SPREAD_WAVES
+# blocks an SM, the longest request's pieces of at least SPREAD_MIN_PIECE keys.
+# Measured: 24-56 blocks gained, 96 and more did not (benchmarks/NOTES.md §65).
 SPREAD_MAX_BLOCKS = 64
 SPREAD_TILE = 128
 SPREAD_WAVES = 2
@@ -143,11 +147,12 @@ class Window(Call):
     requests: tuple[int, ...]  # the requests whose queries it answers, in order
     # a spread window (``spread_pieces``): each request's cached keys in ``pieces``
     # pieces, each followed by GAP rows, then its own keys; this call attends to the
-    # own keys (causal) and ``heads`` to the pieces (not causal), each piece with a
-    # copy of its request's query rows: piece row k copies query row ``copy[k]``, and
-    # query row j's pieces are rows piece_first[j] + i * piece_step[j] (int32 device)
+    # own keys (causal) and ``pieces_call`` to the pieces (not causal), each piece
+    # with a copy of its request's query rows: piece row k copies query row
+    # ``copy[k]``, and query row j's pieces are rows piece_first[j] + i *
+    # piece_step[j] (int32 device)
     pieces: int = 1
-    heads: Call | None = None
+    pieces_call: Call | None = None
     copy: torch.Tensor | None = None
     piece_first: torch.Tensor | None = None
     piece_step: torch.Tensor | None = None
@@ -199,7 +204,7 @@ class Plan:
     the workspace they need."""
 
     num_tokens: int  # N, query rows
-    capacity: int  # key rows per batch window
+    capacity: int  # key rows per batch window (a spread one's gaps may take more)
     # the units of work, in order of their query rows: a Window (a batch window), a
     # LongRequest (its windows, once per group of its kv heads) or a PagedRun
     units: tuple
@@ -268,10 +273,11 @@ def spread_pieces(
     """How many pieces a batch window of these requests ((query rows, cached keys)
     each) cuts each request's cached keys into: 1 (one call, not spread) or at least
     2. ``spread``: "auto" (where its call would form at most SPREAD_MAX_BLOCKS blocks:
-    about SPREAD_WAVES blocks an SM over ``sms`` SMs, pieces of at least
-    SPREAD_MIN_PIECE keys) or a count (1: never). Fewer where its layout would take
-    more than ``limit`` bytes (a batch window's); 1 where 2 would, or where no request
-    has cached keys."""
+    about SPREAD_WAVES blocks an SM over ``sms`` SMs, the longest request's pieces of
+    at least SPREAD_MIN_PIECE keys, and no request's piece empty) or a count (1:
+    never; a request of fewer cached keys than pieces then has pieces of none). Fewer
+    where its layout would take more than ``limit`` bytes (a batch window's); 1 where
+    even 2 pieces would, or where no request has cached keys."""
     if spread == 1 or not any(c for _, c in reqs):
         return 1
     if spread == "auto":
@@ -279,8 +285,12 @@ def spread_pieces(
         blocks = sum(-(-q * g // SPREAD_TILE) for q, _ in reqs) * num_kv_heads
         if blocks > SPREAD_MAX_BLOCKS:
             return 1
-        longest = max(c for _, c in reqs)
-        spread = min(-(-SPREAD_WAVES * sms // blocks), longest // SPREAD_MIN_PIECE)
+        cached = [c for _, c in reqs if c]
+        spread = min(
+            -(-SPREAD_WAVES * sms // blocks),
+            max(cached) // SPREAD_MIN_PIECE,
+            min(cached),
+        )
     for pieces in range(spread, 1, -1):
         rows = spread_rows(reqs, pieces)
         key = spread_layout(num_q_heads, num_kv_heads, head_dim, *rows, dtype)
@@ -294,7 +304,7 @@ def _spread_segments(segs, pieces: int):
     request's cached keys in ``pieces`` pieces, each followed by a gap, then its own
     keys and a gap (but the last); and the query rows each segment has in the pieces'
     call."""
-    out, heads_q = [], []
+    out, pieces_q = [], []
     for r, _, c, new0, new, q in segs:
         if q == 0:
             continue  # a gap: made again below
@@ -304,10 +314,10 @@ def _spread_segments(segs, pieces: int):
                 (r, cuts[i], cuts[i + 1] - cuts[i], new0, 0, 0),
                 (r, 0, 0, GAP_ROW, GAP, 0),
             ]
-            heads_q += [q, 0]
+            pieces_q += [q, 0]
         out += [(r, c, 0, new0, new, q), (r, 0, 0, GAP_ROW, GAP, 0)]
-        heads_q += [0, 0]
-    return out[:-1], heads_q[:-1]
+        pieces_q += [0, 0]
+    return out[:-1], pieces_q[:-1]
 
 
 def _most_rows(need, least: int, most: int, budget: int) -> int:
@@ -534,13 +544,13 @@ def make_plan(
     batch_key = batch_layout(num_q_heads, num_kv_heads, head_dim, cap, dtype)
     # a spread window's pieces and gaps take at most a batch window's bytes before it
     # is shortened to the step's rows: what workspace_bytes promises
-    limit = layout_bytes(
+    spread_limit = layout_bytes(
         *batch_layout(num_q_heads, num_kv_heads, head_dim, capacity(window, n), dtype)
     )
 
     def pieces_of(reqs):
         return spread_pieces(
-            reqs, num_q_heads, num_kv_heads, head_dim, dtype, limit, sms, spread
+            reqs, num_q_heads, num_kv_heads, head_dim, dtype, spread_limit, sms, spread
         )
 
     units, ints = _units(
@@ -575,9 +585,9 @@ def make_plan(
         elif isinstance(unit, PagedRun):
             key = unit.paged
         elif unit.pieces > 1:
-            rows = unit.heads.cu_q_host[-1]  # the pieces' query rows
+            piece_rows = unit.pieces_call.cu_q_host[-1]  # the pieces' query rows
             key = spread_layout(
-                num_q_heads, num_kv_heads, head_dim, unit.rows, rows, dtype
+                num_q_heads, num_kv_heads, head_dim, unit.rows, piece_rows, dtype
             )
         else:
             key = batch_key
@@ -698,22 +708,23 @@ def windows(
     return _units(qsl, seq_lens, capacity, device, stream, long_capacity, [])[0]
 
 
-def _spread_ints(segs, pieces: int, heads_q) -> list[int]:
+def _spread_ints(segs, pieces: int, pieces_q) -> list[int]:
     """A spread window's ints after its cu_q: the pieces' call's query starts, then
     ``copy``, ``piece_first`` and ``piece_step`` (``Window``). The pieces' rows follow
     their requests: piece i of a request of q query rows whose pieces start at row p
     holds rows p + i * q + [0, q). A request without cached keys has none: its rows'
     pieces lie outside the pieces' rows (first -1, step 0), which the merge leaves
     empty."""
-    starts = [0, *itertools.accumulate(heads_q)]
+    starts = [0, *itertools.accumulate(pieces_q)]
     copy, first, step = [], [], []
     o = 0
     p = 0
-    for _, cached, _, _, _, q in segs:
+    for _, first_cached, _, _, _, q in segs:
         if q == 0:
             continue  # a piece or a gap
-        # a request's own keys: their first cached position is its cached tokens
-        if cached:
+        # a request's own keys (the segment with its query rows) start at its cached
+        # tokens' count: ``first_cached`` is that count
+        if first_cached:
             copy += list(range(o, o + q)) * pieces
             first += range(p, p + q)
             step += [q] * q
@@ -755,8 +766,8 @@ def _units(
     # cached position, cached rows, first new row, new rows, query rows)
     specs: list[tuple[str, list, bool, int, list | None]] = []
 
-    def window(kind, segs, causal, pieces=1, heads_q=None):
-        specs.append((kind, segs, causal, pieces, heads_q))
+    def window(kind, segs, causal, pieces=1, pieces_q=None):
+        specs.append((kind, segs, causal, pieces, pieces_q))
         return len(specs) - 1
 
     # each run's first request -> (the run's index, the request after its last): a run
@@ -775,8 +786,8 @@ def _units(
             if pieces_of is not None:
                 pieces = pieces_of([(s[5], s[2]) for s in segs if s[5]])
             if pieces > 1:
-                spread, heads_q = _spread_segments(segs, pieces)
-                units.append(window("batch", spread, True, pieces, heads_q))
+                spread, pieces_q = _spread_segments(segs, pieces)
+                units.append(window("batch", spread, True, pieces, pieces_q))
             else:
                 units.append(window("batch", segs, True))
         batch, batch_rows = [], 0
@@ -821,7 +832,7 @@ def _units(
     flush()
 
     spans = []
-    for _, segs, _, pieces, heads_q in specs:
+    for _, segs, _, pieces, pieces_q in specs:
         starts = [0]
         for _, _, c, _, new, _ in segs:
             starts.append(starts[-1] + c + new)
@@ -839,8 +850,8 @@ def _units(
         spans.append((len(packed), len(fields), len(packed) + len(fields), len(cu_q)))
         packed.extend(fields)
         packed.extend(cu_q)
-        if heads_q is not None:
-            packed.extend(_spread_ints(segs, pieces, heads_q))
+        if pieces_q is not None:
+            packed.extend(_spread_ints(segs, pieces, pieces_q))
     # the paged runs' ints after the windows' (their work lists run to thousands of
     # programs: joined as arrays, not as Python ints)
     paged_spans: list[tuple[int, int, int, int, tuple[int, ...]]] = []
@@ -870,27 +881,27 @@ def _units(
         dev = torch.from_numpy(np.concatenate(pieces)).to(device)
 
     made = []
-    for (kind, segs, causal, pieces, heads_q), (s0, ns, c0, nc) in zip(specs, spans):
+    for (kind, segs, causal, pieces, pieces_q), (s0, ns, c0, nc) in zip(specs, spans):
         nseg = len(segs)
         segs_host = tuple(packed[s0 : s0 + ns])
         cu_k_host = segs_host[: nseg + 1]
         cu_q_host = tuple(packed[c0 : c0 + nc])
         spread = {}
-        if heads_q is not None:
+        if pieces_q is not None:
             # after cu_q: the pieces' call's query starts, then copy, first, step
             h0 = c0 + nc
             n = cu_q_host[-1]
-            heads = packed[h0 : h0 + nc]
-            m = heads[-1]  # the pieces' query rows
+            starts = packed[h0 : h0 + nc]
+            m = starts[-1]  # the pieces' query rows
             m0 = h0 + nc
             spread = dict(
                 pieces=pieces,
-                heads=Call(
+                pieces_call=Call(
                     dev[h0 : h0 + nc],
                     dev[s0 : s0 + nseg + 1],  # the window's key starts
-                    tuple(heads),
+                    tuple(starts),
                     cu_k_host,
-                    max(heads_q),
+                    max(pieces_q),
                     max(seg[2] for seg in segs),  # the longest piece
                     False,
                 ),

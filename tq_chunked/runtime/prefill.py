@@ -55,7 +55,7 @@ from ._utils import (
     span,
     use_triton,
 )
-from .attention import resolve_backend, varlen_attention
+from .attention import resolve_backend, varlen_attention, vllm_flash
 from .dequant import fill_launch, fill_window, split_launch
 from .format import TQConfig, resolve_config
 from .merge import merge_attn_states, merge_launch, merge_pieces
@@ -322,9 +322,10 @@ class ContinuationPrefill:
             window of the step raises: plan.py).
         spread: which batch windows run their cached keys in pieces side by side
             (plan.spread_pieces): "auto" (those whose attention call would leave most
-            SMs idle, with fp16 queries and the "flash" back end), or a count of
-            pieces for every batch window with cached keys where it fits (1: none;
-            for measurements and tests).
+            SMs idle, with fp16 queries, FlashAttention-3 and head size 128), or a
+            count of pieces for every batch window with cached keys where it fits (1:
+            none; for measurements and tests: with bf16 queries the pieces' partials
+            round to bf16, and the error may exceed what the one call's bound allows).
         check_block_table: record block ids outside [0, num_blocks) among those read
             and raise a ValueError naming the first one at the next call on the device
             (or at ``check_block_tables()``), without synchronizing (on a CPU: before
@@ -526,12 +527,14 @@ class ContinuationPrefill:
         )  # fmt: skip
 
     def _spread(self, backend):
-        """``spread`` as the plan takes it: "auto" spreads only where FlashAttention-3
-        leaves SMs idle, and fp16 partials keep the bound (a bf16 partial rounds 8x
-        coarser; benchmarks/NOTES.md §65)."""
+        """``spread`` as the plan takes it: "auto" spreads only where it was measured
+        to gain, FlashAttention-3 at head size 128, and where fp16 partials keep the
+        bound (a bf16 partial rounds 8x coarser; benchmarks/NOTES.md §65)."""
         if self.spread != "auto":
             return self.spread
-        return "auto" if backend == "flash" and self.dtype == torch.float16 else 1
+        fa3 = backend == "flash" and vllm_flash(self.head_dim)[1] == 3
+        measured = fa3 and self.head_dim == 128 and self.dtype == torch.float16
+        return "auto" if measured else 1
 
     def workspace_bytes(self, max_query_tokens: int) -> int:
         """The bytes of workspace that serve every step of up to ``max_query_tokens``
@@ -964,7 +967,7 @@ class _Layer:
         if w.pieces > 1:
             torch.index_select(q, 0, w.copy, out=bufs.piece_q)
             piece_lse = varlen_attention(
-                w.heads, bufs.piece_q, k, v, self.scale, bufs.piece_out, backend
+                w.pieces_call, bufs.piece_q, k, v, self.scale, bufs.piece_out, backend
             )
             lse = varlen_attention(w, q, k, v, self.scale, out, backend)
             merge_pieces(

@@ -19,12 +19,12 @@ once per call and read by every window's fill:
     batch windows (requests that fit a window; the answer is written to ``out``):
         k_buf, v_buf  (C, Hk, D)      query dtype  the window's keys and values
 
-    a spread batch window (plan.spread_pieces) of C key rows whose P pieces hold
-    M = P x its query rows, within a batch window's bytes:
-        k_buf, v_buf  (C, Hk, D)      query dtype  its keys and values, pieces and gaps
+    a spread batch window (plan.spread_pieces) that fills R key rows (its pieces,
+    own keys and gaps) and whose pieces hold M query rows, within a batch window's
+    bytes (the pieces' log-sum-exp is the attention call's own tensor):
+        k_buf, v_buf  (R, Hk, D)      query dtype  its keys and values
         piece_q       (M, Hq, D)      query dtype  each piece's copy of its query rows
         piece_out     (M, Hq, D)      query dtype  each piece's partial
-        piece_lse     (Hq, M)         float32      its log-sum-exp
 
     a long request of R query rows, Hk_g kv heads at a time with their Hq_g query heads:
         k_buf, v_buf  (C, Hk_g, D)    fp16         the window's keys and values
@@ -78,7 +78,6 @@ def layout(kind, rows, group_q_heads, group_kv_heads, head_dim, cap, dtype):
     if kind == "spread":
         regions["piece_q"] = ((rows, group_q_heads, head_dim), dtype)
         regions["piece_out"] = ((rows, group_q_heads, head_dim), dtype)
-        regions["piece_lse"] = ((group_q_heads, rows), torch.float32)
     if kind == "long":
         regions["state_out"] = ((rows, group_q_heads, head_dim), torch.float32)
         regions["state_lse"] = ((group_q_heads, rows), torch.float32)
@@ -117,7 +116,6 @@ class Buffers:
     q16: torch.Tensor | None = None
     piece_q: torch.Tensor | None = None
     piece_out: torch.Tensor | None = None
-    piece_lse: torch.Tensor | None = None
 
 
 def carve(buffer: torch.Tensor, key: tuple) -> Buffers:
