@@ -716,7 +716,9 @@ def _spread_ints(segs, pieces: int, pieces_q) -> list[int]:
     pieces lie outside the pieces' rows (first -1, step 0), which the merge leaves
     empty."""
     starts = [0, *itertools.accumulate(pieces_q)]
-    copy, first, step = [], [], []
+    copy: list[int] = []
+    first: list[int] = []
+    step: list[int] = []
     o = 0
     p = 0
     for _, first_cached, _, _, _, q in segs:
@@ -832,7 +834,7 @@ def _units(
     flush()
 
     spans = []
-    for _, segs, _, pieces, pieces_q in specs:
+    for _, segs, _, npieces, pieces_q in specs:
         starts = [0]
         for _, _, c, _, new, _ in segs:
             starts.append(starts[-1] + c + new)
@@ -851,7 +853,7 @@ def _units(
         packed.extend(fields)
         packed.extend(cu_q)
         if pieces_q is not None:
-            packed.extend(_spread_ints(segs, pieces, pieces_q))
+            packed.extend(_spread_ints(segs, npieces, pieces_q))
     # the paged runs' ints after the windows' (their work lists run to thousands of
     # programs: joined as arrays, not as Python ints)
     paged_spans: list[tuple[int, int, int, int, tuple[int, ...]]] = []
@@ -881,7 +883,7 @@ def _units(
         dev = torch.from_numpy(np.concatenate(pieces)).to(device)
 
     made = []
-    for (kind, segs, causal, pieces, pieces_q), (s0, ns, c0, nc) in zip(specs, spans):
+    for (kind, segs, causal, npieces, pieces_q), (s0, ns, c0, nc) in zip(specs, spans):
         nseg = len(segs)
         segs_host = tuple(packed[s0 : s0 + ns])
         cu_k_host = segs_host[: nseg + 1]
@@ -895,7 +897,7 @@ def _units(
             m = starts[-1]  # the pieces' query rows
             m0 = h0 + nc
             spread = dict(
-                pieces=pieces,
+                pieces=npieces,
                 pieces_call=Call(
                     dev[h0 : h0 + nc],
                     dev[s0 : s0 + nseg + 1],  # the window's key starts
