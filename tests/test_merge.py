@@ -258,3 +258,36 @@ def test_merge_pieces_refuses_bad_counts_and_rows():
         merge_pieces(out, None, to, tl_, po, pl[:, 1:], first, step, 1)
     with pytest.raises(ValueError, match="output_lse must be float32 of shape"):
         merge_pieces(out, tl_.double(), to, tl_, po, pl, first, step, 1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_merge_reads_and_writes_the_lse_through_its_strides(impl):
+    """The log-sum-exp tensors, (H, N), read and written through any strides: (N, H)
+    storage transposed, and every other column of a wider tensor."""
+    op, lp, os, ls = _sides(11)
+    h, n = ls.shape
+    o_ref, l_ref = _ref(op, lp, os, ls)
+    wide = torch.full((h, 2 * n), NAN, device=DEVICE)
+    out = torch.full(os.shape, NAN, device=DEVICE)
+    lse = wide[:, ::2]
+    merge_attn_states(
+        out, op, lp.T.contiguous().T, os, ls.T.contiguous().T, lse, impl=impl
+    )
+    assert rel_err(out, o_ref) < 1e-6, "seed 11"
+    assert rel_err(lse, l_ref) < 1e-6, "seed 11"
+    assert wide[:, 1::2].isnan().all()  # only its own elements written
+
+
+def test_merge_refuses_bad_shapes():
+    op, lp, os, ls = _sides(12, n=4, h=2)
+    out = torch.empty_like(op)
+    with pytest.raises(ValueError, match=r"output must be \(4, 2, 64\) with unit"):
+        merge_attn_states(out[:3], op, lp, os, ls)
+    with pytest.raises(ValueError, match="prefix_output must be"):
+        merge_attn_states(out, op.transpose(1, 2), lp, os, ls)
+    with pytest.raises(ValueError, match=r"suffix_lse must be float32 of shape \(2, 4"):
+        merge_attn_states(out, op, lp, os, ls.T)
+    with pytest.raises(ValueError, match="prefix_lse must be float32"):
+        merge_attn_states(out, op, lp.double(), os, ls)
+    with pytest.raises(ValueError, match="output_lse must be float32"):
+        merge_attn_states(out, op, lp, os, ls, lp[:, :3])

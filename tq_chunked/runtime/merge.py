@@ -90,10 +90,13 @@ def _merge_kernel(
     s_p_tok,
     s_p_head,
     s_lp_head,
+    s_lp_row,
     s_s_tok,
     s_s_head,
     s_ls_head,
+    s_ls_row,
     s_lo_head,
+    s_lo_row,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -109,10 +112,14 @@ def _merge_kernel(
     dm = mask[:, None] & (d < D)
     o_s = tl.load(s_ptr + r64 * s_s_tok + head * s_s_head + d, mask=dm, other=0.0)
     o_s = o_s.to(tl.float32)
-    l_s = tl.load(ls_ptr + head * s_ls_head + r, mask=mask, other=float("-inf"))
+    l_s = tl.load(
+        ls_ptr + head * s_ls_head + r * s_ls_row, mask=mask, other=float("-inf")
+    )
     l_s = _side(o_s, l_s)
     if HAS_PREFIX:
-        l_p = tl.load(lp_ptr + head * s_lp_head + r, mask=mask, other=float("-inf"))
+        l_p = tl.load(
+            lp_ptr + head * s_lp_head + r * s_lp_row, mask=mask, other=float("-inf")
+        )
         read_p = mask & (l_p != float("-inf"))  # an empty prefix is never read
         o_p = tl.load(
             p_ptr + r64 * s_p_tok + head * s_p_head + d,
@@ -126,7 +133,7 @@ def _merge_kernel(
     o = round_bf16(o, ROUND_BF16).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + r64 * s_o_tok + head * s_o_head + d, o, mask=dm)
     if WRITE_LSE:
-        tl.store(lo_ptr + head * s_lo_head + r, lse, mask=mask)
+        tl.store(lo_ptr + head * s_lo_head + r * s_lo_row, lse, mask=mask)
 
 
 launch_merge = Launcher(_merge_kernel)
@@ -214,9 +221,9 @@ def merge_attn_states(
     (suffix_output, suffix_lse), row by row (see the module docstring for non-finite
     and empty sides).
 
-    output, prefix_output, suffix_output: (N, H, D), token-major, unit stride over D,
-    any float dtypes (the merge runs in float32). prefix_lse, suffix_lse, output_lse:
-    (H, N) float32, unit stride over N. prefix_output/prefix_lse None: no prefix (the
+    output, prefix_output, suffix_output: (N, H, D), unit stride over D, any float
+    dtypes (the merge runs in float32). prefix_lse, suffix_lse, output_lse: (H, N)
+    float32, any strides. prefix_output/prefix_lse None: no prefix (the
     suffix is copied, converted, with its lse). output may alias prefix_output, or
     share memory with suffix_output in another dtype of the same size (each element is
     read before it is written); output_lse may alias prefix_lse; output_lse None: not
@@ -232,6 +239,15 @@ def merge_attn_states(
             "prefix_output and prefix_lse must be given together (or both None: no "
             "prefix)"
         )
+    outputs = [("output", output), ("suffix_output", suffix_output)]
+    lses = [("suffix_lse", suffix_lse)]
+    if prefix_output is not None:
+        outputs.append(("prefix_output", prefix_output))
+        lses.append(("prefix_lse", prefix_lse))
+    if output_lse is not None:
+        lses.append(("output_lse", output_lse))
+    _check_outputs(outputs, suffix_output.shape)
+    _check_lses(lses, suffix_output.shape[1], suffix_output.shape[0])
     if suffix_output.shape[0] == 0:
         return
     if impl == "torch":
@@ -272,10 +288,13 @@ def merge_launch(
         p.stride(0),
         p.stride(1),
         lp.stride(0),
+        lp.stride(1),
         suffix_output.stride(0),
         suffix_output.stride(1),
         suffix_lse.stride(0),
+        suffix_lse.stride(1),
         lo.stride(0),
+        lo.stride(1),
         d,
         block_d,
         block_l,
@@ -321,32 +340,14 @@ def merge_pieces(
         raise ValueError(f"impl must be 'triton' or 'torch', got {impl!r}")
     if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
         raise ValueError(f"pieces must be an int >= 1, got {pieces!r}")
-    n = output.shape[0]
-    for name, t in (
-        ("output", output), ("tail_output", tail_output), ("piece_output", piece_output)
-    ):  # fmt: skip
-        if t.dim() != 3 or t.stride(2) != 1:
-            raise ValueError(
-                f"{name} must be (rows, H, D) with unit stride over D, got shape "
-                f"{tuple(t.shape)} strides {t.stride()}"
-            )
-    rows_h_d = output.shape
-    if tail_output.shape != rows_h_d or piece_output.shape[1:] != rows_h_d[1:]:
-        raise ValueError(
-            f"tail_output must be {tuple(rows_h_d)} and piece_output (M, "
-            f"{rows_h_d[1]}, {rows_h_d[2]}) as output, got {tuple(tail_output.shape)} "
-            f"and {tuple(piece_output.shape)}"
-        )
-    h, m = rows_h_d[1], piece_output.shape[0]
-    lses = [("tail_lse", tail_lse, n), ("piece_lse", piece_lse, m)]
+    _check_outputs([("output", output), ("tail_output", tail_output)], output.shape)
+    _check_outputs([("piece_output", piece_output)], (None, *output.shape[1:]))
+    n, h = output.shape[:2]
+    lses = [("tail_lse", tail_lse, n), ("piece_lse", piece_lse, piece_output.shape[0])]
     if output_lse is not None:
         lses.append(("output_lse", output_lse, n))
     for name, t, rows in lses:
-        if t.dtype != torch.float32 or t.shape != (h, rows):
-            raise ValueError(
-                f"{name} must be float32 of shape ({h}, {rows}), got {t.dtype} "
-                f"{tuple(t.shape)}"
-            )
+        _check_lses([(name, t)], h, rows)
     for name, t in (("piece_first", piece_first), ("piece_step", piece_step)):
         if t.dtype != torch.int32 or t.shape != (n,) or t.device != output.device:
             raise ValueError(
@@ -388,6 +389,32 @@ def merge_pieces_launch(
         output_lse is not None, interpreter_rounds_bf16(output.dtype),
     )  # fmt: skip
     return launch_merge_pieces, (cdiv(rows, block_l), h), args, {"num_warps": 4}
+
+
+def _check_outputs(named, shape):
+    """Each (name, tensor) is (rows, H, D) of ``shape`` (None: any size there) with
+    unit stride over D."""
+    for name, t in named:
+        if (
+            t.dim() != 3
+            or any(want not in (None, got) for want, got in zip(shape, t.shape))
+            or t.stride(2) != 1
+        ):
+            want = ", ".join("M" if x is None else str(x) for x in shape)
+            raise ValueError(
+                f"{name} must be ({want}) with unit stride over D, got shape "
+                f"{tuple(t.shape)} strides {t.stride()}"
+            )
+
+
+def _check_lses(named, h, rows):
+    """Each (name, tensor) is a float32 (h, rows) log-sum-exp, any strides."""
+    for name, t in named:
+        if t.dtype != torch.float32 or t.shape != (h, rows):
+            raise ValueError(
+                f"{name} must be float32 of shape ({h}, {rows}), got {t.dtype} "
+                f"{tuple(t.shape)}"
+            )
 
 
 def _merge_pieces_torch(
