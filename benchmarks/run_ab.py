@@ -14,7 +14,8 @@ swaps every round.
 Cases: ``host_profile.py --paged``'s three decodes (the memory-bound path) and its
 ``--run`` batch, 16 prefix-cache hits of 64 tokens over 1-2K, in 1 and in 8 windows;
 one hit of 64 tokens over 16K in 8 windows (a long request: its windows merged); 32
-decodes beside 16 requests of 40 rows a kv head over 8K (two paged runs from 0.6.14).
+decodes beside 16 requests of 40 rows a kv head over 8K (two paged runs from 0.6.14);
+the serving grid's "8 hits q64-128 4K-32K" (five spread windows from 0.6.19).
 Per case and version: ``ContinuationPrefill.plan`` and ``Step.run`` (one layer), the
 median of ``--rounds`` medians of ``--calls`` calls; new / old; and whether the two
 versions' outputs are the same bits. Writes OUT_DIR/run-ab.json and prints a table.
@@ -36,7 +37,12 @@ from host_profile import (  # benchmarks/, this script's folder
 from launcher_ab import alternate
 
 import tq_chunked.runtime as this_runtime
-from tq_chunked.tools.testing import SHAPES, build_batch, memory_bound_workloads
+from tq_chunked.tools.testing import (
+    SHAPES,
+    build_batch,
+    memory_bound_workloads,
+    serving_workloads,
+)
 
 WINDOW_REQUESTS = [(1024 + 64 * i, 64) for i in range(16)]  # host_profile's --run
 
@@ -81,6 +87,9 @@ def cases():
     # decodes beside 40-row requests: one paged run until 0.6.13, two from 0.6.14
     # (NOTES.md §59; other tiles, so not the same bits)
     out.append((*MIXED_CASE, None, "turboquant_3bit_nc", (32, 8, 128), "float16"))
+    # five spread windows (from 0.6.19 with FlashAttention-3, NOTES.md §65)
+    w = next(w for w in serving_workloads() if w.name == "8 hits q64-128 4K-32K")
+    out.append((w.name, w.requests, None, w.preset, SHAPES[w.shape], w.dtype))
     return out
 
 

@@ -284,9 +284,12 @@ for mode in "$@"; do
         --methods "${BENCH_METHODS:-$methods}" ${BENCH_WORKLOADS:+--workloads "$BENCH_WORKLOADS"} \
         ${BENCH_ARGS:-} --out "$OUT" 2>&1 | grep -E "$shown" | tail -40 ;;
     serving-before|stack-before)
-      # the earlier version's tq_chunked beside the floor, in $OUT/before
+      # the earlier version's tq_chunked beside the floor, in $OUT/before; -P: `python3
+      # -m` would put the working directory, and so this tree's tq_chunked, ahead of
+      # PYTHONPATH's earlier one (it did before 2026-12-07: NOTES.md §66)
       mkdir -p "$OUT/before"
-      before .gpu-carry timeout "${BENCH_TIMEOUT:-420}" python3 -m tq_chunked.tools.bench --"${mode%-before}" \
+      before .gpu-carry python3 -P -c "import tq_chunked; print('before:', tq_chunked.__file__)"
+      before .gpu-carry timeout "${BENCH_TIMEOUT:-420}" python3 -P -m tq_chunked.tools.bench --"${mode%-before}" \
         --repeats "${REPEATS:-3}" --methods floor,tq_chunked \
         ${BENCH_WORKLOADS:+--workloads "$BENCH_WORKLOADS"} --out "$OUT/before" 2>&1 \
         | grep -E "^\||geomean|error|Error|wrote" | tail -40 ;;

@@ -140,6 +140,48 @@ def test_a_spread_window_answers_as_the_one_call_does(preset, dtype, pieces):
         assert err[0] <= 1.1 * err[1] + 1e-4, (batch.seed, r, err)  # the bound
 
 
+def test_a_steps_layers_merge_their_pieces_bound_as_each_alone():
+    """One plan of a spread window run for layers of distinct tensors and of other out
+    and lse layouts (strided out, padded lse, no lse): the pieces' merge bound once a
+    layout (at the step's first layer of it; _utils.BoundLaunches), each answer and
+    lse those of a plan made for that layer alone, bit for bit."""
+    batch = make_batch(REQUESTS, "turboquant_3bit_nc", torch.float16, seed=41)
+    n, hq, d = batch.query.shape
+    prefill = ContinuationPrefill(
+        hq, batch.key.shape[1], d, preset="turboquant_3bit_nc", dtype=torch.float16,
+        block_size=batch.kv_cache.shape[1], window=32768, path="window",
+        backend=BACKEND, spread=3,
+    )  # fmt: skip
+    lengths = dict(
+        query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens
+    )
+    step = prefill.plan(batch.block_table, **lengths)
+    tables = {k: v for k, v in batch.kwargs.items() if k != "preset"}
+    wide = torch.full((n, hq, 2 * d), float("nan"), dtype=torch.float16)[..., :d]
+    padded = torch.full((hq, n + 8), float("nan"))[:, :n]
+    layers = [  # (query scale, out, lse, return_lse)
+        (1.0, None, None, True),
+        (0.5, None, None, True),
+        (2.0, wide, None, True),
+        (1.5, None, padded, True),
+        (1.0, None, None, False),
+    ]
+    bound = []
+    for scale, out, lse, return_lse in layers:
+        q = batch.query * scale
+        got = step.run(q, batch.key, batch.value, batch.kv_cache, **tables, out=out,
+                       lse=lse, return_lse=return_lse)  # fmt: skip
+        alone = prefill.plan(batch.block_table, **lengths).run(
+            q, batch.key, batch.value, batch.kv_cache, **tables, return_lse=True
+        )
+        got = got if return_lse else (got, None)
+        assert torch.equal(got[0], alone[0]), (scale, batch.seed)
+        assert got[1] is None or torch.equal(got[1], alone[1]), (scale, batch.seed)
+        bound.append(sum(len(v) for k, v in step._bound.items() if k[0] == "pieces"))
+    if BACKEND == "triton":  # the fallback binds nothing
+        assert bound == [1, 1, 2, 3, 4], bound
+
+
 @pytest.mark.parametrize("where,value,token", NONFINITE_CASES, ids=lambda x: str(x))
 def test_non_finite_values_in_a_spread_window(where, value, token):
     """As in one softmax over all keys (test_promises.py's cases, the requests in

@@ -338,6 +338,31 @@ def merge_pieces(
         impl = "triton" if use_triton(output) else "torch"
     if impl not in ("triton", "torch"):
         raise ValueError(f"impl must be 'triton' or 'torch', got {impl!r}")
+    check_merge_pieces(
+        output, output_lse, tail_output, tail_lse, piece_output, piece_lse,
+        piece_first, piece_step, pieces,
+    )  # fmt: skip
+    if output.shape[0] == 0:
+        return
+    if impl == "torch":
+        _merge_pieces_torch(
+            output, output_lse, tail_output, tail_lse, piece_output, piece_lse,
+            piece_first, piece_step, pieces,
+        )  # fmt: skip
+        return
+    launcher, grid, args, options = merge_pieces_launch(
+        output, output_lse, tail_output, tail_lse, piece_output, piece_lse,
+        piece_first, piece_step, pieces,
+    )  # fmt: skip
+    launcher(grid, *args, **options)
+
+
+def check_merge_pieces(
+    output, output_lse, tail_output, tail_lse, piece_output, piece_lse, piece_first,
+    piece_step, pieces,
+) -> None:  # fmt: skip
+    """``merge_pieces``'s checks of its arguments (ValueError naming the first that
+    is not as its docstring says), for launches bound once per step."""
     if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
         raise ValueError(f"pieces must be an int >= 1, got {pieces!r}")
     _check_outputs([("output", output), ("tail_output", tail_output)], output.shape)
@@ -354,19 +379,6 @@ def merge_pieces(
                 f"{name} must be int32 of shape ({n},) on {output.device}, got "
                 f"{t.dtype} {tuple(t.shape)} on {t.device}"
             )
-    if n == 0:
-        return
-    if impl == "torch":
-        _merge_pieces_torch(
-            output, output_lse, tail_output, tail_lse, piece_output, piece_lse,
-            piece_first, piece_step, pieces,
-        )  # fmt: skip
-        return
-    launcher, grid, args, options = merge_pieces_launch(
-        output, output_lse, tail_output, tail_lse, piece_output, piece_lse,
-        piece_first, piece_step, pieces,
-    )  # fmt: skip
-    launcher(grid, *args, **options)
 
 
 def merge_pieces_launch(

@@ -58,7 +58,13 @@ from ._utils import (
 from .attention import resolve_backend, varlen_attention, vllm_flash
 from .dequant import fill_launch, fill_window, split_launch
 from .format import TQConfig, resolve_config
-from .merge import merge_attn_states, merge_launch, merge_pieces
+from .merge import (
+    check_merge_pieces,
+    merge_attn_states,
+    merge_launch,
+    merge_pieces,
+    merge_pieces_launch,
+)
 from .paged import DEFAULT_SMS, PagedPlan, paged_launches
 from .plan import PATHS, LongRequest, PagedRun, Plan, default_window, make_plan
 from .workspace import ALIGN, DEFAULT_WORKSPACE_BYTES, carve, rotation_bytes
@@ -880,6 +886,7 @@ class _Layer:
         self.split = False  # the rotation's parts written into the workspace
         self.fills = None  # the step's bound fills for this layer's layouts
         self.merges = None  # and its long requests' bound merges
+        self.pieces = None  # and its spread windows' bound merges
 
     def run(self):
         step = self.step
@@ -970,14 +977,35 @@ class _Layer:
                 w.pieces_call, bufs.piece_q, k, v, self.scale, bufs.piece_out, backend
             )
             lse = varlen_attention(w, q, k, v, self.scale, out, backend)
-            merge_pieces(
-                out, None if self.lse is None else self.lse[:, rows], out, lse,
-                bufs.piece_out, piece_lse, w.piece_first, w.piece_step, w.pieces,
-            )  # fmt: skip
+            self._merge_pieces(w, bufs, out, lse, piece_lse)
             return
         lse = varlen_attention(w, q, k, v, self.scale, out, backend)
         if self.lse is not None:
             self.lse[:, rows].copy_(lse)
+
+    def _merge_pieces(self, w, bufs, out, lse, piece_lse):
+        """A spread window's pieces and own keys merged into out (and lse), bound as
+        the fills are at the step's first layer of the layer's out and lse layouts
+        (NOTES.md §52); merge_pieces's checks run once, where it is bound."""
+        lse_out = None if self.lse is None else self.lse[:, w.q0 : w.q1]
+        args = (out, lse_out, out, lse, bufs.piece_out, piece_lse, w.piece_first,
+                w.piece_step, w.pieces)  # fmt: skip
+        if not use_triton(self.out):
+            merge_pieces(*args)
+            return
+        if self.pieces is None:  # the layer's first spread window
+            layouts = self.shapes[0]
+            self.pieces = self.step.bound(("pieces", layouts[6], layouts[7]))
+        # the attention calls' own lse tensors: their layouts are part of the key
+        at = (id(w), layout(lse), layout(piece_lse))
+        layer = (out, lse_out, lse, piece_lse)
+        bound = self.pieces.get(at)
+        if bound is None:
+            check_merge_pieces(*args)
+            owned = (bufs.piece_out, w.piece_first, w.piece_step)
+            bound = BoundLaunches([merge_pieces_launch(*args)], layer, owned)
+            self.pieces[at] = bound
+        bound(layer)
 
     def paged_run(self, run, scratch):
         """Requests through the memory-bound path: their cached positions read from
