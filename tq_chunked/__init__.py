@@ -21,7 +21,7 @@ from .runtime import (
     workspace_bytes,
 )
 
-__version__ = "0.6.19"
+__version__ = "0.6.20"
 __all__ = [
     "ContinuationPrefill",
     "Step",
