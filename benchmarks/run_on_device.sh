@@ -288,11 +288,13 @@ for mode in "$@"; do
       # -m` would put the working directory, and so this tree's tq_chunked, ahead of
       # PYTHONPATH's earlier one (it did before 2026-12-07: NOTES.md §66)
       mkdir -p "$OUT/before"
-      before .gpu-carry python3 -P -c "import tq_chunked; print('before:', tq_chunked.__file__)"
-      before .gpu-carry timeout "${BENCH_TIMEOUT:-420}" python3 -P -m tq_chunked.tools.bench --"${mode%-before}" \
-        --repeats "${REPEATS:-3}" --methods floor,tq_chunked \
-        ${BENCH_WORKLOADS:+--workloads "$BENCH_WORKLOADS"} --out "$OUT/before" 2>&1 \
-        | grep -E "^\||geomean|error|Error|wrote" | tail -40 ;;
+      bench_before() {
+        python3 -P -c "import tq_chunked; print('before:', tq_chunked.__file__)"
+        timeout "${BENCH_TIMEOUT:-420}" python3 -P -m tq_chunked.tools.bench --"${mode%-before}" \
+          --repeats "${REPEATS:-3}" --methods floor,tq_chunked \
+          ${BENCH_WORKLOADS:+--workloads "$BENCH_WORKLOADS"} --out "$OUT/before"
+      }
+      before .gpu-carry bench_before 2>&1 | grep -E "^before:|^\||geomean|error|Error|wrote" | tail -40 ;;
     forward)
       for c in .gpu-carry .gpu-carry-0.21.0 .gpu-carry-0.26.0; do
         [ -d "$c" ] && carry "$c" timeout 90 python3 benchmarks/vllm_forward.py "$OUT" 2>&1 | grep -v "^INFO\|^WARNING"

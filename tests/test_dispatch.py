@@ -350,9 +350,9 @@ def _paths(path):
 
 
 def _bound_counts(step):
-    """The step's bound launches by unit kind (fill, paged, merge), the rotation's
-    split (one per layout) not counted."""
-    counts = {"fill": 0, "paged": 0, "merge": 0}
+    """The step's bound launches by unit kind (fill, paged, merge, pieces), the
+    rotation's split (one per layout) not counted."""
+    counts = {"fill": 0, "paged": 0, "merge": 0, "pieces": 0}
     for key, launches in step._bound.items():
         counts[key[0]] += sum(k != "split" for k in launches)
     return counts

@@ -197,7 +197,7 @@ def test_merge_pieces_is_its_two_way_merges_in_a_float32_state(impl, pieces, dty
         prefix = (None, None) if i == 0 else (state, state_lse)
         merge_attn_states(state, *prefix, po[at], pl[:, at], state_lse, impl=impl)
     want = torch.empty_like(tail)
-    want_lse = torch.empty(h, n, device=DEVICE)  # merge_attn_states: unit stride
+    want_lse = torch.empty(h, n, device=DEVICE)
     merge_attn_states(want, state, state_lse, tail, tl_, want_lse, impl=impl)
     torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=0, equal_nan=True)
@@ -281,8 +281,11 @@ def test_merge_reads_and_writes_the_lse_through_its_strides(impl):
 def test_merge_refuses_bad_shapes():
     op, lp, os, ls = _sides(12, n=4, h=2)
     out = torch.empty_like(op)
-    with pytest.raises(ValueError, match=r"output must be \(4, 2, 64\) with unit"):
+    with pytest.raises(ValueError, match=r"^output must be \(4, 2, 64\) with unit"):
         merge_attn_states(out[:3], op, lp, os, ls)
+    # the suffix named where it is the odd one, not the output held to its shape
+    with pytest.raises(ValueError, match=r"^suffix_output must be \(N, H, D\)"):
+        merge_attn_states(out, op, lp, os.flatten(1), ls)
     with pytest.raises(ValueError, match="prefix_output must be"):
         merge_attn_states(out, op.transpose(1, 2), lp, os, ls)
     with pytest.raises(ValueError, match=r"suffix_lse must be float32 of shape \(2, 4"):

@@ -239,7 +239,9 @@ def merge_attn_states(
             "prefix_output and prefix_lse must be given together (or both None: no "
             "prefix)"
         )
-    outputs = [("output", output), ("suffix_output", suffix_output)]
+    # the suffix's shape first, which the others are held to
+    _check_outputs([("suffix_output", suffix_output)], (None, None, None))
+    outputs = [("output", output)]
     lses = [("suffix_lse", suffix_lse)]
     if prefix_output is not None:
         outputs.append(("prefix_output", prefix_output))
@@ -266,8 +268,8 @@ def merge_launch(
 ):
     """``merge_attn_states``'s Triton launch, as (launcher, grid, arguments, options),
     for launches bound once per step (_utils.BoundLaunches). The caller has done
-    ``merge_attn_states``'s checks: at least one row, the prefix's output and lse
-    given together."""
+    ``merge_attn_states``'s checks: the arguments' shapes, at least one row, the
+    prefix's output and lse given together."""
     rows, h, d = suffix_output.shape
     block_d = next_power_of_2(d)
     block_l = 16 if block_d <= 128 else 8
@@ -365,7 +367,8 @@ def check_merge_pieces(
     is not as its docstring says), for launches bound once per step."""
     if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
         raise ValueError(f"pieces must be an int >= 1, got {pieces!r}")
-    _check_outputs([("output", output), ("tail_output", tail_output)], output.shape)
+    _check_outputs([("output", output)], (None, None, None))  # the others' shape
+    _check_outputs([("tail_output", tail_output)], output.shape)
     _check_outputs([("piece_output", piece_output)], (None, *output.shape[1:]))
     n, h = output.shape[:2]
     lses = [("tail_lse", tail_lse, n), ("piece_lse", piece_lse, piece_output.shape[0])]
@@ -404,15 +407,15 @@ def merge_pieces_launch(
 
 
 def _check_outputs(named, shape):
-    """Each (name, tensor) is (rows, H, D) of ``shape`` (None: any size there) with
-    unit stride over D."""
+    """Each (name, tensor) is 3-D, of ``shape`` (None: any size there) and of unit
+    stride over D."""
     for name, t in named:
         if (
             t.dim() != 3
             or any(want not in (None, got) for want, got in zip(shape, t.shape))
             or t.stride(2) != 1
         ):
-            want = ", ".join("M" if x is None else str(x) for x in shape)
+            want = ", ".join(w if x is None else str(x) for w, x in zip("NHD", shape))
             raise ValueError(
                 f"{name} must be ({want}) with unit stride over D, got shape "
                 f"{tuple(t.shape)} strides {t.stride()}"

@@ -603,10 +603,12 @@ class Step:
         self._place: tuple | None = None  # the workspace's (address, bytes)
         self._workspace_span: tuple[int, int] | None = None  # its byte range
         # a layer's key for its fills, paged runs or merges (_fill_key, _paged_key,
-        # _Layer._merge) -> {a paged run's id; a window's id and first kv head (its
-        # fill; "split": the rotation's); a window's id, first kv head and partial
-        # lse's layout (its merge): BoundLaunches}: the launches as the step's first
-        # layer of that key built them (the plan holds its units and windows)
+        # _Layer._merge, _Layer._merge_pieces) -> {a paged run's id; a window's id
+        # and first kv head (its fill; "split": the rotation's); a window's id, first
+        # kv head and partial lse's layout (its merge); a spread window's id and its
+        # two calls' lse layouts (its pieces' merge): BoundLaunches}: the launches as
+        # the step's first layer of that key built them (the plan holds its units and
+        # windows)
         self._bound: dict = {}
         if workspace is not None:
             self._take(workspace)
@@ -626,9 +628,9 @@ class Step:
 
     def bound(self, key: tuple) -> dict:
         """The units' launches bound for a layer of ``key`` (``_fill_key``,
-        ``_paged_key``, a merge's): a dict the layer fills at the first layer of that
-        key. Up to 32 keys are kept, the oldest dropped first (a model whose layers
-        alternate layouts binds each once)."""
+        ``_paged_key``, a merge's, a spread window's merge's): a dict the layer fills
+        at the first layer of that key. Up to 32 keys are kept, the oldest dropped
+        first (a model whose layers alternate layouts binds each once)."""
         bound = self._bound.get(key)
         if bound is None:
             if len(self._bound) >= 32:
