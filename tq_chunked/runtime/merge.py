@@ -371,11 +371,10 @@ def check_merge_pieces(
     _check_outputs([("tail_output", tail_output)], output.shape)
     _check_outputs([("piece_output", piece_output)], (None, *output.shape[1:]))
     n, h = output.shape[:2]
-    lses = [("tail_lse", tail_lse, n), ("piece_lse", piece_lse, piece_output.shape[0])]
+    _check_lses([("tail_lse", tail_lse)], h, n)
+    _check_lses([("piece_lse", piece_lse)], h, piece_output.shape[0])
     if output_lse is not None:
-        lses.append(("output_lse", output_lse, n))
-    for name, t, rows in lses:
-        _check_lses([(name, t)], h, rows)
+        _check_lses([("output_lse", output_lse)], h, n)
     for name, t in (("piece_first", piece_first), ("piece_step", piece_step)):
         if t.dtype != torch.int32 or t.shape != (n,) or t.device != output.device:
             raise ValueError(
