@@ -62,7 +62,7 @@
 #   bash benchmarks/run_on_device.sh memory-bound # carry .gpu-carry: the memory-bound grid
 #                                              #   (tq-chunked bench --memory-bound), each path
 #   bash benchmarks/run_on_device.sh stack-before # carry .gpu-carry, .bench-old: the same of an
-#                                              #   earlier version
+#                                              #   earlier version (memory-bound-before likewise)
 #   bash benchmarks/run_on_device.sh forward   # carry .gpu-carry, .gpu-carry-0.21.0 (0.26.0 likewise)
 #   bash benchmarks/run_on_device.sh engine-stage # carry .engine-carry-$ENGINE_VLLM/part$PART
 #                                              #   (make_engine_carry.sh): one part of the
@@ -96,7 +96,7 @@ carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 # ran out of a 7-minute call (NOTES.md §64)
 workers() { ! ls .gpu-carry/whl/pytest_xdist-*.whl >/dev/null 2>&1 || echo "-n ${PYTEST_WORKERS:-6}"; }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|launches|ncu-paged|dispatch|rotate|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|spread|host|host-calls|before|host-before|launcher|run-ab|checks|serving|serving-before|stack|stack-before|memory-bound|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|launches|ncu-paged|dispatch|rotate|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|spread|host|host-calls|before|host-before|launcher|run-ab|checks|serving|serving-before|stack|stack-before|memory-bound|memory-bound-before|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -283,7 +283,7 @@ for mode in "$@"; do
         --repeats "${REPEATS:-3}" --baseline-source "$BASELINE_SOURCE" \
         --methods "${BENCH_METHODS:-$methods}" ${BENCH_WORKLOADS:+--workloads "$BENCH_WORKLOADS"} \
         ${BENCH_ARGS:-} --out "$OUT" 2>&1 | grep -E "$shown" | tail -40 ;;
-    serving-before|stack-before)
+    serving-before|stack-before|memory-bound-before)
       # the earlier version's tq_chunked beside the floor, in $OUT/before; -P: `python3
       # -m` would put the working directory, and so this tree's tq_chunked, ahead of
       # PYTHONPATH's earlier one (it did before 2026-12-07: NOTES.md §66)

@@ -3,6 +3,8 @@ how many pieces, and their answers against the float64 oracle and the one call,
 non-finite values and the log-sum-exp included (docs/design.md, "What the call
 promises")."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import TRITON_OK
@@ -16,7 +18,7 @@ from tq_chunked.runtime.plan import (
     spread_layout,
     spread_pieces,
 )
-from tq_chunked.runtime.workspace import layout_bytes
+from tq_chunked.runtime.workspace import layout, layout_bytes
 from tq_chunked.tools.reference import (
     full_buffer_continuation_prefill,
     oracle_continuation_prefill,
@@ -72,7 +74,7 @@ def test_the_plan_spreads_windows_that_leave_most_sms_idle():
     assert spread_pieces(reqs, 32, 8, 128, torch.float16, big, 132, 1) == 1
     # the layout of 5 pieces against a limit one byte short of it: 4 pieces
     rows = sum(q + c for q, c in reqs) + GAP * (6 * 2 - 1)
-    five = layout_bytes(*spread_layout(32, 8, 128, rows, 5 * 191, torch.float16))
+    five = layout_bytes(*spread_layout(32, 8, 128, rows, 5 * 191, 191, torch.float16))
     assert spread_pieces(reqs, 32, 8, 128, torch.float16, five, 132, "auto") == 5
     assert spread_pieces(reqs, 32, 8, 128, torch.float16, five - 1, 132, "auto") == 4
     assert spread_pieces(reqs, 32, 8, 128, torch.float16, 1 << 20, 132, "auto") == 1
@@ -116,13 +118,29 @@ def test_a_spread_windows_calls_share_its_keys_and_copy_its_query_rows():
     assert plan.unit_layouts[0][0] == "spread"
 
 
+def test_a_bf16_spread_window_holds_its_keys_partials_and_query_in_fp16():
+    """bf16 queries: every float region of the spread layout is fp16 (each partial
+    rounded once to fp16, as a long request's; workspace.py), the query's fp16 copy
+    of the window's rows among them, within what workspace_bytes gives."""
+    qsl, lens = (0, 12, 18, 23), (232, 36, 5)
+    plan = make_plan(
+        qsl, lens, window=4096, num_q_heads=4, num_kv_heads=2, head_dim=64,
+        dtype=torch.bfloat16, budget=128 * MiB, device=torch.device("cpu"), spread=3,
+    )  # fmt: skip
+    regions = layout(*plan.unit_layouts[0])[0]
+    assert regions["q16"][1] == (23, 4, 64)
+    assert {t for _, _, t in regions.values()} == {torch.float16, torch.int32}
+    assert plan.workspace_bytes <= workspace_bytes(23, 4, 2, 64, 4096, torch.bfloat16)
+
+
 @pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("pieces", [2, 5])
 def test_a_spread_window_answers_as_the_one_call_does(preset, dtype, pieces):
-    """Every row written, within the bound of the oracle; fp16 within the project's
-    bound of the one call's error (1.1x + 1e-4), request by request; the lse within
-    float32 rounding of it."""
+    """Every row written, within the bound of the oracle and of the one call's error
+    (1.1x + 1e-4), request by request. The lse within float32 rounding of the one
+    call's (fp16); bf16 runs its window in fp16 (workspace.py): its lse that of the
+    same batch in fp16, bit for bit."""
     # and a request of fewer cached tokens than pieces: a piece of no keys
     requests = REQUESTS + [(3, 4)]
     batch = make_batch(requests, preset, dtype, seed=pieces)
@@ -130,9 +148,12 @@ def test_a_spread_window_answers_as_the_one_call_does(preset, dtype, pieces):
     assert not out.isnan().any(), f"seed {batch.seed}"
     check_against_oracle(batch, out)
     one, one_lse = _run(batch, 1, return_lse=True)
-    torch.testing.assert_close(lse, one_lse, rtol=1e-5, atol=1e-5)
-    if dtype == torch.bfloat16:
-        return  # "auto" spreads fp16 only (plan.py): bf16 partials round 8x coarser
+    if dtype == torch.float16:
+        torch.testing.assert_close(lse, one_lse, rtol=1e-5, atol=1e-5)
+    else:
+        half = [t.half() for t in (batch.query, batch.key, batch.value)]
+        half = dataclasses.replace(batch, **dict(zip(("query", "key", "value"), half)))
+        assert torch.equal(lse, _run(half, pieces, return_lse=True)[1]), batch.seed
     for r in range(len(requests)):
         q0, q1 = batch.query_start_loc[r], batch.query_start_loc[r + 1]
         oracle = oracle_continuation_prefill(*batch.request(r), **batch.kwargs)
@@ -140,15 +161,17 @@ def test_a_spread_window_answers_as_the_one_call_does(preset, dtype, pieces):
         assert err[0] <= 1.1 * err[1] + 1e-4, (batch.seed, r, err)  # the bound
 
 
-def test_a_steps_layers_merge_their_pieces_bound_as_each_alone():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_steps_layers_merge_their_pieces_bound_as_each_alone(dtype):
     """One plan of a spread window run for layers of distinct tensors and of other out
     and lse layouts (strided out, padded lse, no lse): the pieces' merge bound once a
     layout (at the step's first layer of it; _utils.BoundLaunches), each answer and
-    lse those of a plan made for that layer alone, bit for bit."""
-    batch = make_batch(REQUESTS, "turboquant_3bit_nc", torch.float16, seed=41)
+    lse those of a plan made for that layer alone, bit for bit (bf16: the own keys'
+    partial in each layer's own out)."""
+    batch = make_batch(REQUESTS, "turboquant_3bit_nc", dtype, seed=41)
     n, hq, d = batch.query.shape
     prefill = ContinuationPrefill(
-        hq, batch.key.shape[1], d, preset="turboquant_3bit_nc", dtype=torch.float16,
+        hq, batch.key.shape[1], d, preset="turboquant_3bit_nc", dtype=dtype,
         block_size=batch.kv_cache.shape[1], window=32768, path="window",
         backend=BACKEND, spread=3,
     )  # fmt: skip
@@ -157,7 +180,7 @@ def test_a_steps_layers_merge_their_pieces_bound_as_each_alone():
     )
     step = prefill.plan(batch.block_table, **lengths)
     tables = {k: v for k, v in batch.kwargs.items() if k != "preset"}
-    wide = torch.full((n, hq, 2 * d), float("nan"), dtype=torch.float16)[..., :d]
+    wide = torch.full((n, hq, 2 * d), float("nan"), dtype=dtype)[..., :d]
     padded = torch.full((hq, n + 8), float("nan"))[:, :n]
     layers = [  # (query scale, out, lse, return_lse)
         (1.0, None, None, True),
@@ -231,14 +254,16 @@ SPREAD_BATCH = [(9000, 96), (4000, 70)]
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k8v4"])
-def test_auto_spreads_a_window_of_few_blocks_within_the_bound(preset):
-    """With "auto" and FlashAttention-3 the window is spread (6 pieces on 132 SMs);
-    each request within 1.1x the full-buffer path's error + 1e-4; the lse finite."""
-    b = build_batch(preset, SPREAD_BATCH, 32, 8, 128, 16, torch.float16, "cuda",
-                    seed=48)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_auto_spreads_a_window_of_few_blocks_within_the_bound(preset, dtype):
+    """With "auto" and FlashAttention-3 the window is spread (6 pieces on 132 SMs),
+    for fp16 and bf16 queries; each request within 1.1x the full-buffer path's error
+    + 1e-4; the lse finite."""
+    b = build_batch(preset, SPREAD_BATCH, 32, 8, 128, 16, dtype, "cuda", seed=48)
     prefill = ContinuationPrefill(
-        32, 8, 128, preset=preset, block_size=16, backend="flash", path="window"
-    )
+        32, 8, 128, preset=preset, dtype=dtype, block_size=16, backend="flash",
+        path="window",
+    )  # fmt: skip
     step = prefill.plan(
         b["block_table"],
         query_start_loc_cpu=b["query_start_loc"],
@@ -262,5 +287,5 @@ def test_auto_spreads_a_window_of_few_blocks_within_the_bound(preset):
             oracle,
         )
         e = rel_err(out[rows], oracle)
-        print(f"{preset} request {r}: spread {e:.3e}, full {e_full:.3e}")
-        assert e <= 1.1 * e_full + 1e-4, (preset, r, e, e_full)
+        print(f"{preset} {dtype} request {r}: spread {e:.3e}, full {e_full:.3e}")
+        assert e <= 1.1 * e_full + 1e-4, (preset, dtype, r, e, e_full)

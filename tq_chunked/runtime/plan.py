@@ -116,10 +116,11 @@ PATHS = ("auto", "window", "paged")
 # A batch window whose attention call would form at most SPREAD_MAX_BLOCKS thread
 # blocks (FlashAttention-3's at head size 128: ceil(q_r x G / SPREAD_TILE) query tiles
 # a kv head and request) leaves most SMs idle for its whole length: with
-# spread="auto" (fp16 queries, FlashAttention-3, head size 128: where it was measured)
+# spread="auto" (FlashAttention-3, head size 128: where it was measured)
 # its cached keys run in pieces side by side (``spread_pieces``), about SPREAD_WAVES
 # blocks an SM, the longest request's pieces of at least SPREAD_MIN_PIECE keys.
-# Measured: 24-56 blocks gained, 96 and more did not (benchmarks/NOTES.md §65).
+# Measured: 24-56 blocks gained, 96 and more did not (benchmarks/NOTES.md §65, bf16
+# queries §67).
 SPREAD_MAX_BLOCKS = 64
 SPREAD_TILE = 128
 SPREAD_WAVES = 2
@@ -252,19 +253,27 @@ def long_layout(rows, num_q_heads, num_kv_heads, kv_heads, head_dim, cap, dtype)
     return ("long", rows, g * kv_heads, kv_heads, head_dim, cap, dtype)
 
 
-def spread_layout(num_q_heads, num_kv_heads, head_dim, rows, piece_rows, dtype):
-    """The workspace.layout key of a spread window of ``rows`` key rows whose pieces
-    hold ``piece_rows`` query rows."""
-    return ("spread", piece_rows, num_q_heads, num_kv_heads, head_dim, rows, dtype)
+def spread_layout(
+    num_q_heads, num_kv_heads, head_dim, rows, piece_rows, q_rows, dtype
+):  # fmt: skip
+    """The workspace.layout key of a spread window of ``rows`` key rows and ``q_rows``
+    query rows whose pieces hold ``piece_rows`` query rows (the query rows count only
+    for bf16 queries, whose fp16 copy the layout holds)."""
+    q_rows = q_rows if dtype == torch.bfloat16 else 0
+    return (
+        "spread", piece_rows, num_q_heads, num_kv_heads, head_dim, rows, dtype, q_rows
+    )  # fmt: skip
 
 
-def spread_rows(reqs, pieces: int) -> tuple[int, int]:
-    """(key rows, pieces' query rows) of a spread window of these requests ((query
-    rows, cached keys) each): their keys, a GAP after each piece and after each
-    request's own keys but the last; a request without cached keys has no pieces."""
+def spread_rows(reqs, pieces: int) -> tuple[int, int, int]:
+    """(key rows, pieces' query rows, query rows) of a spread window of these requests
+    ((query rows, cached keys) each): their keys, a GAP after each piece and after
+    each request's own keys but the last; a request without cached keys has no
+    pieces."""
     cached = [q for q, c in reqs if c]
     gaps = pieces * len(cached) + len(reqs) - 1
-    return sum(q + c for q, c in reqs) + GAP * gaps, pieces * sum(cached)
+    keys = sum(q + c for q, c in reqs) + GAP * gaps
+    return keys, pieces * sum(cached), sum(q for q, _ in reqs)
 
 
 def spread_pieces(
@@ -587,8 +596,9 @@ def make_plan(
         elif unit.pieces > 1:
             piece_rows = unit.pieces_call.cu_q_host[-1]  # the pieces' query rows
             key = spread_layout(
-                num_q_heads, num_kv_heads, head_dim, unit.rows, piece_rows, dtype
-            )
+                num_q_heads, num_kv_heads, head_dim, unit.rows, piece_rows,
+                unit.q1 - unit.q0, dtype,
+            )  # fmt: skip
         else:
             key = batch_key
         out.append(unit)

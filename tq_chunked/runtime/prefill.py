@@ -14,7 +14,7 @@ What ``Step.run`` does with the step's units (plan.py draws them):
         fill it: cached keys dequantized and un-rotated,    k_buf, v_buf (rows, Hk, D)
             then the chunk's own keys after them (dequant.py)
         one causal varlen attention call                    -> out rows, final
-        (spread, plan.spread_pieces: the cached keys in      pieces' partials,
+        (spread, plan.spread_pieces: the cached keys in      fp16 partials,
         pieces, attended side by side, then the own keys;   merged -> out rows)
     for each long request, for each group of its kv heads:
         for each part window: fill, attend (not causal)     a partial, merged into
@@ -328,10 +328,9 @@ class ContinuationPrefill:
             window of the step raises: plan.py).
         spread: which batch windows run their cached keys in pieces side by side
             (plan.spread_pieces): "auto" (those whose attention call would leave most
-            SMs idle, with fp16 queries, FlashAttention-3 and head size 128), or a
-            count of pieces for every batch window with cached keys where it fits (1:
-            none; for measurements and tests: with bf16 queries the pieces' partials
-            round to bf16, and the error may exceed what the one call's bound allows).
+            SMs idle, with FlashAttention-3 and head size 128), or a count of pieces
+            for every batch window with cached keys where it fits (1: none; for
+            measurements and tests).
         check_block_table: record block ids outside [0, num_blocks) among those read
             and raise a ValueError naming the first one at the next call on the device
             (or at ``check_block_tables()``), without synchronizing (on a CPU: before
@@ -534,13 +533,11 @@ class ContinuationPrefill:
 
     def _spread(self, backend):
         """``spread`` as the plan takes it: "auto" spreads only where it was measured
-        to gain, FlashAttention-3 at head size 128, and where fp16 partials keep the
-        bound (a bf16 partial rounds 8x coarser; benchmarks/NOTES.md §65)."""
+        to gain, FlashAttention-3 at head size 128 (benchmarks/NOTES.md §65, §67)."""
         if self.spread != "auto":
             return self.spread
         fa3 = backend == "flash" and vllm_flash(self.head_dim)[1] == 3
-        measured = fa3 and self.head_dim == 128 and self.dtype == torch.float16
-        return "auto" if measured else 1
+        return "auto" if fa3 and self.head_dim == 128 else 1
 
     def workspace_bytes(self, max_query_tokens: int) -> int:
         """The bytes of workspace that serve every step of up to ``max_query_tokens``
@@ -967,30 +964,37 @@ class _Layer:
     def batch_window(self, w, bufs):
         """Requests that fit one window: one causal call, the answer written to out.
         Spread (w.pieces > 1): the pieces' call over copies of the query rows, the
-        own keys' causal call into out, then both merged into out (plan.py)."""
+        own keys' causal call into out's bytes, then both merged into out (plan.py);
+        every partial in fp16, as a long request's are (workspace.py)."""
         rows = slice(w.q0, w.q1)
         self._fill(w, 0, bufs)
         # the filled rows only: attention reads zeros past them (plan.GAP)
         k, v = bufs.k_buf[: w.rows], bufs.v_buf[: w.rows]
         q, out, backend = self.query[rows], self.out[rows], self.step.backend
         if w.pieces > 1:
+            own = out
+            if bufs.q16 is not None:  # bf16: the own keys' partial waits in out's bytes
+                q = bufs.q16
+                q.copy_(self.query[rows])
+                own = out.view(torch.float16)
             torch.index_select(q, 0, w.copy, out=bufs.piece_q)
             piece_lse = varlen_attention(
                 w.pieces_call, bufs.piece_q, k, v, self.scale, bufs.piece_out, backend
             )
-            lse = varlen_attention(w, q, k, v, self.scale, out, backend)
-            self._merge_pieces(w, bufs, out, lse, piece_lse)
+            lse = varlen_attention(w, q, k, v, self.scale, own, backend)
+            self._merge_pieces(w, bufs, out, own, lse, piece_lse)
             return
         lse = varlen_attention(w, q, k, v, self.scale, out, backend)
         if self.lse is not None:
             self.lse[:, rows].copy_(lse)
 
-    def _merge_pieces(self, w, bufs, out, lse, piece_lse):
-        """A spread window's pieces and own keys merged into out (and lse), bound as
-        the fills are at the step's first layer of the layer's out and lse layouts
-        (NOTES.md §52); merge_pieces's checks run once, where it is bound."""
+    def _merge_pieces(self, w, bufs, out, own, lse, piece_lse):
+        """A spread window's pieces and own keys (``own``: out, or out's bytes as
+        fp16) merged into out (and lse), bound as the fills are at the step's first
+        layer of the layer's out and lse layouts (NOTES.md §52); merge_pieces's checks
+        run once, where it is bound."""
         lse_out = None if self.lse is None else self.lse[:, w.q0 : w.q1]
-        args = (out, lse_out, out, lse, bufs.piece_out, piece_lse, w.piece_first,
+        args = (out, lse_out, own, lse, bufs.piece_out, piece_lse, w.piece_first,
                 w.piece_step, w.pieces)  # fmt: skip
         if not use_triton(self.out):
             merge_pieces(*args)
@@ -1000,7 +1004,7 @@ class _Layer:
             self.pieces = self.step.bound(("pieces", layouts[6], layouts[7]))
         # the attention calls' own lse tensors: their layouts are part of the key
         at = (id(w), layout(lse), layout(piece_lse))
-        layer = (out, lse_out, lse, piece_lse)
+        layer = (out, lse_out, own, lse, piece_lse)
         bound = self.pieces.get(at)
         if bound is None:
             check_merge_pieces(*args)

@@ -20,11 +20,13 @@ once per call and read by every window's fill:
         k_buf, v_buf  (C, Hk, D)      query dtype  the window's keys and values
 
     a spread batch window (plan.spread_pieces) that fills R key rows (its pieces,
-    own keys and gaps) and whose pieces hold M query rows, within a batch window's
-    bytes (the pieces' log-sum-exp is the attention call's own tensor):
-        k_buf, v_buf  (R, Hk, D)      query dtype  its keys and values
-        piece_q       (M, Hq, D)      query dtype  each piece's copy of its query rows
-        piece_out     (M, Hq, D)      query dtype  each piece's partial
+    own keys and gaps), answers Q query rows and whose pieces hold M query rows,
+    within a batch window's bytes (the pieces' log-sum-exp is the attention call's
+    own tensor):
+        k_buf, v_buf  (R, Hk, D)      fp16         its keys and values
+        piece_q       (M, Hq, D)      fp16         each piece's copy of its query rows
+        piece_out     (M, Hq, D)      fp16         each piece's partial
+        q16           (Q, Hq, D)      fp16         bf16 queries only: the query in fp16
 
     a long request of R query rows, Hk_g kv heads at a time with their Hq_g query heads:
         k_buf, v_buf  (C, Hk_g, D)    fp16         the window's keys and values
@@ -32,9 +34,10 @@ once per call and read by every window's fill:
         state_lse     (Hq_g, R)       float32      its log-sum-exp
         q16           (R, Hq_g, D)    fp16         bf16 queries only: the query in fp16
 
-A long request's partial results are fp16 whatever the query dtype, so that each is
-rounded once to fp16, not to bf16, before the float32 merge (benchmarks/NOTES.md §3);
-its last window's partial waits in ``out``'s own bytes for the final merge.
+A long request's and a spread window's partial results are fp16 whatever the query
+dtype, so that each is rounded once to fp16, not to bf16, before the float32 merge
+(benchmarks/NOTES.md §3, §67); the partial of the last window (a long request's) or
+of the own keys (a spread window's) waits in ``out``'s own bytes for the final merge.
 
 How big the windows are within a budget (default 128 MiB), and so how many bytes a
 step needs, is the planner's decision (plan.py: ``fit_window``, ``long_window``,
@@ -63,11 +66,11 @@ def _aligned(n):
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def layout(kind, rows, group_q_heads, group_kv_heads, head_dim, cap, dtype):
+def layout(kind, rows, group_q_heads, group_kv_heads, head_dim, cap, dtype, q_rows=0):
     """{region: (byte offset, shape, dtype)} and the total bytes (with room to align
     the first region in any buffer), for a "batch", "spread" or "long" step (see the
-    module docstring)."""
-    kv_dtype = torch.float16 if kind == "long" else dtype
+    module docstring; ``q_rows``: a spread window's query rows, Q)."""
+    kv_dtype = dtype if kind == "batch" else torch.float16
     regions = {
         # first in every layout, so that one split per call serves all its steps
         "rot_parts": ((3, head_dim, head_dim), torch.float16),
@@ -76,8 +79,10 @@ def layout(kind, rows, group_q_heads, group_kv_heads, head_dim, cap, dtype):
         "v_buf": ((cap, group_kv_heads, head_dim), kv_dtype),
     }
     if kind == "spread":
-        regions["piece_q"] = ((rows, group_q_heads, head_dim), dtype)
-        regions["piece_out"] = ((rows, group_q_heads, head_dim), dtype)
+        regions["piece_q"] = ((rows, group_q_heads, head_dim), torch.float16)
+        regions["piece_out"] = ((rows, group_q_heads, head_dim), torch.float16)
+        if dtype == torch.bfloat16:
+            regions["q16"] = ((q_rows, group_q_heads, head_dim), torch.float16)
     if kind == "long":
         regions["state_out"] = ((rows, group_q_heads, head_dim), torch.float32)
         regions["state_lse"] = ((group_q_heads, rows), torch.float32)
@@ -101,8 +106,9 @@ def rotation_bytes(head_dim):
     return parts + _aligned((split_flags(head_dim) + 1) * 4)
 
 
-def layout_bytes(kind, rows, group_q_heads, group_kv_heads, head_dim, cap, dtype):
-    return layout(kind, rows, group_q_heads, group_kv_heads, head_dim, cap, dtype)[1]
+def layout_bytes(*key):
+    """The bytes of layout ``key`` (``layout``'s arguments), with room to align."""
+    return layout(*key)[1]
 
 
 @dataclass
