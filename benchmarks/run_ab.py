@@ -90,6 +90,9 @@ def cases():
     # five spread windows (from 0.6.19 with FlashAttention-3, NOTES.md §65)
     w = next(w for w in serving_workloads() if w.name == "8 hits q64-128 4K-32K")
     out.append((w.name, w.requests, None, w.preset, SHAPES[w.shape], w.dtype))
+    # bf16 in one spread window from 0.6.21, one call before (§67: not the same bits)
+    w = grid["16 x q64 4K-16K 8/1 bf16"]
+    out.append((w.name, w.requests, None, w.preset, SHAPES[w.shape], w.dtype))
     return out
 
 

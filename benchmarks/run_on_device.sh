@@ -40,6 +40,8 @@
 #                                              #   TurboQuant tests on the vendored tree
 #   bash benchmarks/run_on_device.sh kernels   # carry .gpu-carry: stage breakdown
 #   bash benchmarks/run_on_device.sh spread    # carry .gpu-carry: a window's attention in pieces (§65)
+#   bash benchmarks/run_on_device.sh spread-cost # carry .gpu-carry: a spread window against its
+#                                              #   one call, GPU and host (§67)
 #   bash benchmarks/run_on_device.sh host      # carry .gpu-carry: host profile (HOST_ARGS)
 #   bash benchmarks/run_on_device.sh host-calls # carry .gpu-carry: the bench's host time call by
 #                                              #   call, with the collector's passes (HOST_CALLS_ARGS)
@@ -96,7 +98,7 @@ carry() { (source "$1/setup.sh" >/dev/null && shift && "$@"); }
 # ran out of a 7-minute call (NOTES.md §64)
 workers() { ! ls .gpu-carry/whl/pytest_xdist-*.whl >/dev/null 2>&1 || echo "-n ${PYTEST_WORKERS:-6}"; }
 before() { (export PYTHONPATH=$PWD/.bench-old/$BEFORE:$PYTHONPATH && carry "$@"); }
-[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|launches|ncu-paged|dispatch|rotate|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|spread|host|host-calls|before|host-before|launcher|run-ab|checks|serving|serving-before|stack|stack-before|memory-bound|memory-bound-before|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 suite|check|dequant|fill|configs|probe|probe-before|paged|launches|ncu-paged|dispatch|rotate|fused|fused-nov3|ncu-fused|ncu-fused-source|ncu|upstream|kernels|kernels-before|spread|spread-cost|host|host-calls|before|host-before|launcher|run-ab|checks|serving|serving-before|stack|stack-before|memory-bound|memory-bound-before|forward|engine-stage|engine|real-accuracy|real-replay ..." >&2; exit 2; }
 for mode in "$@"; do
   case "$mode" in
     suite)
@@ -271,6 +273,9 @@ for mode in "$@"; do
         | tee "$OUT/sanitizer-memcheck.log" | tail -2
       carry .gpu-carry timeout 60 compute-sanitizer --tool racecheck python3 benchmarks/sanitize.py 2>&1 \
         | tee "$OUT/sanitizer-racecheck.log" | tail -2 ;;
+    spread-cost)
+      carry .gpu-carry timeout 200 python3 benchmarks/spread_cost.py "$OUT" --profile 2>&1 \
+        | grep -v -E "Warning|warn" | tee "$OUT/spread-cost.md" | tail -30 ;;
     serving|stack|memory-bound)
       # BENCH_WORKLOADS: name prefixes, comma-separated (default: the whole grid);
       # BENCH_METHODS: method prefixes (default: the baseline, the floor and tq_chunked,

@@ -55,9 +55,9 @@ def _run(batch, spread, return_lse=False, backend=BACKEND, pieces=None):
 
 
 def test_the_plan_spreads_windows_that_leave_most_sms_idle():
-    """With "auto", 24-64 blocks spread into about two blocks an SM's worth of pieces
-    of at least 1K keys; 96 blocks, or no cached keys, stay one call; fewer pieces
-    where the layout would not fit."""
+    """With "auto", 24-56 blocks spread into about two blocks an SM's worth of pieces
+    of at least 1K keys; 64 blocks or more, or no cached keys, stay one call; fewer
+    pieces where the layout would not fit."""
     big = 1 << 40
     # two requests of "8 hits q64-128": (3 + 4) x 8 = 56 blocks -> ceil(264 / 56)
     reqs = [(85, 12048), (106, 4624)]
@@ -65,10 +65,13 @@ def test_the_plan_spreads_windows_that_leave_most_sms_idle():
     # one request of 4K: its pieces no shorter than 1K keys
     assert spread_pieces([(85, 4096)], 32, 8, 128, torch.float16, big, 132, "auto") == 4
     # beside one of 3 cached keys: no piece empty
-    assert spread_pieces(reqs + [(10, 3)], 32, 8, 128, torch.float16, big, 132,
+    assert spread_pieces([(85, 4096), (10, 3)], 32, 8, 128, torch.float16, big, 132,
                          "auto") == 3  # fmt: skip
     # "16 x q128 8K": three requests of 4 tiles, 96 blocks
     assert spread_pieces([(128, 8192)] * 3, 32, 8, 128, torch.float16, big, 132,
+                         "auto") == 1  # fmt: skip
+    # "16 x q64 4K-16K 8/1 bf16": 16 requests of 4 tiles at one kv head, 64 blocks
+    assert spread_pieces([(64, 8192)] * 16, 8, 1, 128, torch.bfloat16, big, 132,
                          "auto") == 1  # fmt: skip
     assert spread_pieces([(85, 0)], 32, 8, 128, torch.float16, big, 132, 4) == 1
     assert spread_pieces(reqs, 32, 8, 128, torch.float16, big, 132, 1) == 1

@@ -119,9 +119,9 @@ PATHS = ("auto", "window", "paged")
 # spread="auto" (FlashAttention-3, head size 128: where it was measured)
 # its cached keys run in pieces side by side (``spread_pieces``), about SPREAD_WAVES
 # blocks an SM, the longest request's pieces of at least SPREAD_MIN_PIECE keys.
-# Measured: 24-56 blocks gained, 96 and more did not (benchmarks/NOTES.md §65, bf16
-# queries §67).
-SPREAD_MAX_BLOCKS = 64
+# Measured: 24-56 blocks gained, 96 and more did not; at 64 one window lost and one
+# gained less GPU time than its pieces cost the host (benchmarks/NOTES.md §65, §67).
+SPREAD_MAX_BLOCKS = 56
 SPREAD_TILE = 128
 SPREAD_WAVES = 2
 SPREAD_MIN_PIECE = 1024
