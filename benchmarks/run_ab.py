@@ -15,7 +15,9 @@ Cases: ``host_profile.py --paged``'s three decodes (the memory-bound path) and i
 ``--run`` batch, 16 prefix-cache hits of 64 tokens over 1-2K, in 1 and in 8 windows;
 one hit of 64 tokens over 16K in 8 windows (a long request: its windows merged); 32
 decodes beside 16 requests of 40 rows a kv head over 8K (two paged runs from 0.6.14);
-the serving grid's "8 hits q64-128 4K-32K" (five spread windows from 0.6.19).
+the serving grid's "8 hits q64-128 4K-32K" (five spread windows from 0.6.19); the
+memory-bound grid's "16 x q64 4K-16K 8/1 bf16" (64 blocks: spread only at 0.6.21's first
+limit, NOTES.md §67).
 Per case and version: ``ContinuationPrefill.plan`` and ``Step.run`` (one layer), the
 median of ``--rounds`` medians of ``--calls`` calls; new / old; and whether the two
 versions' outputs are the same bits. Writes OUT_DIR/run-ab.json and prints a table.
@@ -90,7 +92,8 @@ def cases():
     # five spread windows (from 0.6.19 with FlashAttention-3, NOTES.md §65)
     w = next(w for w in serving_workloads() if w.name == "8 hits q64-128 4K-32K")
     out.append((w.name, w.requests, None, w.preset, SHAPES[w.shape], w.dtype))
-    # bf16 in one spread window from 0.6.21, one call before (§67: not the same bits)
+    # 64 blocks: one spread window at 0.6.21's first limit of 64, one call before and
+    # since the limit moved to 56 (§67; spread, not the same bits)
     w = grid["16 x q64 4K-16K 8/1 bf16"]
     out.append((w.name, w.requests, None, w.preset, SHAPES[w.shape], w.dtype))
     return out

@@ -180,14 +180,16 @@ def _pieces(seed, q_lens=(3, 5, 2), pieces=3, h=3, d=64):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_merge_pieces_is_its_two_way_merges_in_a_float32_state(impl, pieces, dtype):
     """Bit for bit: the pieces folded in order into a float32 state, then the tail
-    (read from the output's own bytes, as a spread window keeps it)."""
+    (read from the output's own bytes in fp16, as a spread window keeps it)."""
     po, pl, to, tl_, first, step = _pieces(pieces, pieces=pieces)
     n, h, d = to.shape
-    out = to.to(dtype)
-    tail = out.clone()
+    out = torch.empty(n, h, d, dtype=dtype, device=DEVICE)
+    own = out.view(torch.float16)  # out itself where out is fp16
+    own.copy_(to)
+    tail = own.clone()
     # the lse tensors read and written through their strides
     lse = torch.full((n, h), NAN, device=DEVICE).T
-    merge_pieces(out, lse, out, tl_, po, pl.T.contiguous().T, first, step, pieces,
+    merge_pieces(out, lse, own, tl_, po, pl.T.contiguous().T, first, step, pieces,
                  impl=impl)  # fmt: skip
 
     state = torch.full((n, h, d), NAN, device=DEVICE)
@@ -196,7 +198,7 @@ def test_merge_pieces_is_its_two_way_merges_in_a_float32_state(impl, pieces, dty
         at = (first + i * step).long()
         prefix = (None, None) if i == 0 else (state, state_lse)
         merge_attn_states(state, *prefix, po[at], pl[:, at], state_lse, impl=impl)
-    want = torch.empty_like(tail)
+    want = torch.empty_like(out)
     want_lse = torch.empty(h, n, device=DEVICE)
     merge_attn_states(want, state, state_lse, tail, tl_, want_lse, impl=impl)
     torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)

@@ -330,7 +330,9 @@ def merge_pieces(
     outside ``[0, len(piece_output))`` is an empty side, never read.
 
     output, tail_output: (N, H, D); piece_output (M, H, D); unit stride over D, any
-    float dtypes (the merge runs in float32); tail_output may be output itself.
+    float dtypes (the merge runs in float32); tail_output may be output itself, or
+    share its memory in another dtype of the same size (each element is read before
+    it is written).
     tail_lse (H, N), piece_lse (H, M), output_lse (H, N) or None (not written):
     float32, any strides. piece_first, piece_step: (N,) int32 on
     output's device. pieces >= 1. impl: "triton" or "torch"; default: Triton where
