@@ -718,34 +718,26 @@ def windows(
     return _units(qsl, seq_lens, capacity, device, stream, long_capacity, [])[0]
 
 
-def _spread_ints(segs, pieces: int, pieces_q) -> list[int]:
-    """A spread window's ints after its cu_q: the pieces' call's query starts, then
-    ``copy``, ``piece_first`` and ``piece_step`` (``Window``). The pieces' rows follow
-    their requests: piece i of a request of q query rows whose pieces start at row p
-    holds rows p + i * q + [0, q). A request without cached keys has none: its rows'
+def _spread_ints(segs, pieces: int) -> np.ndarray:
+    """A spread window's ``copy``, ``piece_first`` and ``piece_step`` (``Window``), one
+    int32 array. The pieces' rows follow their requests: piece i of a request of q
+    query rows whose pieces start at row p holds rows p + i * q + [0, q), copies of
+    the request's query rows. A request without cached keys has none: its rows'
     pieces lie outside the pieces' rows (first -1, step 0), which the merge leaves
-    empty."""
-    starts = [0, *itertools.accumulate(pieces_q)]
-    copy: list[int] = []
-    first: list[int] = []
-    step: list[int] = []
-    o = 0
-    p = 0
-    for _, first_cached, _, _, _, q in segs:
-        if q == 0:
-            continue  # a piece or a gap
-        # a request's own keys (the segment with its query rows) start at its cached
-        # tokens' count: ``first_cached`` is that count
-        if first_cached:
-            copy += list(range(o, o + q)) * pieces
-            first += range(p, p + q)
-            step += [q] * q
-            p += pieces * q
-        else:
-            first += [-1] * q
-            step += [0] * q
-        o += q
-    return starts + copy + first + step
+    empty. Built by numpy: a window's pieces hold thousands of rows (NOTES.md §67)."""
+    # each request (the segment with its query rows; its first cached position is its
+    # cached tokens' count): whether it has pieces, its query rows
+    has = np.array([c > 0 for _, c, _, _, _, q in segs if q])
+    q = np.array([q for *_, q in segs if q], dtype=np.int64)
+    o = np.cumsum(q) - q  # each request's first query row
+    span = q * has * pieces  # each request's piece rows
+    p = np.cumsum(span) - span  # where they start
+    row = np.repeat(np.arange(len(q)), q)  # each query row's request
+    first = np.where(has[row], p[row] + np.arange(len(row)) - o[row], -1)
+    step = np.where(has[row], q[row], 0)
+    piece = np.repeat(np.arange(len(q)), span)  # each piece row's request
+    copy = o[piece] + (np.arange(len(piece)) - p[piece]) % q[piece]
+    return np.concatenate([copy, first, step]).astype(np.int32)
 
 
 def _units(
@@ -844,7 +836,7 @@ def _units(
     flush()
 
     spans = []
-    for _, segs, _, npieces, pieces_q in specs:
+    for _, segs, _, _, pieces_q in specs:
         starts = [0]
         for _, _, c, _, new, _ in segs:
             starts.append(starts[-1] + c + new)
@@ -862,13 +854,19 @@ def _units(
         spans.append((len(packed), len(fields), len(packed) + len(fields), len(cu_q)))
         packed.extend(fields)
         packed.extend(cu_q)
-        if pieces_q is not None:
-            packed.extend(_spread_ints(segs, npieces, pieces_q))
-    # the paged runs' ints after the windows' (their work lists run to thousands of
-    # programs: joined as arrays, not as Python ints)
-    paged_spans: list[tuple[int, int, int, int, tuple[int, ...]]] = []
+        if pieces_q is not None:  # the pieces' call's query starts
+            packed.extend([0, *itertools.accumulate(pieces_q)])
+    # the spread windows' copies and the paged runs' ints after the windows' (they
+    # run to thousands of rows and programs: joined as arrays, not as Python ints)
     pieces = [np.asarray(packed, dtype=np.int32)]
     end = len(packed)
+    spread_at = []  # each spread window's copy, first and step: where they start
+    for _, segs, _, npieces, pieces_q in specs:
+        if pieces_q is not None:
+            spread_at.append(end)
+            pieces.append(_spread_ints(segs, npieces))
+            end += len(pieces[-1])
+    paged_spans: list[tuple[int, int, int, int, tuple[int, ...]]] = []
     for run, plan in runs:
         run_cu = [0, *itertools.accumulate(qsl[r + 1] - qsl[r] for r in run)]
         if run_cu[-1] != qsl[run[-1] + 1] - qsl[run[0]]:
@@ -893,6 +891,7 @@ def _units(
         dev = torch.from_numpy(np.concatenate(pieces)).to(device)
 
     made = []
+    spread_next = iter(spread_at)
     for (kind, segs, causal, npieces, pieces_q), (s0, ns, c0, nc) in zip(specs, spans):
         nseg = len(segs)
         segs_host = tuple(packed[s0 : s0 + ns])
@@ -900,12 +899,12 @@ def _units(
         cu_q_host = tuple(packed[c0 : c0 + nc])
         spread = {}
         if pieces_q is not None:
-            # after cu_q: the pieces' call's query starts, then copy, first, step
+            # after cu_q: the pieces' call's query starts; copy, first and step apart
             h0 = c0 + nc
             n = cu_q_host[-1]
             starts = packed[h0 : h0 + nc]
             m = starts[-1]  # the pieces' query rows
-            m0 = h0 + nc
+            m0 = next(spread_next)
             spread = dict(
                 pieces=npieces,
                 pieces_call=Call(
