@@ -974,8 +974,7 @@ class _Layer:
         if w.pieces > 1:
             own = out
             if bufs.q16 is not None:  # bf16: the own keys' partial waits in out's bytes
-                q = bufs.q16
-                q.copy_(self.query[rows])
+                q = bufs.q16.copy_(q)
                 own = out.view(torch.float16)
             torch.index_select(q, 0, w.copy, out=bufs.piece_q)
             piece_lse = varlen_attention(
