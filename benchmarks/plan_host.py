@@ -49,6 +49,15 @@ WINDOW_CASES = {
     "16 x q64 over 448, 16 windows": (((448, 64),) * 16, "llama3-8b",
                                       "turboquant_3bit_nc", "float16", 1024),
 }  # fmt: skip
+# window cases run as one spread window of this many pieces (NOTES.md §65, §68)
+SPREAD_CASES = {"8 x q64 over 4K, 1 window in 4 pieces": 4}
+WINDOW_CASES["8 x q64 over 4K, 1 window in 4 pieces"] = (
+    ((4096, 64),) * 8,
+    "llama3-8b",
+    "turboquant_3bit_nc",
+    "float16",
+    None,
+)
 
 
 def median_us(fn, calls):
@@ -191,11 +200,18 @@ def measure_launches() -> dict:
     _utils._hooks_set = lambda: False
     launchers = [(paged, "launch_rotate"), (paged, "launch_paged"),
                  (paged, "launch_combine"), (dequant, "launch_fill"),
-                 (dequant, "launch_split"), (merge, "launch_merge")]  # fmt: skip
+                 (dequant, "launch_split"), (merge, "launch_merge"),
+                 (merge, "launch_merge_pieces"),
+                 (merge, "launch_piece_query")]  # fmt: skip
     for module, name in launchers:
-        launcher = getattr(module, name)
+        launcher = getattr(module, name, None)
+        if launcher is None:  # a tree from before that kernel
+            continue
         launcher.kernel = Kernel(launcher.kernel)
         launcher.compiled.clear()
+        # nothing is compiled, so there is no wgmma to refuse (the launcher's
+        # mma_sync check compiles the kernel alone first, which the stand-in cannot)
+        launcher.mma_sync = False
     # FlashAttention's call, which a window's run makes, left out (the same in both)
     prefill_module.varlen_attention = lambda w, q, *args: torch.empty(
         q.shape[1], q.shape[0]
@@ -217,6 +233,7 @@ def measure_launches() -> dict:
         prefill = ContinuationPrefill(
             hq, hk, d, preset=preset, dtype=dtype, block_size=16,
             check_block_table=False, path=path, window=window,
+            **({"spread": SPREAD_CASES[name]} if name in SPREAD_CASES else {}),
         )  # fmt: skip
         n = b["query"].shape[0]
         ws = torch.empty(prefill.workspace_bytes(n), dtype=torch.uint8)

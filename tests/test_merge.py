@@ -1,12 +1,13 @@
 """The log-sum-exp merge against float64, in place and across dtypes, and its rules
 for empty and non-finite sides (merge.py's docstring); the merge of a row's pieces
-against the two-way merges it folds; each implementation named explicitly."""
+against the two-way merges it folds; a spread window's query copies for its pieces;
+each implementation named explicitly."""
 
 import pytest
 import torch
 from conftest import DEVICE, TRITON_OK
 
-from tq_chunked.runtime.merge import merge_attn_states, merge_pieces
+from tq_chunked.runtime.merge import merge_attn_states, merge_pieces, piece_query
 from tq_chunked.tools.testing import rel_err
 
 IMPLS = ["torch"] + (["triton"] if TRITON_OK else [])
@@ -296,3 +297,61 @@ def test_merge_refuses_bad_shapes():
         merge_attn_states(out, op, lp.double(), os, ls)
     with pytest.raises(ValueError, match="output_lse must be float32"):
         merge_attn_states(out, op, lp, os, ls, lp[:, :3])
+
+
+def _window_query(seed, dtype, n=20, h=6, d=80):
+    """A query of n tokens whose rows are strided (every other token of a larger
+    tensor, heads padded), and a piece index over window rows [3, 3 + 12) with an
+    entry before and after the window."""
+    gen = torch.Generator().manual_seed(seed)
+    big = torch.randn(2 * n, h + 1, d + 16, generator=gen).to(DEVICE, dtype)
+    query = big[::2, :h, :d]
+    index = torch.tensor([0, 11, 5, 5, -1, 12, 7, 2], dtype=torch.int32, device=DEVICE)
+    return query, 3, 12, index
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_piece_query_copies_the_window_rows_to_fp16(impl, dtype):
+    """Each piece row is its window row in fp16, bit for bit as torch converts it; an
+    index outside the window gives a zero row; with query16, the window's rows in
+    fp16 in order; nothing else is written (poisoned outputs)."""
+    query, row0, rows, index = _window_query(4, dtype)
+    h, d = query.shape[1:]
+    window = query[row0 : row0 + rows].to(torch.float16)
+    out = torch.full(
+        (index.shape[0], h, d + 8), NAN, dtype=torch.float16, device=DEVICE
+    )
+    q16 = torch.full((rows + 2, h, d), NAN, dtype=torch.float16, device=DEVICE)
+    piece_query(query, row0, rows, index, out[..., :d], q16[:rows], impl=impl)
+    ok = (index >= 0) & (index < rows)
+    want = window[index.clamp(0, rows - 1).long()].masked_fill(~ok[:, None, None], 0)
+    assert torch.equal(out[..., :d], want), "seed 4"
+    assert out[..., d:].isnan().all() and q16[rows:].isnan().all(), "seed 4"
+    assert torch.equal(q16[:rows], window), "seed 4"
+    # without query16 only the pieces' rows are written
+    again = torch.full_like(out[..., :d], NAN)
+    piece_query(query, row0, rows, index, again, impl=impl)
+    assert torch.equal(again, want), "seed 4"
+
+
+def test_piece_query_refuses_what_it_cannot_copy():
+    query, row0, rows, index = _window_query(5, torch.float16)
+    h, d = query.shape[1:]
+    out = torch.empty(index.shape[0], h, d, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"rows \[row0, row0 \+ rows\) = \[3, 30\)"):
+        piece_query(query, row0, 27, index, out)
+    with pytest.raises(ValueError, match="row0 must be an int >= 0"):
+        piece_query(query, -1, rows, index, out)
+    with pytest.raises(ValueError, match="index must be int32"):
+        piece_query(query, row0, rows, index.long(), out)
+    with pytest.raises(ValueError, match="out must be fp16"):
+        piece_query(query, row0, rows, index, out.bfloat16())
+    with pytest.raises(ValueError, match="out must be"):
+        piece_query(query, row0, rows, index, out[1:])
+    with pytest.raises(ValueError, match="query16 must be"):
+        piece_query(query, row0, rows, index, out, out[:rows].transpose(1, 2))
+    with pytest.raises(ValueError, match="query must be"):
+        piece_query(query.float(), row0, rows, index, out)
+    with pytest.raises(ValueError, match="impl must be"):
+        piece_query(query, row0, rows, index, out, impl="cuda")

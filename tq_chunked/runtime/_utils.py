@@ -156,6 +156,14 @@ def span(at: tuple | None) -> tuple[int, int] | None:
     return start, start + (last + 1) * dtype.itemsize
 
 
+def extent(at: tuple | None) -> int | None:
+    """The bytes a tensor's elements span from its first (``span``'s length), from its
+    ``place`` ``at``; None when it has none. It depends on the layout alone, so a
+    layer's checks keep it with their layout key (prefill.Step.run)."""
+    bounds = span(at)
+    return None if bounds is None else bounds[1] - bounds[0]
+
+
 def byte_span(t: torch.Tensor | None) -> tuple[int, int] | None:
     """``span`` of a tensor (None for None)."""
     return span(place(t))
@@ -515,15 +523,14 @@ class BoundLaunch:
             self.device = triton.runtime.driver.active.get_current_device()
 
 
-def layer_key(layer: tuple, places: tuple) -> tuple:
+def layer_key(layer: tuple, layouts: tuple) -> tuple:
     """What launches read of a layer's tensors (each or None) but for their addresses:
-    each one's ``layout_at`` from its ``place`` in ``places``, and which of them are
-    one tensor (each position's first of the same object). Two layers of one key,
-    their tensors on the same device, get the same launches but for the addresses;
-    each unit's key is built from it (prefill._fill_key, _paged_key, a merge's)."""
+    ``layouts``, each one's ``layout_at`` (None for None), and which of them are one
+    tensor (each position's first of the same object). Two layers of one key, their
+    tensors on the same device, get the same launches but for the addresses; each
+    unit's key is built from it (prefill._fill_key, _paged_key, a merge's)."""
     ids = [id(t) for t in layer]
-    shapes = tuple(None if at is None else layout_at(at) for at in places)
-    return shapes, tuple(map(ids.index, ids))
+    return layouts, tuple(map(ids.index, ids))
 
 
 class BoundLaunches:

@@ -23,7 +23,8 @@ What each side's log-sum-exp means, and so what the merge does with it:
 So non-finite values propagate as in one softmax over all keys, and "no keys" is never
 confused with "not a number". One function, a Triton kernel and a PyTorch fallback
 behind it; ``merge_pieces`` folds a row's several partial results by the same rules in
-one launch (a spread window's pieces, plan.py).
+one launch (a spread window's pieces, plan.py), and ``piece_query`` copies such a
+window's query rows for its pieces in (their fp16 copies: one launch).
 """
 
 from __future__ import annotations
@@ -205,6 +206,48 @@ def _merge_pieces_kernel(
 
 
 launch_merge_pieces = Launcher(_merge_pieces_kernel)
+
+
+@triton.jit(do_not_specialize=["row0", "rows", "piece_rows"])
+def _piece_query_kernel(
+    q_ptr,
+    index_ptr,
+    pq_ptr,
+    q16_ptr,
+    row0,
+    rows,
+    piece_rows,
+    heads,
+    s_q_tok,
+    s_q_head,
+    s_pq_tok,
+    s_pq_head,
+    s_q16_tok,
+    s_q16_head,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # programs [0, piece_rows): a piece's row from its window row; after them (bf16
+    # queries only): the window's rows in fp16, in order
+    r = tl.program_id(0)
+    h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    hd = (h < heads) & (d < D)
+    if r < piece_rows:
+        src = tl.load(index_ptr + r).to(tl.int64) + h * 0  # (BLOCK_H, 1)
+        ok = (src >= 0) & (src < rows)  # else a zero row, nothing read
+        at = row0 + src
+        x = tl.load(q_ptr + at * s_q_tok + h * s_q_head + d, mask=hd & ok, other=0.0)
+        dst = pq_ptr + r.to(tl.int64) * s_pq_tok + h * s_pq_head + d
+    else:
+        i = (r - piece_rows).to(tl.int64)
+        x = tl.load(q_ptr + (row0 + i) * s_q_tok + h * s_q_head + d, mask=hd)
+        dst = q16_ptr + i * s_q16_tok + h * s_q16_head + d
+    tl.store(dst, x.to(tl.float16), mask=hd)
+
+
+launch_piece_query = Launcher(_piece_query_kernel)
 
 
 def merge_attn_states(
@@ -405,6 +448,96 @@ def merge_pieces_launch(
         output_lse is not None, interpreter_rounds_bf16(output.dtype),
     )  # fmt: skip
     return launch_merge_pieces, (cdiv(rows, block_l), h), args, {"num_warps": 4}
+
+
+def piece_query(
+    query: torch.Tensor,
+    row0: int,
+    rows: int,
+    index: torch.Tensor,
+    out: torch.Tensor,
+    query16: torch.Tensor | None = None,
+    *,
+    impl: str | None = None,
+) -> None:
+    """A spread window's query rows for its pieces' call (plan.py), in fp16:
+    out[j] <- query[row0 + index[j]]; with query16, also query16[i] <-
+    query[row0 + i] for i in [0, rows) (a bf16 window's own keys' call runs on that
+    copy, workspace.py). One launch, whatever the query's dtype.
+
+    query: (N, H, D) fp16 or bf16, unit stride over D, any other strides; rows
+    [row0, row0 + rows) are the window's. index: (M,) int32 on query's device; an
+    entry outside [0, rows) gives a zero row, reading nothing. out: (M, H, D) fp16;
+    query16: (rows, H, D) fp16 or None; both unit stride over D. impl: "triton"
+    or "torch"; default: Triton where it runs. Checks its arguments
+    (``check_piece_query``)."""
+    if impl is None:
+        impl = "triton" if use_triton(query) else "torch"
+    if impl not in ("triton", "torch"):
+        raise ValueError(f"impl must be 'triton' or 'torch', got {impl!r}")
+    check_piece_query(query, row0, rows, index, out, query16)
+    if impl == "torch":
+        window = query[row0 : row0 + rows]
+        if query16 is not None:
+            query16.copy_(window)
+        ok = (index >= 0) & (index < rows)
+        picked = window.index_select(0, torch.where(ok, index, 0))
+        out.copy_(picked.masked_fill(~ok[:, None, None], 0))
+        return
+    launcher, grid, args, options = piece_query_launch(
+        query, row0, rows, index, out, query16
+    )
+    if grid[0]:
+        launcher(grid, *args, **options)
+
+
+def check_piece_query(query, row0, rows, index, out, query16) -> None:
+    """``piece_query``'s checks of its arguments (ValueError naming the first that is
+    not as its docstring says), for launches bound once per step."""
+    if query.dim() != 3 or query.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"query must be (N, H, D) fp16 or bf16, got {query.dtype} "
+            f"{tuple(query.shape)}"
+        )
+    _check_outputs([("query", query)], (None, None, None))
+    for name, n in (("row0", row0), ("rows", rows)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {n!r}")
+    if row0 + rows > query.shape[0]:
+        raise ValueError(
+            f"rows [row0, row0 + rows) = [{row0}, {row0 + rows}) must lie in query's "
+            f"{query.shape[0]} tokens"
+        )
+    if index.dim() != 1 or index.dtype != torch.int32 or index.device != query.device:
+        raise ValueError(
+            f"index must be int32 (M,) on {query.device}, got {index.dtype} "
+            f"{tuple(index.shape)} on {index.device}"
+        )
+    outs = [("out", out, index.shape[0])]
+    if query16 is not None:
+        outs.append(("query16", query16, rows))
+    for name, t, n in outs:
+        if t.dtype != torch.float16 or t.device != query.device:
+            raise ValueError(
+                f"{name} must be fp16 on {query.device}, got {t.dtype} on {t.device}"
+            )
+        _check_outputs([(name, t)], (n, *query.shape[1:]))
+
+
+def piece_query_launch(query, row0, rows, index, out, query16):
+    """``piece_query``'s Triton launch, as (launcher, grid, arguments, options); the
+    caller has done its checks."""
+    h, d = query.shape[1:]
+    block_d = next_power_of_2(d)
+    block_h = min(next_power_of_2(h), max(1, 4096 // block_d))
+    q16 = out if query16 is None else query16  # not written without
+    programs = index.shape[0] + (0 if query16 is None else rows)
+    args = (
+        query, index, out, q16, row0, rows, index.shape[0], h, query.stride(0),
+        query.stride(1), out.stride(0), out.stride(1), q16.stride(0), q16.stride(1),
+        d, block_d, block_h,
+    )  # fmt: skip
+    return launch_piece_query, (programs, cdiv(h, block_h)), args, {"num_warps": 4}
 
 
 def _check_outputs(named, shape):

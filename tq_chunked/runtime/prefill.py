@@ -47,12 +47,13 @@ from ._utils import (
     byte_span,
     check_overlaps,
     check_tensor,
+    extent,
     interpreting,
     layer_key,
     layout,
+    layout_at,
     place,
     self_overlapping,
-    span,
     use_triton,
 )
 from .attention import resolve_backend, varlen_attention, vllm_flash
@@ -60,10 +61,13 @@ from .dequant import fill_launch, fill_window, split_launch
 from .format import TQConfig, resolve_config
 from .merge import (
     check_merge_pieces,
+    check_piece_query,
     merge_attn_states,
     merge_launch,
     merge_pieces,
     merge_pieces_launch,
+    piece_query,
+    piece_query_launch,
 )
 from .paged import DEFAULT_SMS, PagedPlan, paged_launches
 from .plan import PATHS, LongRequest, PagedRun, Plan, default_window, make_plan
@@ -597,6 +601,7 @@ class Step:
         # last one run was given (a micro-batch's own, in vLLM), carved once.
         self.workspace: torch.Tensor | None = None
         self.buffers: tuple = ()
+        self.filled: tuple = ()  # each unit's filled keys and values (``_filled``)
         self._place: tuple | None = None  # the workspace's (address, bytes)
         self._workspace_span: tuple[int, int] | None = None  # its byte range
         # a layer's key for its fills, paged runs or merges (_fill_key, _paged_key,
@@ -618,6 +623,7 @@ class Step:
         if at != self._place:
             views = {key: _carve(workspace, key) for key in set(self.plan.unit_layouts)}
             self.buffers = tuple(views[key] for key in self.plan.unit_layouts)
+            self.filled = tuple(map(_filled, self.plan.units, self.buffers))
             self._place = at
             self._workspace_span = (at[0], at[0] + at[1]) if at[1] else None
             self._bound.clear()  # their launches take the old views
@@ -702,19 +708,31 @@ class Step:
             places = tuple(map(place, layer))
         except (AttributeError, RuntimeError, TypeError):  # no place: not a tensor,
             places = None  # or a sparse one (the checks say which)
-        # The layouts (the places but their addresses) are checked once per layout:
-        # every layer of a step after its first passes its first's (NOTES.md §53)
-        fit = places and (tuple(at and at[:1] + at[2:] for at in places), self._fit)
-        if fit is None or fit not in p._fits:
+        # The layouts (the places but their addresses, which only their 16-byte
+        # alignment class) are checked once per layout: every layer of a step after
+        # its first passes its first's (NOTES.md §53). What a layout says of each
+        # tensor is kept with it: the bytes it spans (``extent``) and what a launch
+        # reads of it (``layout_at``), NOTES.md §68.
+        fit = places and (
+            tuple(at and (at[0], at[1] & 15, *at[2:]) for at in places),
+            self._fit,
+        )
+        known = None if fit is None else p._fits.get(fit)
+        if known is None:
             self._check_layouts(*layer, _names)
+            if places is None:  # the checks passed: each is a tensor or None
+                places = tuple(map(place, layer))
+            known = (
+                tuple(map(extent, places)),
+                tuple(at and layout_at(at) for at in places),
+            )
             if fit is not None:
                 if len(p._fits) >= CHECKED_LAYOUTS:
                     del p._fits[next(iter(p._fits))]  # the oldest
-                p._fits[fit] = True
-        if places is None:  # the checks passed: each is a tensor or None
-            places = tuple(map(place, layer))
+                p._fits[fit] = known
+        extents, layouts = known
         # the overlaps at every layer, from the places' byte ranges
-        spans = [span(at) for at in places]
+        spans = _spans(places, extents)
         written = spans[8] if workspace is not None else self._workspace_span
         check_overlaps(
             [("out", spans[6]), ("lse", spans[7]), ("workspace", written)],
@@ -722,13 +740,13 @@ class Step:
              ("kv_cache", spans[3]), self._own_spans[0], ("rotation", spans[5]),
              ("centroids", spans[4]), *self._own_spans[1:]],
         )  # fmt: skip
-        at_out, at_lse = places[6:8]
+        at_out, at_lse = layouts[6:8]
         if out is None:
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
-            at_out = place(out)
+            at_out = layout(out)
         if lse is None and return_lse:
             lse = torch.empty(p.num_q_heads, n, dtype=torch.float32, device=self.device)
-            at_lse = place(lse)
+            at_lse = layout(lse)
         need = self.plan.workspace_bytes
         if workspace is None and self.workspace is None and need:
             workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
@@ -738,10 +756,10 @@ class Step:
             # the layer's key for the step's bound launches, from the places the checks
             # read (an fp8 preset's launches take no rotation)
             rotation = None if p.cfg.key_fp8 else rotation
-            at_rotation = None if rotation is None else places[5]
+            at_rotation = None if rotation is None else layouts[5]
             shapes = layer_key(
                 (query, key, value, kv_cache, centroids, rotation, out, lse),
-                (*places[:5], at_rotation, at_out, at_lse),
+                (*layouts[:5], at_rotation, at_out, at_lse),
             )
             _Layer(self, query, key, value, kv_cache, centroids, rotation, scale, out,
                    lse, shapes).run()  # fmt: skip
@@ -850,6 +868,25 @@ def _carve(workspace, key):
     return carve(workspace, key)
 
 
+def _spans(places, extents):
+    """Each tensor's byte range (``span``) from its place's address and its layout's
+    ``extent``; None where it has none."""
+    return [e and (at[1], at[1] + e) for at, e in zip(places, extents)]
+
+
+def _filled(unit, bufs):
+    """The rows of the workspace's keys and values a unit's windows fill, each window's
+    (k, v) (attention reads zeros past them: plan.GAP): for a batch window one pair,
+    for a long request one per window, for a paged run None. Views once per step, not
+    per layer (NOTES.md §68)."""
+    if isinstance(unit, PagedRun):
+        return None
+    rows = lambda w: (bufs.k_buf[: w.rows], bufs.v_buf[: w.rows])
+    if isinstance(unit, LongRequest):
+        return tuple(map(rows, unit.windows))
+    return rows(unit)
+
+
 def _fill_key(shapes: tuple, err) -> tuple:
     """The key of a layer's fills (kv_cache, centroids, rotation, key, value, err):
     the layouts and aliasing of ``shapes`` (``_Layer.shapes``) at those tensors,
@@ -886,6 +923,7 @@ class _Layer:
         self.fills = None  # the step's bound fills for this layer's layouts
         self.merges = None  # and its long requests' bound merges
         self.pieces = None  # and its spread windows' bound merges
+        self.copies = None  # and their bound query copies
 
     def run(self):
         step = self.step
@@ -909,13 +947,13 @@ class _Layer:
                     self.kv_cache.shape[0],
                 )
         self.err = err[0] if err is not None else None
-        for unit, bufs in zip(step.plan.units, step.buffers):
+        for unit, bufs, kv in zip(step.plan.units, step.buffers, step.filled):
             if isinstance(unit, LongRequest):
-                self.long_request(unit, bufs)
+                self.long_request(unit, bufs, kv)
             elif isinstance(unit, PagedRun):
                 self.paged_run(unit, bufs)
             else:
-                self.batch_window(unit, bufs)
+                self.batch_window(unit, bufs, kv)
         if err is not None:
             # the bad-id record, copied back for the next call to read (no sync)
             err[1].copy_(err[0], non_blocking=True)
@@ -961,22 +999,23 @@ class _Layer:
             self.fills[(id(window), head0)] = bound
         bound(self.fill_layer)
 
-    def batch_window(self, w, bufs):
+    def batch_window(self, w, bufs, kv):
         """Requests that fit one window: one causal call, the answer written to out.
         Spread (w.pieces > 1): the pieces' call over copies of the query rows, the
         own keys' causal call into out's bytes, then both merged into out (plan.py);
-        every partial in fp16, as a long request's are (workspace.py)."""
+        every partial in fp16, as a long request's are (workspace.py). ``kv``: the
+        window's filled keys and values (``_filled``)."""
         rows = slice(w.q0, w.q1)
         self._fill(w, 0, bufs)
-        # the filled rows only: attention reads zeros past them (plan.GAP)
-        k, v = bufs.k_buf[: w.rows], bufs.v_buf[: w.rows]
-        q, out, backend = self.query[rows], self.out[rows], self.step.backend
+        k, v = kv
+        q, out, backend = self.query, self.out, self.step.backend
+        if w.q1 - w.q0 != q.shape[0]:  # not the step's only window: its rows
+            q, out = q[rows], out[rows]
         if w.pieces > 1:
             own = out
+            self._piece_query(w, bufs)
             if bufs.q16 is not None:  # bf16: the own keys' partial waits in out's bytes
-                q = bufs.q16.copy_(q)
-                own = out.view(torch.float16)
-            torch.index_select(q, 0, w.copy, out=bufs.piece_q)
+                q, own = bufs.q16, out.view(torch.float16)
             piece_lse = varlen_attention(
                 w.pieces_call, bufs.piece_q, k, v, self.scale, bufs.piece_out, backend
             )
@@ -986,6 +1025,24 @@ class _Layer:
         lse = varlen_attention(w, q, k, v, self.scale, out, backend)
         if self.lse is not None:
             self.lse[:, rows].copy_(lse)
+
+    def _piece_query(self, w, bufs):
+        """A spread window's query rows copied for its pieces, in fp16 (and to q16 for
+        bf16 queries), one launch bound as the fills are at the step's first layer of
+        the query's layout (NOTES.md §68)."""
+        args = (self.query, w.q0, w.q1 - w.q0, w.copy, bufs.piece_q, bufs.q16)
+        if not use_triton(self.query):
+            piece_query(*args)
+            return
+        if self.copies is None:  # the layer's first spread window
+            self.copies = self.step.bound(("piece query", self.shapes[0][0]))
+        bound = self.copies.get(id(w))
+        if bound is None:
+            check_piece_query(*args)
+            owned = (w.copy, bufs.piece_q, bufs.q16)
+            bound = BoundLaunches([piece_query_launch(*args)], (self.query,), owned)
+            self.copies[id(w)] = bound
+        bound((self.query,))
 
     def _merge_pieces(self, w, bufs, out, own, lse, piece_lse):
         """A spread window's pieces and own keys (``own``: out, or out's bytes as
@@ -1069,7 +1126,7 @@ class _Layer:
             bound = runs[id(run)] = BoundLaunches(launches, layer, owned)
         bound(layer)
 
-    def long_request(self, req, bufs):
+    def long_request(self, req, bufs, filled):
         """A request longer than a window, req.kv_heads kv heads at a time: part
         windows merged into a float32 state, then the last window (its new tokens
         too), merged into out."""
@@ -1095,16 +1152,10 @@ class _Layer:
                 if self.lse is None
                 else (self.lse[:, rows] if whole else self.lse[heads, rows])
             )
-            for i, w in enumerate(req.windows):
+            for i, (w, (k, v)) in enumerate(zip(req.windows, filled)):
                 self._fill(w, kv0, bufs)
                 part_lse = varlen_attention(
-                    w,
-                    q,
-                    bufs.k_buf[: w.rows],
-                    bufs.v_buf[: w.rows],
-                    self.scale,
-                    part,
-                    self.step.backend,
+                    w, q, k, v, self.scale, part, self.step.backend
                 )
                 self._merge(w, kv0, i == 0, (o, part, part_lse, lse_out), bufs)
 
