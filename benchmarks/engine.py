@@ -234,7 +234,7 @@ def workloads(repeats, long_tokens=60000):
 ATTENTION_KERNELS = re.compile(
     r"flash|fmha|attn|attention|merge|turboquant|_tq_|tq_|dequant|decode|"
     r"reshape_and_cache|_fill_kernel|_split_kernel|_paged_kernel|_rotate_kernel|"
-    r"_combine_kernel",
+    r"_combine_kernel|_piece_query_kernel",
     re.IGNORECASE,
 )
 

@@ -304,7 +304,14 @@ def _window_query(seed, dtype, n=20, h=6, d=80):
     tensor, heads padded), and a piece index over window rows [3, 3 + 12) with an
     entry before and after the window."""
     gen = torch.Generator().manual_seed(seed)
-    big = torch.randn(2 * n, h + 1, d + 16, generator=gen).to(DEVICE, dtype)
+    big = torch.randn(2 * n, h + 1, d + 16, generator=gen)
+    # values whose fp16 conversion rounds, overflows or is not a number (in window
+    # rows 1 and 5, which the index reads)
+    special = torch.tensor([65536.0, -65536.0, 65280.0, 65519.0, 3e-8, -3e-8, 1e-9,
+                            INF, -INF, NAN, -0.0, 1.0 + 2**-9])  # fmt: skip
+    big[8, 0, : special.numel()] = special
+    big[16, 2, : special.numel()] = -special
+    big = big.to(DEVICE, dtype)
     query = big[::2, :h, :d]
     index = torch.tensor([0, 11, 5, 5, -1, 12, 7, 2], dtype=torch.int32, device=DEVICE)
     return query, 3, 12, index
@@ -326,13 +333,18 @@ def test_piece_query_copies_the_window_rows_to_fp16(impl, dtype):
     piece_query(query, row0, rows, index, out[..., :d], q16[:rows], impl=impl)
     ok = (index >= 0) & (index < rows)
     want = window[index.clamp(0, rows - 1).long()].masked_fill(~ok[:, None, None], 0)
-    assert torch.equal(out[..., :d], want), "seed 4"
+    same = lambda a, b: torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert same(out[..., :d], want), "seed 4"  # every bit, NaNs and -0.0 too
     assert out[..., d:].isnan().all() and q16[rows:].isnan().all(), "seed 4"
-    assert torch.equal(q16[:rows], window), "seed 4"
+    assert same(q16[:rows], window), "seed 4"
     # without query16 only the pieces' rows are written
     again = torch.full_like(out[..., :d], NAN)
     piece_query(query, row0, rows, index, again, impl=impl)
-    assert torch.equal(again, want), "seed 4"
+    assert same(again, want), "seed 4"
+    # a window of no rows: every piece row is a zero row
+    none = torch.full_like(again, NAN)
+    piece_query(query, row0, 0, index, none, q16[:0], impl=impl)
+    assert torch.equal(none, torch.zeros_like(none)), "seed 4"
 
 
 def test_piece_query_refuses_what_it_cannot_copy():
@@ -345,6 +357,18 @@ def test_piece_query_refuses_what_it_cannot_copy():
         piece_query(query, -1, rows, index, out)
     with pytest.raises(ValueError, match="index must be int32"):
         piece_query(query, row0, rows, index.long(), out)
+    with pytest.raises(ValueError, match="index must be int32 .* of unit stride"):
+        piece_query(query, row0, rows, index.repeat(2)[::2], out)
+    with pytest.raises(ValueError, match="index must be int32 .* of unit stride"):
+        piece_query(query, row0, rows, index[:1].expand(8), out)
+    m = index.shape[0]
+    with pytest.raises(ValueError, match="out must not share memory with query"):
+        piece_query(query, row0, rows, index, query[:m])
+    both = torch.empty(m + rows, h, d, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="out must not share memory with query16"):
+        piece_query(query, row0, rows, index, both[:m], both[m - 1 : m - 1 + rows])
+    with pytest.raises(ValueError, match="query must have heads and head size"):
+        piece_query(query[:, :0], row0, rows, index, out[:, :0])
     with pytest.raises(ValueError, match="out must be fp16"):
         piece_query(query, row0, rows, index, out.bfloat16())
     with pytest.raises(ValueError, match="out must be"):

@@ -528,7 +528,8 @@ def layer_key(layer: tuple, layouts: tuple) -> tuple:
     ``layouts``, each one's ``layout_at`` (None for None), and which of them are one
     tensor (each position's first of the same object). Two layers of one key, their
     tensors on the same device, get the same launches but for the addresses; each
-    unit's key is built from it (prefill._fill_key, _paged_key, a merge's)."""
+    unit's key is built from it (prefill._fill_key, _paged_key, a merge's, a spread
+    window's query copies')."""
     ids = [id(t) for t in layer]
     return layouts, tuple(map(ids.index, ids))
 

@@ -23,8 +23,9 @@ What each side's log-sum-exp means, and so what the merge does with it:
 So non-finite values propagate as in one softmax over all keys, and "no keys" is never
 confused with "not a number". One function, a Triton kernel and a PyTorch fallback
 behind it; ``merge_pieces`` folds a row's several partial results by the same rules in
-one launch (a spread window's pieces, plan.py), and ``piece_query`` copies such a
-window's query rows for its pieces in (their fp16 copies: one launch).
+one launch (a spread window's pieces, plan.py). Such a window's pieces attend with
+copies of their requests' query rows: ``piece_query`` writes them, in fp16, in one
+launch, as this module's other op for spread windows.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ import triton.language as tl
 
 from ._utils import (
     Launcher,
+    byte_span,
     cdiv,
+    check_overlaps,
     interpreter_rounds_bf16,
     next_power_of_2,
     round_bf16,
@@ -465,12 +468,12 @@ def piece_query(
     query[row0 + i] for i in [0, rows) (a bf16 window's own keys' call runs on that
     copy, workspace.py). One launch, whatever the query's dtype.
 
-    query: (N, H, D) fp16 or bf16, unit stride over D, any other strides; rows
-    [row0, row0 + rows) are the window's. index: (M,) int32 on query's device; an
-    entry outside [0, rows) gives a zero row, reading nothing. out: (M, H, D) fp16;
-    query16: (rows, H, D) fp16 or None; both unit stride over D. impl: "triton"
-    or "torch"; default: Triton where it runs. Checks its arguments
-    (``check_piece_query``)."""
+    query: (N, H, D) fp16 or bf16, H, D >= 1, unit stride over D, any other strides;
+    rows [row0, row0 + rows) are the window's. index: (M,) int32 on query's device,
+    unit stride; an entry outside [0, rows) gives a zero row, reading nothing. out:
+    (M, H, D) fp16; query16: (rows, H, D) fp16 or None; both unit stride over D, and
+    neither shares memory with query or the other. impl: "triton" or "torch";
+    default: Triton where it runs. Checks its arguments (``check_piece_query``)."""
     if impl is None:
         impl = "triton" if use_triton(query) else "torch"
     if impl not in ("triton", "torch"):
@@ -480,6 +483,9 @@ def piece_query(
         window = query[row0 : row0 + rows]
         if query16 is not None:
             query16.copy_(window)
+        if rows == 0:  # every entry outside the window
+            out.zero_()
+            return
         ok = (index >= 0) & (index < rows)
         picked = window.index_select(0, torch.where(ok, index, 0))
         out.copy_(picked.masked_fill(~ok[:, None, None], 0))
@@ -500,6 +506,10 @@ def check_piece_query(query, row0, rows, index, out, query16) -> None:
             f"{tuple(query.shape)}"
         )
     _check_outputs([("query", query)], (None, None, None))
+    if 0 in query.shape[1:]:
+        raise ValueError(
+            f"query must have heads and head size, got {tuple(query.shape)}"
+        )
     for name, n in (("row0", row0), ("rows", rows)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"{name} must be an int >= 0, got {n!r}")
@@ -508,10 +518,16 @@ def check_piece_query(query, row0, rows, index, out, query16) -> None:
             f"rows [row0, row0 + rows) = [{row0}, {row0 + rows}) must lie in query's "
             f"{query.shape[0]} tokens"
         )
-    if index.dim() != 1 or index.dtype != torch.int32 or index.device != query.device:
+    if (
+        index.dim() != 1
+        or index.dtype != torch.int32
+        or index.device != query.device
+        or (index.shape[0] > 1 and index.stride(0) != 1)
+    ):
         raise ValueError(
-            f"index must be int32 (M,) on {query.device}, got {index.dtype} "
-            f"{tuple(index.shape)} on {index.device}"
+            f"index must be int32 (M,) of unit stride on {query.device}, got "
+            f"{index.dtype} {tuple(index.shape)} strides {index.stride()} on "
+            f"{index.device}"
         )
     outs = [("out", out, index.shape[0])]
     if query16 is not None:
@@ -522,6 +538,8 @@ def check_piece_query(query, row0, rows, index, out, query16) -> None:
                 f"{name} must be fp16 on {query.device}, got {t.dtype} on {t.device}"
             )
         _check_outputs([(name, t)], (n, *query.shape[1:]))
+    spans = [(name, byte_span(t)) for name, t, _ in outs]
+    check_overlaps(spans, [("query", byte_span(query))])
 
 
 def piece_query_launch(query, row0, rows, index, out, query16):

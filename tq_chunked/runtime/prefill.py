@@ -411,9 +411,10 @@ class ContinuationPrefill:
                 f"check_block_table must be a bool, got {check_block_table!r}"
             )
         self.check_block_table = check_block_table
-        # Step.run's layout keys (a layer's tensors' places but their addresses, its
-        # step's token count, workspace size and device) whose checks passed, the
-        # last CHECKED_LAYOUTS of them (NOTES.md §53)
+        # Step.run's layout keys (a layer's tensors' places but their addresses, which
+        # only their 16-byte alignment class; its step's token count, workspace size
+        # and device) whose checks passed, the last CHECKED_LAYOUTS of them, each with
+        # its tensors' extents and launch layouts (NOTES.md §53, §68)
         self._fits: dict = {}
 
     def plan(
@@ -567,8 +568,9 @@ class Step:
 
     Attributes: ``prefill`` (what it was planned by), ``plan`` (plan.Plan: the units,
     windows and paged runs, in order of their query rows), ``block_table``,
-    ``query_start_loc`` and ``seq_lens`` (host ints), ``workspace`` and ``buffers``
-    (each unit's views of it), ``backend`` (the resolved attention back end),
+    ``query_start_loc`` and ``seq_lens`` (host ints), ``workspace``, ``buffers``
+    (each unit's views of it) and ``filled`` (each unit's filled rows of them:
+    ``_filled``), ``backend`` (the resolved attention back end),
     ``device``."""
 
     def __init__(
@@ -604,11 +606,12 @@ class Step:
         self.filled: tuple = ()  # each unit's filled keys and values (``_filled``)
         self._place: tuple | None = None  # the workspace's (address, bytes)
         self._workspace_span: tuple[int, int] | None = None  # its byte range
-        # a layer's key for its fills, paged runs or merges (_fill_key, _paged_key,
-        # _Layer._merge, _Layer._merge_pieces) -> {a paged run's id; a window's id
-        # and first kv head (its fill; "split": the rotation's); a window's id, first
-        # kv head and partial lse's layout (its merge); a spread window's id and its
-        # two calls' lse layouts (its pieces' merge): BoundLaunches}: the launches as
+        # a layer's key for its fills, paged runs, merges or query copies (_fill_key,
+        # _paged_key, _Layer._merge, _merge_pieces, _piece_query) -> {a paged run's
+        # id; a window's id and first kv head (its fill; "split": the rotation's); a
+        # window's id, first kv head and partial lse's layout (its merge); a spread
+        # window's id and its two calls' lse layouts (its pieces' merge); a spread
+        # window's id (its query copies): BoundLaunches}: the launches as
         # the step's first layer of that key built them (the plan holds its units and
         # windows)
         self._bound: dict = {}
@@ -631,9 +634,10 @@ class Step:
 
     def bound(self, key: tuple) -> dict:
         """The units' launches bound for a layer of ``key`` (``_fill_key``,
-        ``_paged_key``, a merge's, a spread window's merge's): a dict the layer fills
-        at the first layer of that key. Up to 32 keys are kept, the oldest dropped
-        first (a model whose layers alternate layouts binds each once)."""
+        ``_paged_key``, a merge's, a spread window's merge's or query copies'): a
+        dict the layer fills at the first layer of that key. Up to 32 keys are kept,
+        the oldest dropped first (a model whose layers alternate layouts binds each
+        once)."""
         bound = self._bound.get(key)
         if bound is None:
             if len(self._bound) >= 32:
@@ -753,8 +757,8 @@ class Step:
         if workspace is not None:
             self._take(workspace)
         if n:
-            # the layer's key for the step's bound launches, from the places the checks
-            # read (an fp8 preset's launches take no rotation)
+            # the layer's key for the step's bound launches, from the layouts the
+            # checks keep (an fp8 preset's launches take no rotation)
             rotation = None if p.cfg.key_fp8 else rotation
             at_rotation = None if rotation is None else layouts[5]
             shapes = layer_key(
