@@ -718,17 +718,16 @@ def windows(
     return _units(qsl, seq_lens, capacity, device, stream, long_capacity, [])[0]
 
 
-def _spread_ints(segs, pieces: int) -> np.ndarray:
+def _spread_ints(reqs, pieces: int) -> np.ndarray:
     """A spread window's ``copy``, ``piece_first`` and ``piece_step`` (``Window``), one
     int32 array. The pieces' rows follow their requests: piece i of a request of q
     query rows whose pieces start at row p holds rows p + i * q + [0, q), copies of
     the request's query rows. A request without cached keys has none: its rows'
     pieces lie outside the pieces' rows (first -1, step 0), which the merge leaves
-    empty. Built by numpy: a window's pieces hold thousands of rows (NOTES.md §67)."""
-    # each request (the segment with its query rows; its first cached position is its
-    # cached tokens' count): whether it has pieces, its query rows
-    has = np.array([c > 0 for _, c, _, _, _, q in segs if q])
-    q = np.array([q for *_, q in segs if q], dtype=np.int64)
+    empty. ``reqs``: the window's requests, (query rows, cached keys) each. Built by
+    numpy: a window's pieces hold thousands of rows (NOTES.md §67)."""
+    q, c = np.array(reqs, dtype=np.int64).T
+    has = c > 0  # whether each request has pieces
     o = np.cumsum(q) - q  # each request's first query row
     span = q * has * pieces  # each request's piece rows
     p = np.cumsum(span) - span  # where they start
@@ -766,12 +765,13 @@ def _units(
         raise AssertionError("capacity must exceed the query tokens (capacity())")
     packed: list[int] = []  # every device int32 array of the plan, uploaded in one copy
     # each window before the upload: (kind, segments, causal, pieces, the query rows
-    # of each segment in the pieces' call or None), a segment being (request, first
-    # cached position, cached rows, first new row, new rows, query rows)
-    specs: list[tuple[str, list, bool, int, list | None]] = []
+    # of each segment in the pieces' call and ``_spread_ints``, or None and None), a
+    # segment being (request, first cached position, cached rows, first new row, new
+    # rows, query rows)
+    specs: list[tuple[str, list, bool, int, list | None, np.ndarray | None]] = []
 
-    def window(kind, segs, causal, pieces=1, pieces_q=None):
-        specs.append((kind, segs, causal, pieces, pieces_q))
+    def window(kind, segs, causal, pieces=1, pieces_q=None, ints=None):
+        specs.append((kind, segs, causal, pieces, pieces_q, ints))
         return len(specs) - 1
 
     # each run's first request -> (the run's index, the request after its last): a run
@@ -786,12 +786,12 @@ def _units(
         nonlocal batch, batch_rows
         if batch:
             segs = batch[:-1]  # the last request's gap is not needed
-            pieces = 1
-            if pieces_of is not None:
-                pieces = pieces_of([(s[5], s[2]) for s in segs if s[5]])
+            reqs = [(s[5], s[2]) for s in segs if s[5]]  # (query rows, cached keys)
+            pieces = 1 if pieces_of is None else pieces_of(reqs)
             if pieces > 1:
                 spread, pieces_q = _spread_segments(segs, pieces)
-                units.append(window("batch", spread, True, pieces, pieces_q))
+                ints = _spread_ints(reqs, pieces)
+                units.append(window("batch", spread, True, pieces, pieces_q, ints))
             else:
                 units.append(window("batch", segs, True))
         batch, batch_rows = [], 0
@@ -836,36 +836,29 @@ def _units(
     flush()
 
     spans = []
-    for _, segs, _, _, pieces_q in specs:
-        starts = [0]
-        for _, _, c, _, new, _ in segs:
-            starts.append(starts[-1] + c + new)
-        cu_q = [0]
-        for *_, q in segs:
-            cu_q.append(cu_q[-1] + q)
-        fields = (
-            starts
-            + [s[0] for s in segs]
-            + [s[1] for s in segs]
-            + [s[2] for s in segs]
-            + [s[3] for s in segs]
-        )
+    columns = []  # each window's segments as columns (six tuples: segments' fields)
+    for _, segs, _, _, pieces_q, _ in specs:
+        cols = tuple(zip(*segs))
+        columns.append(cols)
+        starts = [0, *itertools.accumulate(map(operator.add, cols[2], cols[4]))]
+        cu_q = [0, *itertools.accumulate(cols[5])]
+        fields = starts + [*cols[0], *cols[1], *cols[2], *cols[3]]
         assert len(fields) == SEG_FIELDS * len(segs) + 1
         spans.append((len(packed), len(fields), len(packed) + len(fields), len(cu_q)))
-        packed.extend(fields)
-        packed.extend(cu_q)
+        packed += fields
+        packed += cu_q
         if pieces_q is not None:  # the pieces' call's query starts
-            packed.extend([0, *itertools.accumulate(pieces_q)])
+            packed += [0, *itertools.accumulate(pieces_q)]
     # the spread windows' copies and the paged runs' ints after the windows' (they
     # run to thousands of rows and programs: joined as arrays, not as Python ints)
     pieces = [np.asarray(packed, dtype=np.int32)]
     end = len(packed)
     spread_at = []  # each spread window's copy, first and step: where they start
-    for _, segs, _, npieces, pieces_q in specs:
-        if pieces_q is not None:
+    for *_, ints in specs:
+        if ints is not None:
             spread_at.append(end)
-            pieces.append(_spread_ints(segs, npieces))
-            end += len(pieces[-1])
+            pieces.append(ints)
+            end += len(ints)
     paged_spans: list[tuple[int, int, int, int, tuple[int, ...]]] = []
     for run, plan in runs:
         run_cu = [0, *itertools.accumulate(qsl[r + 1] - qsl[r] for r in run)]
@@ -892,8 +885,10 @@ def _units(
 
     made = []
     spread_next = iter(spread_at)
-    for (kind, segs, causal, npieces, pieces_q), (s0, ns, c0, nc) in zip(specs, spans):
+    for spec, (s0, ns, c0, nc), cols in zip(specs, spans, columns):
+        kind, segs, causal, npieces, pieces_q, _ = spec
         nseg = len(segs)
+        rows = tuple(map(operator.add, cols[2], cols[4]))  # each segment's key rows
         segs_host = tuple(packed[s0 : s0 + ns])
         cu_k_host = segs_host[: nseg + 1]
         cu_q_host = tuple(packed[c0 : c0 + nc])
@@ -913,7 +908,7 @@ def _units(
                     tuple(starts),
                     cu_k_host,
                     max(pieces_q),
-                    max(seg[2] for seg in segs),  # the longest piece
+                    max(cols[2]),  # the longest piece
                     False,
                 ),
                 copy=dev[m0 : m0 + m],
@@ -934,11 +929,11 @@ def _units(
                 cu_k=dev[s0 : s0 + nseg + 1],
                 cu_q_host=cu_q_host,
                 cu_k_host=cu_k_host,
-                max_q=max(seg[5] for seg in segs),
-                max_k=max(seg[2] + seg[4] for seg in segs),
+                max_q=max(cols[5]),
+                max_k=max(rows),
                 causal=causal,
-                has_chunk=any(seg[4] > 0 for seg in segs),
-                requests=tuple(seg[0] for seg in segs if seg[5]),
+                has_chunk=any(cols[4]),
+                requests=tuple(itertools.compress(cols[0], cols[5])),
                 **spread,
             )
         )
