@@ -4,22 +4,23 @@ CPU, this tree against another (benchmarks/NOTES.md §51, §52, §53).
     python benchmarks/plan_host.py OUT_DIR [--against DIR] [--rounds 3]
 
 For the decodes of ``testing.memory_bound_workloads`` that ``host_profile.py --paged``
-profiles on a GPU, plus 256 x 2K-12K: ``ContinuationPrefill.plan`` (medians of 100
-calls); ``Step.run`` per layer with its three kernel launches replaced by no-ops (the
-run's Python); and ``Step.run`` per layer down to each launch's compiled kernel, for
-those decodes and for WINDOW_CASES on the window path, whose FlashAttention call is
-left out (the run to the launches: the launchers' own Python too, Triton's compilation
-replaced by a compiled kernel that does nothing, a driver stand-in and CPU tensors that
-say they are on CUDA, so that the launchers take the path they take on a GPU; what is
-left out is that kernel's ``run``, the same in every tree), and the same with 0.6.9's
-record of places found apart emptied before each layer (places new: a step whose shape
-does not repeat an earlier one's, NOTES.md §53). The runs: medians of 400
-calls over LAYERS layers of distinct tensors of one layout, in turn, the decodes'
+profiles on a GPU, plus 256 x 2K-12K, and for SPREAD_PLANS (two of its batches on the
+window path, as one call per window and spread): ``ContinuationPrefill.plan`` (medians
+of 100 calls); for the decodes ``Step.run`` per layer with its three kernel launches
+replaced by no-ops (the run's Python); and ``Step.run`` per layer down to each launch's
+compiled kernel, for those decodes and for WINDOW_CASES on the window path, whose
+FlashAttention call is left out (the run to the launches: the launchers' own Python too,
+Triton's compilation replaced by a compiled kernel that does nothing, a driver stand-in
+and CPU tensors that say they are on CUDA, so that the launchers take the path they take
+on a GPU; what is left out is that kernel's ``run``, the same in every tree), and the
+same with 0.6.9's record of places found apart emptied before each layer (places new: a
+step whose shape does not repeat an earlier one's, NOTES.md §53). The runs: medians of
+400 calls over LAYERS layers of distinct tensors of one layout, in turn, the decodes'
 cached lengths cut to 64 tokens (which the host does not depend on). Each tree in its
 own processes, the trees in turn for ``--rounds`` rounds; each figure is the median of
 its rounds. ``--against``: the root of another checkout (a ``git worktree`` of an
-earlier commit). The plan and the run's Python run under ``TRITON_INTERPRET=1``, so
-that the CPU plans the memory-bound path as a GPU does. Writes plan-host.json and
+earlier commit). The plan and the run's Python run under ``TRITON_INTERPRET=1``, so that
+the CPU plans the memory-bound path as a GPU does. Writes plan-host.json and
 plan-host.md to OUT_DIR.
 """
 
@@ -58,6 +59,14 @@ WINDOW_CASES["8 x q64 over 4K, 1 window in 4 pieces"] = (
     "float16",
     None,
 )
+# plans of the memory-bound grid's batches on the window path, as one call per window
+# and spread (name -> (workload, pieces): NOTES.md §67, §69)
+SPREAD_PLANS = {
+    "plan: 8/1 bf16 batch, 1 window": ("16 x q64 4K-16K 8/1 bf16", 1),
+    "plan: 8/1 bf16 batch, 1 window in 5 pieces": ("16 x q64 4K-16K 8/1 bf16", 5),
+    "plan: 8 hits q64-128, 5 windows": ("8 hits q64-128 4K-32K", 1),
+    "plan: 8 hits q64-128, 5 windows in 3-5 pieces": ("8 hits q64-128 4K-32K", 5),
+}
 
 
 def median_us(fn, calls):
@@ -82,8 +91,9 @@ def measure() -> dict:
 
     grid = {w.name: w for w in memory_bound_workloads()}
     result = {"plan_us": {}, "run_python_us": {}}
-    for name in WORKLOADS:
-        w = grid[name]
+    spread = {name: (grid[w], pieces) for name, (w, pieces) in SPREAD_PLANS.items()}
+    for name in (*WORKLOADS, *spread):
+        w, pieces = spread.get(name, (grid.get(name), None))
         hq, hk, d = SHAPES[w.shape]
         qsl, lens = [0], []
         for cached, q in w.requests:
@@ -96,6 +106,7 @@ def measure() -> dict:
         prefill = ContinuationPrefill(
             hq, hk, d, preset=w.preset, dtype=getattr(torch, w.dtype), block_size=16,
             check_block_table=False,
+            **({} if pieces is None else {"path": "window", "spread": pieces}),
         )  # fmt: skip
         ws = torch.empty(prefill.workspace_bytes(qsl[-1]), dtype=torch.uint8)
         qc = torch.tensor(qsl, dtype=torch.int32)
@@ -106,8 +117,12 @@ def measure() -> dict:
                 table, qc, lc, query_start_loc_cpu=qc, seq_lens_cpu=lc, workspace=ws
             )
 
-        kinds = {type(u).__name__ for u in plan().plan.units}
-        if kinds != {"PagedRun"}:
+        units = plan().plan.units
+        kinds = {type(u).__name__ for u in units}
+        if pieces is not None:
+            if kinds != {"Window"} or max(u.pieces for u in units) != pieces:
+                raise SystemExit(f"{name}: planned {kinds}, not windows of {pieces}")
+        elif kinds != {"PagedRun"}:
             raise SystemExit(f"{name}: planned {kinds}, not a paged run: set "
                              "TRITON_INTERPRET=1")  # fmt: skip
         result["plan_us"][name] = median_us(plan, 100)
@@ -356,7 +371,7 @@ def main():
         + " | " + " | ".join(f"the same, places new, {t}" for t in labels) + " |",
         "|---" * (1 + 4 * len(labels)) + "|",
     ]  # fmt: skip
-    for w in (*WORKLOADS, *WINDOW_CASES):
+    for w in (*WORKLOADS, *SPREAD_PLANS, *WINDOW_CASES):
         plan = [
             f"{summary[t]['plan_us'][w] / 1e3:.3f} ms"
             if w in summary[t]["plan_us"]

@@ -48,8 +48,10 @@ of requests.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -66,10 +68,13 @@ def _aligned(n):
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+# a plan asks for each window's layout several times (its fit, its bytes, its views)
+@functools.lru_cache(maxsize=256)
 def layout(kind, rows, group_q_heads, group_kv_heads, head_dim, cap, dtype, q_rows=0):
     """{region: (byte offset, shape, dtype)} and the total bytes (with room to align
     the first region in any buffer), for a "batch", "spread" or "long" step (see the
-    module docstring; ``q_rows``: a spread window's query rows, Q)."""
+    module docstring; ``q_rows``: a spread window's query rows, Q). Cached, so the
+    mapping is read-only."""
     kv_dtype = dtype if kind == "batch" else torch.float16
     regions = {
         # first in every layout, so that one split per call serves all its steps
@@ -95,7 +100,7 @@ def layout(kind, rows, group_q_heads, group_kv_heads, head_dim, cap, dtype, q_ro
         for s in shape:
             n *= s
         end += _aligned(n)
-    return offsets, end + ALIGN
+    return MappingProxyType(offsets), end + ALIGN
 
 
 def rotation_bytes(head_dim):
@@ -128,15 +133,23 @@ def carve(buffer: torch.Tensor, key: tuple) -> Buffers:
     """Views of the regions of layout ``key`` (``layout``'s arguments) inside
     ``buffer`` (uint8, contiguous, at least ``layout_bytes(*key)`` bytes), from its
     first aligned byte."""
-    offsets = layout(*key)[0]
     buf = buffer[(-buffer.data_ptr()) % ALIGN :]
-    typed = {}
+    typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer as each dtype
     views = {}
-    for name, (off, shape, t) in offsets.items():
-        if t not in typed:
-            typed[t] = buf[: buf.numel() // t.itemsize * t.itemsize].view(t)
-        strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-        views[name] = typed[t].as_strided(
-            shape, strides, typed[t].storage_offset() + off // t.itemsize
-        )
+    for name, t, shape, strides, at in _regions(key):
+        base = typed.get(t)
+        if base is None:
+            base = typed[t] = buf[: buf.numel() // t.itemsize * t.itemsize].view(t)
+        views[name] = base.as_strided(shape, strides, base.storage_offset() + at)
     return Buffers(**views)
+
+
+@functools.lru_cache(maxsize=256)
+def _regions(key: tuple) -> tuple:
+    """Each region of layout ``key``: (name, dtype, shape, contiguous strides, offset
+    in elements of its dtype)."""
+    return tuple(
+        (name, t, shape, tuple(math.prod(shape[i + 1 :]) for i in range(len(shape))),
+         off // t.itemsize)
+        for name, (off, shape, t) in layout(*key)[0].items()
+    )  # fmt: skip
