@@ -836,11 +836,14 @@ def _units(
     flush()
 
     spans = []
-    columns = []  # each window's segments as columns (six tuples: segments' fields)
+    # each window's segments as columns (six tuples: the segments' fields) and each
+    # segment's key rows (cached + new)
+    columns = []
     for _, segs, _, _, pieces_q, _ in specs:
         cols = tuple(zip(*segs))
-        columns.append(cols)
-        starts = [0, *itertools.accumulate(map(operator.add, cols[2], cols[4]))]
+        rows = tuple(map(operator.add, cols[2], cols[4]))
+        columns.append((cols, rows))
+        starts = [0, *itertools.accumulate(rows)]
         cu_q = [0, *itertools.accumulate(cols[5])]
         fields = starts + [*cols[0], *cols[1], *cols[2], *cols[3]]
         assert len(fields) == SEG_FIELDS * len(segs) + 1
@@ -885,10 +888,9 @@ def _units(
 
     made = []
     spread_next = iter(spread_at)
-    for spec, (s0, ns, c0, nc), cols in zip(specs, spans, columns):
+    for spec, (s0, ns, c0, nc), (cols, rows) in zip(specs, spans, columns):
         kind, segs, causal, npieces, pieces_q, _ = spec
         nseg = len(segs)
-        rows = tuple(map(operator.add, cols[2], cols[4]))  # each segment's key rows
         segs_host = tuple(packed[s0 : s0 + ns])
         cu_k_host = segs_host[: nseg + 1]
         cu_q_host = tuple(packed[c0 : c0 + nc])
