@@ -15,7 +15,8 @@ Cases: ``host_profile.py --paged``'s three decodes (the memory-bound path) and i
 ``--run`` batch, 16 prefix-cache hits of 64 tokens over 1-2K, in 1 and in 8 windows;
 one hit of 64 tokens over 16K in 8 windows (a long request: its windows merged); 32
 decodes beside 16 requests of 40 rows a kv head over 8K (two paged runs from 0.6.14);
-the serving grid's "8 hits q64-128 4K-32K" (five spread windows from 0.6.19); the
+the serving grid's "8 hits q64-128 4K-32K" (five spread windows from 0.6.19, three
+from 0.6.24's step rule: NOTES.md §71); the
 memory-bound grid's "16 x q64 4K-16K 8/1 bf16" (64 blocks: spread only at 0.6.21's first
 limit, NOTES.md §67).
 Per case and version: ``ContinuationPrefill.plan`` and ``Step.run`` (one layer), the
@@ -89,7 +90,8 @@ def cases():
     # decodes beside 40-row requests: one paged run until 0.6.13, two from 0.6.14
     # (NOTES.md §59; other tiles, so not the same bits)
     out.append((*MIXED_CASE, None, "turboquant_3bit_nc", (32, 8, 128), "float16"))
-    # five spread windows (from 0.6.19 with FlashAttention-3, NOTES.md §65)
+    # spread windows (from 0.6.19 with FlashAttention-3, NOTES.md §65: five; from 0.6.24
+    # three, §71)
     w = next(w for w in serving_workloads() if w.name == "8 hits q64-128 4K-32K")
     out.append((w.name, w.requests, None, w.preset, SHAPES[w.shape], w.dtype))
     # 64 blocks: one spread window at 0.6.21's first limit of 64, one call before and

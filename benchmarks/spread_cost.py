@@ -1,15 +1,19 @@
 """What a spread window costs against its one call, on the GPU and on the host (GPU;
-NOTES.md §67): one request of 512 query rows over 8K, 32K and 128K cached tokens at one
-kv head (the 70B shard at tensor parallel 8, 32 FlashAttention-3 blocks), fp16 and
-bf16, through ``ContinuationPrefill`` with ``spread="auto"`` and with ``spread=1``.
+NOTES.md §67, §71): one request of 512 query rows over 8K, 16K, 32K and 128K cached
+tokens at one kv head (the 70B shard at tensor parallel 8, 32 FlashAttention-3
+blocks), fp16 and bf16, through ``ContinuationPrefill`` with ``spread="auto"`` and with
+``spread=1``.
 
     python benchmarks/spread_cost.py OUT [--profile]
 
 For each case: the pieces "auto" chose, GPU ms and host us of one layer's ``run``
 (30 runs enqueued while a spin kernel holds the GPU, so the host never waits: the host
-time is the enqueue's, the GPU time the runs' own), and the two answers' relative
-difference. ``--profile``: torch.profiler's CPU ops of both at 32K, the nine with the
-most self time. The table is printed last; JSON under OUT.
+time is the enqueue's, the GPU time the runs' own), a layer's ms as an engine runs
+them (32 layers back to back from the first enqueue to the GPU's end: ``stack``, the
+runs alone; ``step``, each between the GEMMs of a layer of the 70B shard's weights,
+``bench_engine.Step``), and the two answers' relative difference. ``--profile``:
+torch.profiler's CPU ops of both at 32K, the nine with the most self time. The table
+is printed last; JSON under OUT.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 import torch
 
 from tq_chunked import ContinuationPrefill
+from tq_chunked.tools.bench_engine import Step
 from tq_chunked.tools.testing import build_batch
 
 K = 1024
@@ -74,6 +79,25 @@ def timed(run, rounds=7, calls=30):
     return statistics.median(gpu), statistics.median(host)
 
 
+def back_to_back(run, gemms, rounds=7, layers=32):
+    """(stack, step): ms a layer of ``layers`` runs back to back, from the first
+    enqueue to the GPU's end, medians of ``rounds``: the runs alone, and each between
+    ``gemms``' (a bench_engine.Step) GEMMs."""
+
+    def wall(f):
+        times = []
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(layers):
+                f()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3 / layers)
+        return statistics.median(times)
+
+    return wall(run), wall(gemms.around(run))
+
+
 def profiled(run, calls=30):
     """The nine CPU ops of most self time in ``calls`` runs: (name, calls a run, self
     us a run)."""
@@ -95,7 +119,9 @@ def main():
     a = ap.parse_args()
     rows = []
     for dtype in (torch.bfloat16, torch.float16):
-        for cached in (8 * K, 32 * K, 128 * K):
+        gemms = Step("70b-tp8", 512, dtype, torch.device("cuda"))
+        gemms.around(lambda: None)()  # cuBLAS's first calls
+        for cached in (8 * K, 16 * K, 32 * K, 128 * K):
             b = build_batch(PRESET, [(cached, 512)], 8, 1, 128, 16, dtype, "cuda", 1)
             row = {"dtype": str(dtype)[6:], "cached": cached}
             outs = {}
@@ -103,6 +129,7 @@ def main():
                 pieces, run, out = layer_run(b, dtype, spread)
                 tag = "one" if spread == 1 else "spread"
                 row[f"{tag}_gpu_ms"], row[f"{tag}_host_us"] = timed(run)
+                row[f"{tag}_stack_ms"], row[f"{tag}_step_ms"] = back_to_back(run, gemms)
                 if spread != 1:
                     row["pieces"] = pieces
                 if a.profile and cached == 32 * K:
@@ -121,15 +148,20 @@ def main():
                 print(f"{r['dtype']} {tag}: {name[:48]:48s} {n:3d}/run {us:7.1f} us")
     print(
         "\n| dtype | cached | pieces | GPU ms one call | GPU ms spread | ratio | "
-        "host us one | host us spread | rel diff |"
+        "host us one | host us spread | stack ms one | stack ms spread | ratio | "
+        "step ms one | step ms spread | ratio | rel diff |"
     )
-    print("|---" * 9 + "|")
+    print("|---" * 15 + "|")
     for r in rows:
         print(
             f"| {r['dtype']} | {r['cached'] // K}K | {r['pieces']} | "
             f"{r['one_gpu_ms']:.3f} | {r['spread_gpu_ms']:.3f} | "
             f"{r['spread_gpu_ms'] / r['one_gpu_ms']:.2f} | {r['one_host_us']:.0f} | "
-            f"{r['spread_host_us']:.0f} | {r['rel_diff']:.1e} |"
+            f"{r['spread_host_us']:.0f} | {r['one_stack_ms']:.3f} | "
+            f"{r['spread_stack_ms']:.3f} | "
+            f"{r['spread_stack_ms'] / r['one_stack_ms']:.2f} | "
+            f"{r['one_step_ms']:.3f} | {r['spread_step_ms']:.3f} | "
+            f"{r['spread_step_ms'] / r['one_step_ms']:.2f} | {r['rel_diff']:.1e} |"
         )
 
 

@@ -284,9 +284,12 @@ STEPS = {
     # 48-64 rows a kv head: the 64-row tile (paged.TILE64_LAUNCH, NOTES.md §63)
     # (two parts of PAGED_MIN_PART cached tokens or more, so "auto" keeps them paged)
     "memory-bound-64": [(30000, 16), (20000, 12), (0, 6), (40000, 16)],
-    # 24 blocks a window: spread (plan.spread_pieces), its copy and merge in the run
-    "spread": [(6000, 96), (3000, 70)],
+    # 48 blocks over 28K cached keys: spread (plan.spread_pieces, spread_for_step),
+    # its copy and merge in the run
+    "spread": [(28000, 96), (4000, 70)],
 }
+# each step's window: the spread one's holds both requests and room for its pieces
+SIZES = {"spread": dict(window=65536, max_workspace_bytes=256 << 20)}
 
 
 @pytest.mark.parametrize("requests", list(STEPS))
@@ -319,7 +322,7 @@ def test_a_step_is_planned_without_a_sync_and_run_per_layer_without_sync_or_mall
         128,
         preset="turboquant_3bit_nc",
         block_size=16,
-        window=8192,
+        **SIZES.get(requests, dict(window=8192)),
         check_block_table=check,
     )
     n = b["query"].shape[0]
@@ -363,7 +366,7 @@ def test_a_step_is_planned_without_a_sync_and_run_per_layer_without_sync_or_mall
         **kw,
         query_start_loc_cpu=b["query_start_loc"],
         seq_lens_cpu=b["seq_lens"],
-        window=8192,
+        **SIZES.get(requests, dict(window=8192)),
         workspace=torch.empty_like(ws),
         check_block_table=check,
     )

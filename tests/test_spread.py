@@ -15,6 +15,7 @@ from tq_chunked.runtime.plan import (
     GAP,
     batch_layout,
     make_plan,
+    spread_for_step,
     spread_layout,
     spread_pieces,
 )
@@ -81,6 +82,57 @@ def test_the_plan_spreads_windows_that_leave_most_sms_idle():
     assert spread_pieces(reqs, 32, 8, 128, torch.float16, five, 132, "auto") == 5
     assert spread_pieces(reqs, 32, 8, 128, torch.float16, five - 1, 132, "auto") == 4
     assert spread_pieces(reqs, 32, 8, 128, torch.float16, 1 << 20, 132, "auto") == 1
+
+
+# "8 hits q64-128 4K-32K"'s five windows (Hk 8) and the pieces spread_pieces gives them
+EIGHT_HITS = [
+    [(85, 12048), (106, 4624)],
+    [(118, 28064)],
+    [(71, 12976), (76, 7920)],
+    [(82, 27200)],
+    [(92, 11312), (69, 16272)],
+]
+
+
+@pytest.mark.parametrize(
+    "windows, counts, hk, chosen",
+    [
+        # one request of 512 rows at one kv head: over 8K a layer is bound by its host
+        # (its one call's GPU time under the host's), and spread more so: one call
+        ([[(512, 8192)]], [8], 1, [1]),
+        # over 128K bound by its GPU: spread
+        ([[(512, 131072)]], [9], 1, [9]),
+        # five windows bound by their GPU: the three that save the most, until the
+        # host's time outgrows the GPU's (NOTES.md §71)
+        (EIGHT_HITS, [5, 5, 6, 8, 3], 8, [1, 5, 6, 8, 1]),
+        # a window saving nothing stays one call however long the step's GPU time
+        ([[(512, 131072)], [(64, 2000)]], [9, 2], 1, [9, 1]),
+        # explicit counts of 1 are kept
+        ([[(512, 131072)]], [1], 1, [1]),
+    ],
+    ids=["host-bound", "gpu-bound", "8-hits", "no-saving", "one"],
+)
+def test_auto_spreads_a_steps_windows_only_while_its_estimated_layer_shortens(
+    windows, counts, hk, chosen
+):
+    """``spread_for_step``: a window's spreading saves GPU time and costs host time;
+    "auto" takes the windows that save the most while a layer's estimate, the longer
+    of its host's time and its GPU's, falls."""
+    units = len(windows)
+    assert spread_for_step(windows, counts, hk, units) == chosen
+
+
+def test_the_plan_spreads_by_the_steps_estimate_and_a_count_spreads_every_window():
+    """make_plan with "auto" takes spread_for_step's windows (the 8K request alone:
+    none; at 128K: it), and a count spreads every window it fits in."""
+    kw = dict(num_q_heads=8, num_kv_heads=1, head_dim=128, dtype=torch.bfloat16,
+              budget=256 * MiB, device=torch.device("cpu"), window=1 << 18)  # fmt: skip
+    for cached, auto in ((8192, 1), (131072, 9)):
+        qsl, lens = (0, 512), (cached + 512,)
+        (w,) = make_plan(qsl, lens, spread="auto", sms=132, **kw).units
+        assert w.pieces == auto, cached
+        (w,) = make_plan(qsl, lens, spread=8, sms=132, **kw).units
+        assert w.pieces == 8, cached
 
 
 def test_a_spread_windows_calls_share_its_keys_and_copy_its_query_rows():
@@ -250,8 +302,10 @@ def test_non_finite_values_in_a_spread_window_with_flash_attention(where, value,
     check_against_oracle(batch, out, allowed)
 
 
-# two requests of "8 hits q64-128" in one window: (3 + 3) x 8 = 48 blocks
-SPREAD_BATCH = [(9000, 96), (4000, 70)]
+# two requests in one window: (3 + 3) x 8 = 48 blocks over 28K cached keys, whose
+# saving outweighs the spread's host time (plan.spread_for_step); the window of 64K
+# rows leaves its pieces room (the default's 32K would hold no more than 1 piece)
+SPREAD_BATCH = [(28000, 96), (4000, 70)]
 
 
 @pytest.mark.gpu
@@ -265,7 +319,7 @@ def test_auto_spreads_a_window_of_few_blocks_within_the_bound(preset, dtype):
     b = build_batch(preset, SPREAD_BATCH, 32, 8, 128, 16, dtype, "cuda", seed=48)
     prefill = ContinuationPrefill(
         32, 8, 128, preset=preset, dtype=dtype, block_size=16, backend="flash",
-        path="window",
+        path="window", window=65536, max_workspace_bytes=256 << 20,
     )  # fmt: skip
     step = prefill.plan(
         b["block_table"],
@@ -274,7 +328,7 @@ def test_auto_spreads_a_window_of_few_blocks_within_the_bound(preset, dtype):
     )
     (window,) = step.plan.units
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert window.pieces == min(-(-2 * sms // 48), 9000 // 1024)
+    assert window.pieces == min(-(-2 * sms // 48), 28000 // 1024)
     kw = {k: v for k, v in b["kwargs"].items() if k != "preset"}
     out, lse = step.run(b["query"], b["key"], b["value"], b["kv_cache"], **kw,
                         return_lse=True)  # fmt: skip

@@ -21,7 +21,7 @@ from .runtime import (
     workspace_bytes,
 )
 
-__version__ = "0.6.23"
+__version__ = "0.6.24"
 __all__ = [
     "ContinuationPrefill",
     "Step",

@@ -125,6 +125,24 @@ SPREAD_MAX_BLOCKS = 56
 SPREAD_TILE = 128
 SPREAD_WAVES = 2
 SPREAD_MIN_PIECE = 1024
+# A spread window saves GPU time and costs host time: a second attention call, the
+# query's copies and the merge, about as much as another window (benchmarks/NOTES.md
+# §70, §71). A layer takes about the longer of its host's time and its GPU's, so "auto"
+# spreads only while that falls (``spread_for_step``): a window whose saving only adds
+# host time to a step bound by its host stays one call. The estimates, microseconds a
+# layer, measured on the H100 machine with FlashAttention-3 at head size 128 (§71):
+# - host: SPREAD_HOST_US[0] a run, [1] a unit (a window's fill and call), [2] more a
+#   spread window;
+# - one call of a window of few blocks: each block's chain runs its request's keys,
+#   SPREAD_KEY_NS a key of the longest request, and the fill SPREAD_FILL_NS a key and kv
+#   head, after SPREAD_CALL_US;
+# - a spread window: its pieces' chains, a 1/pieces share, plus SPREAD_COST (us, and ns
+#   a cached key of the longest request: the own keys' call, the copies, the merge).
+SPREAD_HOST_US = (100.0, 120.0, 120.0)
+SPREAD_KEY_NS = 10.7
+SPREAD_FILL_NS = 0.2
+SPREAD_CALL_US = 20.0
+SPREAD_COST = (50.0, 2.8)
 
 
 @dataclass(frozen=True)
@@ -306,6 +324,41 @@ def spread_pieces(
         if layout_bytes(*key) <= limit:
             return pieces
     return 1
+
+
+def spread_for_step(windows, counts, num_kv_heads: int, units: int) -> list[int]:
+    """Which of a step's batch windows "auto" spreads: ``counts`` (each window's
+    ``spread_pieces``) where spreading shortens the step's estimated layer, else 1.
+    ``windows``: each batch window's requests ((query rows, cached keys) each);
+    ``units``: the step's units (every window and paged run: the host's share).
+
+    A layer is estimated at max(host, GPU) (the SPREAD_* constants): the host's run
+    and units, the GPU's one call of every batch window (other units' GPU time is not
+    counted: fewer windows spread, never more). The windows that save the most go
+    first, each taken while it shortens the estimate."""
+    host_run, host_unit, host_spread = SPREAD_HOST_US
+    host = host_run + host_unit * units
+    gpu = 0.0
+    saves = []
+    for i, (reqs, pieces) in enumerate(zip(windows, counts)):
+        longest = max(q + c for q, c in reqs)
+        keys = sum(q + c for q, c in reqs)
+        gpu += (
+            SPREAD_CALL_US
+            + SPREAD_KEY_NS * longest / 1e3
+            + SPREAD_FILL_NS * keys * num_kv_heads / 1e3
+        )
+        if pieces > 1:
+            cached = max(c for _, c in reqs)
+            share = SPREAD_KEY_NS * (1 - 1 / pieces) - SPREAD_COST[1]
+            saves.append((cached * share / 1e3 - SPREAD_COST[0], i))
+    chosen = [1] * len(windows)
+    for saved, i in sorted(saves, key=lambda t: (-t[0], t[1])):
+        if max(host + host_spread, gpu - saved) >= max(host, gpu):
+            break  # the next saves less for the same host time
+        host, gpu = host + host_spread, gpu - saved
+        chosen[i] = counts[i]
+    return chosen
 
 
 def _spread_segments(segs, pieces: int):
@@ -557,10 +610,15 @@ def make_plan(
         *batch_layout(num_q_heads, num_kv_heads, head_dim, capacity(window, n), dtype)
     )
 
-    def pieces_of(reqs):
-        return spread_pieces(
-            reqs, num_q_heads, num_kv_heads, head_dim, dtype, spread_limit, sms, spread
-        )
+    def pieces_of(windows, units):
+        counts = [
+            spread_pieces(reqs, num_q_heads, num_kv_heads, head_dim, dtype,
+                          spread_limit, sms, spread)
+            for reqs in windows
+        ]  # fmt: skip
+        if spread != "auto":
+            return counts
+        return spread_for_step(windows, counts, num_kv_heads, units)
 
     units, ints = _units(
         qsl,
@@ -755,8 +813,9 @@ def _units(
     request longer than that a ``LongRequest`` whose windows hold ``long_capacity[r]``
     rows (more than its query tokens, at most ``capacity``; default ``capacity``), and
     a ``PagedRun`` per ``runs`` entry (its requests, their ``PagedPlan``); a batch
-    window is spread where ``pieces_of`` (its requests' (query rows, cached keys) ->
-    pieces, ``spread_pieces``) gives it 2 pieces or more. Their device
+    window is spread where ``pieces_of`` (every batch window's requests, (query rows,
+    cached keys) each, and the step's units -> each window's pieces) gives it 2 pieces
+    or more. Their device
     integers go up in one asynchronous copy on ``stream`` (default: the current one),
     the stream that reads them."""
     b = len(seq_lens)
@@ -782,18 +841,15 @@ def _units(
     batch: list[tuple[int, ...]] = []
     batch_rows = 0
 
+    batches: list[tuple[int, list, list]] = []  # each batch window: (spec, segs, reqs)
+
     def flush():
         nonlocal batch, batch_rows
         if batch:
             segs = batch[:-1]  # the last request's gap is not needed
             reqs = [(s[5], s[2]) for s in segs if s[5]]  # (query rows, cached keys)
-            pieces = 1 if pieces_of is None else pieces_of(reqs)
-            if pieces > 1:
-                spread, pieces_q = _spread_segments(segs, pieces)
-                ints = _spread_ints(reqs, pieces)
-                units.append(window("batch", spread, True, pieces, pieces_q, ints))
-            else:
-                units.append(window("batch", segs, True))
+            units.append(window("batch", segs, True))  # spread below, if at all
+            batches.append((units[-1], segs, reqs))
         batch, batch_rows = [], 0
 
     past_run = 0  # the request after the last paged run met
@@ -834,6 +890,13 @@ def _units(
         ids.append(window("last", [(r, head, tail, qsl[r], q, q)], True))
         units.append((r, qsl[r], qsl[r + 1], cap, ids))
     flush()
+    if pieces_of is not None and batches:
+        counts = pieces_of([reqs for _, _, reqs in batches], len(specs) + len(runs))
+        for (at, segs, reqs), pieces in zip(batches, counts):
+            if pieces > 1:
+                spread, pieces_q = _spread_segments(segs, pieces)
+                ints = _spread_ints(reqs, pieces)
+                specs[at] = ("batch", spread, True, pieces, pieces_q, ints)
 
     spans = []
     # each window's segments as columns (six tuples: the segments' fields) and each

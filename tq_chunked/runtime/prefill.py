@@ -332,7 +332,8 @@ class ContinuationPrefill:
             window of the step raises: plan.py).
         spread: which batch windows run their cached keys in pieces side by side
             (plan.spread_pieces): "auto" (those whose attention call would leave most
-            SMs idle, with FlashAttention-3 and head size 128), or a count of pieces
+            SMs idle, with FlashAttention-3 and head size 128, while the GPU time they
+            save outweighs the host's: plan.spread_for_step), or a count of pieces
             for every batch window with cached keys where it fits (1: none; for
             measurements and tests).
         check_block_table: record block ids outside [0, num_blocks) among those read

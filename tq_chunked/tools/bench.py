@@ -674,9 +674,9 @@ def make_parser(prog="tq-chunked bench"):
         metavar="PREFIXES",
         help="keep only the methods whose name starts with one of these, e.g. "
         "full,chunked-torch (the engine modes': baseline, floor, tq_chunked, "
-        "tq_chunked-windows, tq_chunked-default, vllm-<version>, patched; "
-        "--memory-bound's also tq_chunked-paged, vllm-decode); a prefix that begins "
-        "none is an error",
+        "tq_chunked-windows, tq_chunked-one-call, tq_chunked-default, vllm-<version>, "
+        "patched; --memory-bound's also tq_chunked-paged, vllm-decode); a prefix that "
+        "begins none is an error",
     )
     p.add_argument(
         "--no-vllm",

@@ -33,13 +33,15 @@ dequantization): what a BF16 cache costs; ``tq_chunked``: the plugin's flow, one
 ``ContinuationPrefill.plan`` a step (in layer 0's call) with the host copies of the
 lengths and a preallocated workspace, and its ``run`` per layer (each request on the
 path its plan picks); ``tq_chunked-windows``: the same with every request through
-windows (``path="window"``); ``tq_chunked-default``: one ``continuation_prefill_varlen``
-call per layer with every default (a plan each call, its own workspace, the block-id
-check on); ``vllm-<version>``: the
-installed release's real ``forward``, unpatched; ``patched``: the same ``forward`` with
-the plugin's replacements. --memory-bound adds ``tq_chunked-paged``: ``tq_chunked``
-with every request with cached tokens on the memory-bound path (``path="paged"``), and
-on batches of one query token per request ``vllm-decode``: the installed release's
+windows (``path="window"``); ``tq_chunked-one-call``: the same with no batch window
+spread (``spread=1``: each in one FlashAttention call, NOTES.md §71);
+``tq_chunked-default``: one ``continuation_prefill_varlen`` call per layer with every
+default (a plan each call, its own workspace, the block-id check on);
+``vllm-<version>``: the installed release's real ``forward``, unpatched; ``patched``:
+the same ``forward`` with the plugin's replacements. --memory-bound adds
+``tq_chunked-paged``: ``tq_chunked`` with every request with cached tokens on the
+memory-bound path (``path="paged"``), and on batches of one query token per request
+``vllm-decode``: the installed release's
 TurboQuant decode kernel as its ``_decode_attention`` calls it. On those batches vLLM
 decodes: ``vllm-<version>`` and ``patched`` run ``forward`` on the metadata vLLM's
 builder makes for decodes, and the baseline (a continuation prefill's method) sits them
@@ -260,12 +262,13 @@ def method_tq_chunked_default(layers: Layers):
     return [layer_call(i) for i in range(len(layers.caches))]
 
 
-def method_tq_chunked(layers: Layers, path="auto"):
+def method_tq_chunked(layers: Layers, path="auto", spread="auto"):
     """The plugin's flow: one ``ContinuationPrefill`` with a workspace of
     its workspace_bytes(N); its ``plan`` once a step (in layer 0's call, as vLLM's
     builder makes it once a step before the layers run) and ``run`` per layer, each
     request on the path the plan picks (``path="window"``: every request through
-    windows; ``"paged"``: every request with cached tokens on the memory-bound path).
+    windows; ``"paged"``: every request with cached tokens on the memory-bound path;
+    ``spread=1``: no batch window spread, each in one FlashAttention call).
     Host time per call is the plan's share (over the layers) plus a run's."""
     kw = dict(layers.kwargs)
     prefill = ContinuationPrefill(
@@ -277,6 +280,7 @@ def method_tq_chunked(layers: Layers, path="auto"):
         block_size=16,
         window=default_window(layers.hk, layers.d, 16),
         path=path,
+        spread=spread,
         check_block_table=False,
     )
     ws = torch.empty(
@@ -315,6 +319,10 @@ def method_tq_chunked_windows(layers: Layers):
 
 def method_tq_chunked_paged(layers: Layers):
     return method_tq_chunked(layers, path="paged")
+
+
+def method_tq_chunked_one_call(layers: Layers):
+    return method_tq_chunked(layers, spread=1)
 
 
 def method_vllm_decode(layers: Layers):
@@ -671,6 +679,7 @@ def methods_available(baseline, mode=None):
         ms["floor"] = method_floor
     ms["tq_chunked"] = method_tq_chunked
     ms["tq_chunked-windows"] = method_tq_chunked_windows
+    ms["tq_chunked-one-call"] = method_tq_chunked_one_call
     if mode == "memory-bound":
         ms["tq_chunked-paged"] = method_tq_chunked_paged
         ms["vllm-decode"] = method_vllm_decode
