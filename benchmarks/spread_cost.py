@@ -1,12 +1,13 @@
 """What a spread window costs against its one call, on the GPU and on the host (GPU;
 NOTES.md §67, §71): one request of 512 query rows over 8K, 16K, 32K and 128K cached
 tokens at one kv head (the 70B shard at tensor parallel 8, 32 FlashAttention-3
-blocks), fp16 and bf16, through ``ContinuationPrefill`` with ``spread="auto"`` and with
-``spread=1``.
+blocks), fp16 and bf16, through ``ContinuationPrefill`` with ``spread=1`` and with
+8-9 pieces.
 
     python benchmarks/spread_cost.py OUT [--profile]
 
-For each case: the pieces "auto" chose, GPU ms and host us of one layer's ``run``
+For each case: the pieces "auto" chooses, and against one call the window in the pieces
+``spread_pieces`` gives it: GPU ms and host us of one layer's ``run``
 (30 runs enqueued while a spin kernel holds the GPU, so the host never waits: the host
 time is the enqueue's, the GPU time the runs' own), a layer's ms as an engine runs
 them (32 layers back to back from the first enqueue to the GPU's end: ``stack``, the
@@ -125,7 +126,10 @@ def main():
             b = build_batch(PRESET, [(cached, 512)], 8, 1, 128, 16, dtype, "cuda", 1)
             row = {"dtype": str(dtype)[6:], "cached": cached}
             outs = {}
-            for spread in (1, "auto"):
+            # "auto"'s choice (plan.spread_for_step), then the window in one call and
+            # in the pieces spread_pieces gives it (§71: 8 at 8K, 9 above)
+            row["auto_pieces"] = layer_run(b, dtype, "auto")[0]
+            for spread in (1, 8 if cached == 8 * K else 9):
                 pieces, run, out = layer_run(b, dtype, spread)
                 tag = "one" if spread == 1 else "spread"
                 row[f"{tag}_gpu_ms"], row[f"{tag}_host_us"] = timed(run)
@@ -147,14 +151,15 @@ def main():
             for name, n, us in r.get(f"{tag}_ops", []):
                 print(f"{r['dtype']} {tag}: {name[:48]:48s} {n:3d}/run {us:7.1f} us")
     print(
-        "\n| dtype | cached | pieces | GPU ms one call | GPU ms spread | ratio | "
-        "host us one | host us spread | stack ms one | stack ms spread | ratio | "
-        "step ms one | step ms spread | ratio | rel diff |"
+        "\n| dtype | cached | pieces | auto | GPU ms one call | GPU ms spread | "
+        "ratio | host us one | host us spread | stack ms one | stack ms spread | "
+        "ratio | step ms one | step ms spread | ratio | rel diff |"
     )
-    print("|---" * 15 + "|")
+    print("|---" * 16 + "|")
     for r in rows:
         print(
             f"| {r['dtype']} | {r['cached'] // K}K | {r['pieces']} | "
+            f"{r['auto_pieces']} | "
             f"{r['one_gpu_ms']:.3f} | {r['spread_gpu_ms']:.3f} | "
             f"{r['spread_gpu_ms'] / r['one_gpu_ms']:.2f} | {r['one_host_us']:.0f} | "
             f"{r['spread_host_us']:.0f} | {r['one_stack_ms']:.3f} | "

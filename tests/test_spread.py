@@ -4,6 +4,7 @@ non-finite values and the log-sum-exp included (docs/design.md, "What the call
 promises")."""
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from tq_chunked import ContinuationPrefill, workspace_bytes
 from tq_chunked.runtime.plan import (
     GAP,
     batch_layout,
+    default_window,
     make_plan,
     spread_for_step,
     spread_layout,
@@ -24,7 +26,12 @@ from tq_chunked.tools.reference import (
     full_buffer_continuation_prefill,
     oracle_continuation_prefill,
 )
-from tq_chunked.tools.testing import build_batch, make_batch, rel_err
+from tq_chunked.tools.testing import (
+    build_batch,
+    make_batch,
+    rel_err,
+    serving_workloads,
+)
 
 BACKEND = "triton" if TRITON_OK else "torch"
 # three requests in one batch window (window 4096): a long prefix, a short one and a
@@ -84,7 +91,8 @@ def test_the_plan_spreads_windows_that_leave_most_sms_idle():
     assert spread_pieces(reqs, 32, 8, 128, torch.float16, 1 << 20, 132, "auto") == 1
 
 
-# "8 hits q64-128 4K-32K"'s five windows (Hk 8) and the pieces spread_pieces gives them
+# "8 hits q64-128 4K-32K"'s five windows (Hk 8), whose pieces under the default
+# workspace spread_pieces gives as [5, 5, 6, 8, 3]
 EIGHT_HITS = [
     [(85, 12048), (106, 4624)],
     [(118, 28064)],
@@ -124,7 +132,19 @@ def test_auto_spreads_a_steps_windows_only_while_its_estimated_layer_shortens(
 
 def test_the_plan_spreads_by_the_steps_estimate_and_a_count_spreads_every_window():
     """make_plan with "auto" takes spread_for_step's windows (the 8K request alone:
-    none; at 128K: it), and a count spreads every window it fits in."""
+    none; at 128K: it; of "8 hits q64-128 4K-32K"'s five windows the second to the
+    fourth, each with its pieces), and a count spreads every window it fits in."""
+    w = {x.name: x for x in serving_workloads()}["8 hits q64-128 4K-32K"]
+    qsl = (0, *itertools.accumulate(q for _, q in w.requests))
+    lens = tuple(c + q for c, q in w.requests)
+    window = default_window(8, 128, 16)
+    plan = make_plan(
+        qsl, lens, window=window, num_q_heads=32, num_kv_heads=8, head_dim=128,
+        dtype=torch.float16, budget=workspace_bytes(qsl[-1], 32, 8, 128, window),
+        device=torch.device("cpu"), sms=132, spread="auto",
+    )  # fmt: skip
+    assert [u.pieces for u in plan.units] == [1, 5, 6, 8, 1]
+    assert [u.requests for u in plan.units] == [(0, 1), (2,), (3, 4), (5,), (6, 7)]
     kw = dict(num_q_heads=8, num_kv_heads=1, head_dim=128, dtype=torch.bfloat16,
               budget=256 * MiB, device=torch.device("cpu"), window=1 << 18)  # fmt: skip
     for cached, auto in ((8192, 1), (131072, 9)):

@@ -12,9 +12,10 @@ dequantized, new tokens copied after them.
   window**: consecutive such requests share windows (``GAP`` zero rows apart), and each
   batch window is one causal attention call whose answer is final (no log-sum-exp, no
   merge). First chunks are copied in like any other request. A batch window whose call
-  would leave most SMs idle is **spread** (``spread_pieces``): each request's cached
-  keys in pieces, ``GAP`` rows after each, attended side by side in a second call and
-  merged with the causal call's answer over the own keys.
+  would leave most SMs idle is **spread** (``spread_pieces``) where the step's estimated
+  layer shortens (``spread_for_step``): each request's cached keys in pieces, ``GAP``
+  rows after each, attended side by side in a second call and merged with the causal
+  call's answer over the own keys.
 * A **long request** (``L_r > capacity``) runs alone: its first cached tokens in
   **part windows** (one attention call each, not causal, every query sees every key),
   then a **last window** with the rest of its cached tokens and all its new ones
@@ -137,7 +138,8 @@ SPREAD_MIN_PIECE = 1024
 #   SPREAD_KEY_NS a key of the longest request, and the fill SPREAD_FILL_NS a key and kv
 #   head, after SPREAD_CALL_US;
 # - a spread window: its pieces' chains, a 1/pieces share, plus SPREAD_COST (us, and ns
-#   a cached key of the longest request: the own keys' call, the copies, the merge).
+#   a key of its request of the most cached keys: the own keys' call, the copies, the
+#   merge).
 SPREAD_HOST_US = (100.0, 120.0, 120.0)
 SPREAD_KEY_NS = 10.7
 SPREAD_FILL_NS = 0.2
@@ -329,13 +331,18 @@ def spread_pieces(
 def spread_for_step(windows, counts, num_kv_heads: int, units: int) -> list[int]:
     """Which of a step's batch windows "auto" spreads: ``counts`` (each window's
     ``spread_pieces``) where spreading shortens the step's estimated layer, else 1.
-    ``windows``: each batch window's requests ((query rows, cached keys) each);
-    ``units``: the step's units (every window and paged run: the host's share).
+    ``windows``: each batch window's requests ((query rows, cached keys) each, at
+    least one); ``units``: the step's units (every window and paged run: the host's
+    share; a long request's windows counted once, though they run once per group of
+    its kv heads).
 
     A layer is estimated at max(host, GPU) (the SPREAD_* constants): the host's run
     and units, the GPU's one call of every batch window (other units' GPU time is not
-    counted: fewer windows spread, never more). The windows that save the most go
+    counted: fewer windows spread; a long request's host time per group is not counted
+    either: more). The windows that save the most go
     first, each taken while it shortens the estimate."""
+    if len(windows) != len(counts):
+        raise AssertionError("a count for each window")
     host_run, host_unit, host_spread = SPREAD_HOST_US
     host = host_run + host_unit * units
     gpu = 0.0
@@ -554,7 +561,8 @@ def make_plan(
     format) is needed where a request may take the memory-bound path; ``sms``: the
     device's multiprocessors, which its splits and spread windows are spread over;
     ``spread``: which batch windows run their cached keys in pieces (``spread_pieces``:
-    "auto", or a count, 1 for none), each within a batch window's bytes."""
+    "auto", then only those ``spread_for_step`` takes, or a count, 1 for none), each
+    within a batch window's bytes."""
     n = qsl[-1]
     window = fit_window(window, n, num_q_heads, num_kv_heads, head_dim, dtype, budget)
     runs: list[tuple[tuple[int, ...], PagedPlan]] = []

@@ -14,8 +14,9 @@ What ``Step.run`` does with the step's units (plan.py draws them):
         fill it: cached keys dequantized and un-rotated,    k_buf, v_buf (rows, Hk, D)
             then the chunk's own keys after them (dequant.py)
         one causal varlen attention call                    -> out rows, final
-        (spread, plan.spread_pieces: the cached keys in      fp16 partials,
-        pieces, attended side by side, then the own keys;   merged -> out rows)
+        (spread, plan.spread_pieces and spread_for_step:     fp16 partials,
+        the cached keys in pieces, attended side by side,   merged -> out rows)
+        then the own keys)
     for each long request, for each group of its kv heads:
         for each part window: fill, attend (not causal)     a partial, merged into
                                                             the state

@@ -33,8 +33,8 @@ dequantization): what a BF16 cache costs; ``tq_chunked``: the plugin's flow, one
 ``ContinuationPrefill.plan`` a step (in layer 0's call) with the host copies of the
 lengths and a preallocated workspace, and its ``run`` per layer (each request on the
 path its plan picks); ``tq_chunked-windows``: the same with every request through
-windows (``path="window"``); ``tq_chunked-one-call``: the same with no batch window
-spread (``spread=1``: each in one FlashAttention call, NOTES.md §71);
+windows (``path="window"``); ``tq_chunked-one-call``: ``tq_chunked`` with no batch
+window spread (``spread=1``: each in one FlashAttention call, NOTES.md §71);
 ``tq_chunked-default``: one ``continuation_prefill_varlen`` call per layer with every
 default (a plan each call, its own workspace, the block-id check on);
 ``vllm-<version>``: the installed release's real ``forward``, unpatched; ``patched``:
