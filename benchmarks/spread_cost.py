@@ -28,6 +28,7 @@ import time
 import torch
 
 from tq_chunked import ContinuationPrefill
+from tq_chunked.tools import bench_engine
 from tq_chunked.tools.bench_engine import Step
 from tq_chunked.tools.testing import build_batch
 
@@ -86,15 +87,9 @@ def back_to_back(run, gemms, rounds=7, layers=32):
     ``gemms``' (a bench_engine.Step) GEMMs."""
 
     def wall(f):
-        times = []
-        for _ in range(rounds):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(layers):
-                f()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3 / layers)
-        return statistics.median(times)
+        return statistics.median(
+            bench_engine.wall_ms([f] * layers) / layers for _ in range(rounds)
+        )
 
     return wall(run), wall(gemms.around(run))
 

@@ -132,19 +132,22 @@ SPREAD_MIN_PIECE = 1024
 # spreads only while that falls (``spread_for_step``): a window whose saving only adds
 # host time to a step bound by its host stays one call. The estimates, microseconds a
 # layer, measured on the H100 machine with FlashAttention-3 at head size 128 (§71):
-# - host: SPREAD_HOST_US[0] a run, [1] a unit (a window's fill and call), [2] more a
-#   spread window;
+# - host: SPREAD_RUN_US a run, SPREAD_UNIT_US a unit (a window's fill and call),
+#   SPREAD_EXTRA_US more a spread window;
 # - one call of a window of few blocks: each block's chain runs its request's keys,
 #   SPREAD_KEY_NS a key of the longest request, and the fill SPREAD_FILL_NS a key and kv
 #   head, after SPREAD_CALL_US;
-# - a spread window: its pieces' chains, a 1/pieces share, plus SPREAD_COST (us, and ns
-#   a key of its request of the most cached keys: the own keys' call, the copies, the
-#   merge).
-SPREAD_HOST_US = (100.0, 120.0, 120.0)
+# - a spread window: its pieces' chains, a 1/pieces share, plus what spreading adds
+#   (the own keys' call, the copies, the merge): SPREAD_ADD_US, and SPREAD_ADD_NS a key
+#   of its request of the most cached keys.
+SPREAD_RUN_US = 100.0
+SPREAD_UNIT_US = 120.0
+SPREAD_EXTRA_US = 120.0
 SPREAD_KEY_NS = 10.7
 SPREAD_FILL_NS = 0.2
 SPREAD_CALL_US = 20.0
-SPREAD_COST = (50.0, 2.8)
+SPREAD_ADD_US = 50.0
+SPREAD_ADD_NS = 2.8
 
 
 @dataclass(frozen=True)
@@ -339,12 +342,11 @@ def spread_for_step(windows, counts, num_kv_heads: int, units: int) -> list[int]
     A layer is estimated at max(host, GPU) (the SPREAD_* constants): the host's run
     and units, the GPU's one call of every batch window (other units' GPU time is not
     counted: fewer windows spread; a long request's host time per group is not counted
-    either: more). The windows that save the most go
-    first, each taken while it shortens the estimate."""
+    either: more). The windows that save the most go first, each taken while it
+    shortens the estimate."""
     if len(windows) != len(counts):
         raise AssertionError("a count for each window")
-    host_run, host_unit, host_spread = SPREAD_HOST_US
-    host = host_run + host_unit * units
+    host = SPREAD_RUN_US + SPREAD_UNIT_US * units
     gpu = 0.0
     saves = []
     for i, (reqs, pieces) in enumerate(zip(windows, counts)):
@@ -357,13 +359,13 @@ def spread_for_step(windows, counts, num_kv_heads: int, units: int) -> list[int]
         )
         if pieces > 1:
             cached = max(c for _, c in reqs)
-            share = SPREAD_KEY_NS * (1 - 1 / pieces) - SPREAD_COST[1]
-            saves.append((cached * share / 1e3 - SPREAD_COST[0], i))
+            share = SPREAD_KEY_NS * (1 - 1 / pieces) - SPREAD_ADD_NS
+            saves.append((cached * share / 1e3 - SPREAD_ADD_US, i))
     chosen = [1] * len(windows)
     for saved, i in sorted(saves, key=lambda t: (-t[0], t[1])):
-        if max(host + host_spread, gpu - saved) >= max(host, gpu):
+        if max(host + SPREAD_EXTRA_US, gpu - saved) >= max(host, gpu):
             break  # the next saves less for the same host time
-        host, gpu = host + host_spread, gpu - saved
+        host, gpu = host + SPREAD_EXTRA_US, gpu - saved
         chosen[i] = counts[i]
     return chosen
 

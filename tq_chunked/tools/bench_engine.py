@@ -483,6 +483,17 @@ class Step:
         return layer
 
 
+def wall_ms(calls) -> float:
+    """Milliseconds from the first of ``calls``' enqueue to the GPU's end, the calls
+    run back to back as an engine runs its layers (the queue empty before)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for f in calls:
+        f()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def measure(calls, cycles_per_ms, head_start_ms, step=None):
     """(stack ms, host ms per call, GPU ms per call, whether the host stayed ahead,
     model step ms or None, the longest call's host ms).
@@ -491,17 +502,8 @@ def measure(calls, cycles_per_ms, head_start_ms, step=None):
     while the host enqueues the call, so the host never waits, and the queue is empty
     before each call (a whole stack would fill CUDA's launch queue and make the host
     wait for the GPU)."""
-
-    def wall(fs):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for f in fs:
-            f()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) * 1e3
-
-    stack = wall(calls)
-    step_ms = wall([step.around(f) for f in calls]) if step is not None else None
+    stack = wall_ms(calls)
+    step_ms = wall_ms([step.around(f) for f in calls]) if step is not None else None
     host, events = [], []
     for f in calls:
         s, e = (
